@@ -1,0 +1,46 @@
+// Buffer configuration: fixed per buffer, identical on every rank of the group.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace epx {
+
+// What a token row looks like on the wire (and in recv_x).
+enum class WireFormat : int32_t {
+  bf16 = 0,       // the bf16 row as given
+  fp8 = 1,        // e4m3 + one fp32 scale per 128 channels (scale = amax / 448)
+  fp8_ue8m0 = 2,  // as fp8, scales rounded up to powers of two
+  nvfp4 = 3,      // e2m1 + one e4m3 scale per 16 channels + fp32 global scale
+};
+
+// Output layout of dispatch (and input layout of combine).
+enum class Layout : int32_t {
+  expert_major = 0,  // rows grouped by local expert, padded to expert_alignment (grouped GEMM input)
+  rank_major = 1,    // each token once per destination rank (DeepEP-compatible)
+};
+
+enum class CapacityMode : int32_t {
+  blocking = 0,  // outputs sized exactly; the host learns the row count
+  capacity = 1,  // outputs sized to `capacity_rows`; overflow reported, never written out of bounds
+};
+
+struct BufferConfig {
+  int64_t hidden = 0;               // H
+  int64_t max_tokens_per_rank = 0;  // largest T any rank passes to dispatch
+  int64_t num_experts = 0;          // E, a multiple of the group size
+  int64_t topk = 0;                 // K
+  WireFormat wire = WireFormat::bf16;
+  int64_t expert_alignment = 1;     // expert-major segments padded to a multiple of this
+  CapacityMode mode = CapacityMode::blocking;
+  int64_t capacity_rows = 0;        // receive rows per rank in capacity mode
+  double capacity_factor = 0.0;     // > 0: drop (token, expert) pairs beyond ceil(cf * sum_r T_r * K / E) per expert
+  int64_t timeout_ms = 0;           // wait on a peer at most this long; 0 = EPX_TIMEOUT_MS or 60000
+};
+
+std::string_view wire_name(WireFormat w);
+std::string_view layout_name(Layout l);
+// One line with every field, used to compare configs across ranks and in messages.
+std::string describe(const BufferConfig& c);
+
+}  // namespace epx

@@ -1,0 +1,45 @@
+// Group: the ranks that exchange tokens, and which backend moves them.
+#pragma once
+#include <cstdint>
+#include <memory>
+
+namespace epx {
+
+enum class BackendKind : int32_t { host = 0, cuda = 1 };
+
+namespace detail {
+struct GroupState;  // backend-specific shared state
+}
+
+class Group {
+ public:
+  Group() = default;
+  Group(std::shared_ptr<detail::GroupState> state, int rank, int size, BackendKind backend)
+      : state_(std::move(state)), rank_(rank), size_(size), backend_(backend) {}
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  BackendKind backend() const { return backend_; }
+  const std::shared_ptr<detail::GroupState>& state() const { return state_; }
+
+ private:
+  std::shared_ptr<detail::GroupState> state_;
+  int rank_ = 0;
+  int size_ = 0;
+  BackendKind backend_ = BackendKind::host;
+};
+
+// The CPU backend: `size` ranks that are threads of this process. Create one world,
+// then give world.group(r) to the thread that plays rank r.
+class HostWorld {
+ public:
+  explicit HostWorld(int size);
+  int size() const { return size_; }
+  Group group(int rank) const;
+
+ private:
+  std::shared_ptr<detail::GroupState> state_;
+  int size_;
+};
+
+}  // namespace epx

@@ -1,0 +1,34 @@
+// The interface every backend implements; Buffer forwards to it.
+#pragma once
+#include <memory>
+
+#include "epx/buffer.hpp"
+
+namespace epx::detail {
+
+struct GroupState {
+  virtual ~GroupState() = default;
+};
+
+class Backend {
+ public:
+  Backend(const Group& group, const BufferConfig& config) : group_(group), config_(config) {}
+  virtual ~Backend() = default;
+
+  const Group& group() const { return group_; }
+  const BufferConfig& config() const { return config_; }
+
+  virtual DispatchResult dispatch(const DispatchInput& in, const DispatchOptions& opt) = 0;
+  virtual CombineResult combine(const CombineInput& in, const Handle& h, const CombineOptions& opt) = 0;
+  virtual DispatchBackwardResult dispatch_backward(const DispatchBackwardInput& in, const Handle& h) = 0;
+  virtual CombineBackwardResult combine_backward(const CombineBackwardInput& in, const Handle& h,
+                                                 const CombineOptions& opt) = 0;
+
+ private:
+  Group group_;
+  BufferConfig config_;
+};
+
+std::unique_ptr<Backend> make_host_backend(const Group& group, const BufferConfig& config);
+
+}  // namespace epx::detail

@@ -1,0 +1,40 @@
+#include "epx/buffer.hpp"
+
+#include "core/backend.hpp"
+#include "core/check.hpp"
+#include "core/routing.hpp"
+
+namespace epx {
+
+Buffer::Buffer(const Group& group, const BufferConfig& config) {
+  detail::require(group.state() != nullptr, "buffer: the group is empty; make it with HostWorld::group (or a CUDA group)");
+  detail::validate_config(config, group.size());
+  switch (group.backend()) {
+    case BackendKind::host: backend_ = detail::make_host_backend(group, config); break;
+    case BackendKind::cuda:
+      detail::fail(ErrorCode::unsupported, "buffer: this build of epx has no CUDA backend");
+  }
+}
+
+Buffer::~Buffer() = default;
+Buffer::Buffer(Buffer&&) noexcept = default;
+Buffer& Buffer::operator=(Buffer&&) noexcept = default;
+
+const BufferConfig& Buffer::config() const { return backend_->config(); }
+const Group& Buffer::group() const { return backend_->group(); }
+
+DispatchResult Buffer::dispatch(const DispatchInput& in, const DispatchOptions& opt) {
+  return backend_->dispatch(in, opt);
+}
+CombineResult Buffer::combine(const CombineInput& in, const Handle& h, const CombineOptions& opt) {
+  return backend_->combine(in, h, opt);
+}
+DispatchBackwardResult Buffer::dispatch_backward(const DispatchBackwardInput& in, const Handle& h) {
+  return backend_->dispatch_backward(in, h);
+}
+CombineBackwardResult Buffer::combine_backward(const CombineBackwardInput& in, const Handle& h,
+                                               const CombineOptions& opt) {
+  return backend_->combine_backward(in, h, opt);
+}
+
+}  // namespace epx

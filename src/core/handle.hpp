@@ -1,0 +1,55 @@
+// HandleState: everything dispatch learned that combine and the backward passes reuse.
+// Backend-free; a device backend keeps a device copy of the same arrays.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "epx/config.hpp"
+
+namespace epx::detail {
+
+// Where the rows this rank received sit in its dispatch output.
+struct RecvLayout {
+  Layout layout = Layout::expert_major;
+  int64_t tokens = 0;                    // M: rows received, one per (source token, this rank)
+  std::vector<int64_t> rank_offsets;     // [R+1] first received row of each source rank
+  std::vector<int32_t> src_rank;         // [M]
+  std::vector<int32_t> src_token;        // [M]
+  std::vector<int32_t> slot_expert;      // [M*K] local expert of the source's slot k, -1 if not on this rank
+  std::vector<float> slot_weight;        // [M*K] router weight of that slot
+  std::vector<int64_t> slot_row;         // [M*K] output row holding the slot, -1 if none
+  std::vector<int64_t> expert_offsets;   // [L+1] padded offsets (expert-major only)
+  std::vector<int64_t> tokens_per_expert;  // [L]
+  int64_t num_rows = 0;                  // output rows the layout needs
+  int64_t capacity = 0;                  // output rows allocated
+  bool overflow() const { return num_rows > capacity; }
+};
+
+struct HandleState {
+  const void* owner = nullptr;  // the backend instance that made it
+  Layout layout = Layout::expert_major;
+  int rank = 0;
+  int ranks = 0;
+  int64_t tokens = 0;  // T of this rank's dispatch
+  int64_t topk = 0;
+  int64_t hidden = 0;
+  bool has_weights = false;
+
+  // Source side: this rank's tokens.
+  std::vector<int32_t> slot_expert;  // [T*K] global expert after drops, -1 unused
+  std::vector<float> slot_weight;    // [T*K]
+  std::vector<int32_t> send_pos;     // [T*R] row of token t in the stream to rank d, -1 if not sent
+  std::vector<int64_t> sent_rows;    // [R] tokens sent to each rank
+
+  RecvLayout recv;  // receiver side
+};
+
+// Fills slot_row, expert_offsets, tokens_per_expert, num_rows and capacity of `r` from its
+// received rows (src_*, slot_expert already set). capacity_rows <= 0 means blocking (exact).
+void plan_receive_layout(RecvLayout& r, int64_t local_experts, int64_t topk, int64_t alignment,
+                         int64_t capacity_rows);
+
+// For the source side: which of this rank's tokens go to which rank, given its final routing.
+void plan_send(HandleState& h, int64_t local_experts);
+
+}  // namespace epx::detail

@@ -1,0 +1,145 @@
+// Collective plumbing of the CPU backend: construction, plan exchange, transfers.
+#include "host/host_backend.hpp"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "core/check.hpp"
+
+namespace epx::detail {
+
+namespace {
+std::chrono::milliseconds resolve_timeout(int64_t config_ms) {
+  if (config_ms > 0) return std::chrono::milliseconds(config_ms);
+  if (const char* env = std::getenv("EPX_TIMEOUT_MS")) {
+    char* end = nullptr;
+    const long long v = std::strtoll(env, &end, 10);
+    require(end != env && *end == '\0' && v > 0, "EPX_TIMEOUT_MS must be a positive number of milliseconds, got '",
+            env, "'");
+    return std::chrono::milliseconds(v);
+  }
+  return std::chrono::milliseconds(60000);
+}
+}  // namespace
+
+std::unique_ptr<Backend> make_host_backend(const Group& group, const BufferConfig& config) {
+  return std::make_unique<HostBackend>(group, config);
+}
+
+HostBackend::HostBackend(const Group& group, const BufferConfig& config)
+    : Backend(group, config),
+      rank_(group.rank()),
+      ranks_(group.size()),
+      local_experts_(config.num_experts / group.size()),
+      wire_(wire_row(config.wire, config.hidden)),
+      fwd_row_bytes_(std::max(wire_.bytes(), 2 * config.hidden)),
+      timeout_(resolve_timeout(config.timeout_ms)) {
+  auto* state = dynamic_cast<HostGroupState*>(group.state().get());
+  require(state != nullptr, "buffer: group is not a host group");
+  shared_ = state->join_next_buffer(rank_);
+
+  const int64_t rows = ranks_ * config.max_tokens_per_rank, k = config.topk;
+  RankArea& a = shared_->areas[rank_];
+  a.fwd_payload.assign(rows * fwd_row_bytes_, 0);
+  a.fwd_token.assign(rows, -1);
+  a.fwd_slot_expert.assign(rows * k, -1);
+  a.fwd_slot_weight.assign(rows * k, 0.0f);
+  a.fwd_rows.assign(ranks_, 0);
+  a.rev_rows.assign(rows * config.hidden, 0);
+  a.rev_slot_value.assign(rows * k, 0.0f);
+  shared_->configs[rank_] = describe(config);
+
+  const Call call{"buffer creation", -1};
+  sync(call, "config exchange");
+  for (int r = 0; r < ranks_; ++r)
+    if (shared_->configs[r] != shared_->configs[rank_])
+      fail(ErrorCode::config_mismatch, "buffer creation (rank ", rank_, "): ranks disagree on the buffer config: rank ",
+           rank_, " has {", shared_->configs[rank_], "} but rank ", r, " has {", shared_->configs[r],
+           "}; every rank must create its Buffer with the same config");
+  // Nobody reads the configs again, so no second barrier is needed before the first call.
+}
+
+HostBackend::Call HostBackend::begin_call(const char* op) {
+  const int64_t index = calls_++;
+  return {cat(op, " #", index), index};
+}
+
+void HostBackend::sync(const Call& call, const char* step) {
+  shared_->barrier.arrive_and_wait(rank_, timeout_, cat(call.name, " (", step, ")"));
+}
+
+std::vector<const Mailbox*> HostBackend::exchange_plan(const Call& call, Mailbox mine) {
+  mine.op = call.name;
+  shared_->areas[rank_].mailbox[call.index % 2] = std::move(mine);
+  sync(call, "plan exchange");
+  std::vector<const Mailbox*> boxes(ranks_);
+  for (int r = 0; r < ranks_; ++r) boxes[r] = &shared_->areas[r].mailbox[call.index % 2];
+  const Mailbox& me = *boxes[rank_];
+  for (int r = 0; r < ranks_; ++r)
+    if (boxes[r]->op != me.op)
+      fail(ErrorCode::config_mismatch, call.name, " (rank ", rank_, "): rank ", r, " is in '", boxes[r]->op,
+           "' instead; every rank must make the same collective calls in the same order");
+  if (!me.error.empty()) throw Error(ErrorCode::invalid_argument, me.error);
+  for (int r = 0; r < ranks_; ++r)
+    if (!boxes[r]->error.empty())
+      fail(ErrorCode::peer_failed, call.name, " (rank ", rank_, "): rank ", r, " rejected its input, so the group stops: ",
+           boxes[r]->error);
+  for (int r = 0; r < ranks_; ++r)
+    if (boxes[r]->signature != me.signature)
+      fail(ErrorCode::config_mismatch, call.name, " (rank ", rank_, "): ranks disagree on the call's options: rank ",
+           rank_, " has {", me.signature, "}, rank ", r, " has {", boxes[r]->signature, "}");
+  return boxes;
+}
+
+const HandleState& HostBackend::state_of(const Handle& h, const Call& call) const {
+  require(h.valid(), call.name, ": the handle is empty; pass the handle returned by dispatch");
+  require(h.state().owner == this, call.name,
+          ": the handle belongs to another buffer or rank; pass the handle this buffer's dispatch returned");
+  return h.state();
+}
+
+void HostBackend::push_forward(const HandleState& h, int64_t row_bytes,
+                               const std::function<void(int64_t, uint8_t*)>& encode) {
+  const int64_t max_tokens = config().max_tokens_per_rank;
+  std::vector<uint8_t> row(row_bytes);
+  for (int64_t t = 0; t < h.tokens; ++t) {
+    const int32_t* pos = &h.send_pos[t * ranks_];
+    bool sent = false;
+    for (int d = 0; d < ranks_; ++d) sent |= pos[d] >= 0;
+    if (!sent) continue;
+    encode(t, row.data());  // once per token, however many ranks it goes to
+    for (int d = 0; d < ranks_; ++d)
+      if (pos[d] >= 0)
+        std::memcpy(&shared_->areas[d].fwd_payload[(rank_ * max_tokens + pos[d]) * fwd_row_bytes_], row.data(), row_bytes);
+  }
+}
+
+const uint8_t* HostBackend::forward_payload(int64_t src_rank, int64_t pos) const {
+  return &shared_->areas[rank_].fwd_payload[(src_rank * config().max_tokens_per_rank + pos) * fwd_row_bytes_];
+}
+
+void HostBackend::push_reverse(const HandleState& h, bool rows, bool slots,
+                               const std::function<void(int64_t, uint16_t*, float*)>& fill) {
+  const int64_t max_tokens = config().max_tokens_per_rank, hidden = config().hidden, k = config().topk;
+  std::vector<uint16_t> row(rows ? hidden : 0);
+  std::vector<float> vals(slots ? k : 0);
+  const RecvLayout& r = h.recv;
+  for (int64_t i = 0; i < r.tokens; ++i) {
+    const int s = r.src_rank[i];
+    const int64_t at = rank_ * max_tokens + (i - r.rank_offsets[s]);
+    fill(i, rows ? row.data() : nullptr, slots ? vals.data() : nullptr);
+    RankArea& dst = shared_->areas[s];
+    if (rows) std::memcpy(&dst.rev_rows[at * hidden], row.data(), hidden * 2);
+    if (slots) std::memcpy(&dst.rev_slot_value[at * k], vals.data(), k * 4);
+  }
+}
+
+const uint16_t* HostBackend::reverse_row(int d, int64_t pos) const {
+  return &shared_->areas[rank_].rev_rows[(d * config().max_tokens_per_rank + pos) * config().hidden];
+}
+
+const float* HostBackend::reverse_slots(int d, int64_t pos) const {
+  return &shared_->areas[rank_].rev_slot_value[(d * config().max_tokens_per_rank + pos) * config().topk];
+}
+
+}  // namespace epx::detail

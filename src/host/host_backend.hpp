@@ -1,0 +1,85 @@
+// The CPU backend: the executable specification of docs/semantics.md.
+//
+// Every operation runs the same three steps as the GPU design: (1) a plan exchange, where
+// each rank publishes its counts and any input error and all ranks agree to go on or to fail
+// together; (2) a transfer, where each source writes rows straight into its peers' receive
+// areas; (3) the receiver lays the rows out. Barriers separate the steps and time out.
+#pragma once
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/backend.hpp"
+#include "core/handle.hpp"
+#include "core/wire.hpp"
+#include "host/host_group.hpp"
+
+namespace epx::detail {
+
+class HostBackend final : public Backend {
+ public:
+  HostBackend(const Group& group, const BufferConfig& config);  // collective
+
+  DispatchResult dispatch(const DispatchInput& in, const DispatchOptions& opt) override;
+  CombineResult combine(const CombineInput& in, const Handle& h, const CombineOptions& opt) override;
+  DispatchBackwardResult dispatch_backward(const DispatchBackwardInput& in, const Handle& h) override;
+  CombineBackwardResult combine_backward(const CombineBackwardInput& in, const Handle& h,
+                                         const CombineOptions& opt) override;
+
+ private:
+  // One collective call: numbered, so ranks can check they make the same calls in order.
+  struct Call {
+    std::string name;  // "dispatch #3"
+    int64_t index;
+  };
+  Call begin_call(const char* op);
+
+  // Step 1. Publishes this rank's mailbox (error empty = input fine), waits for every rank,
+  // then throws on all ranks alike if any rank's input was bad or the calls disagree.
+  // Returns every rank's mailbox.
+  std::vector<const Mailbox*> exchange_plan(const Call& call, Mailbox mine);
+
+  void sync(const Call& call, const char* step);
+  // Runs `body`; if it throws, breaks the barrier so peers fail fast instead of timing out.
+  template <typename F>
+  auto guarded(const Call& call, F&& body) -> decltype(body());
+
+  // Checks that a handle came from this buffer's dispatch.
+  const HandleState& state_of(const Handle& h, const Call& call) const;
+
+  // Forward transfer: writes `row_bytes` produced by encode(t, dst) for every (token, rank)
+  // pair the handle sends, into the peers' forward areas.
+  void push_forward(const HandleState& h, int64_t row_bytes, const std::function<void(int64_t, uint8_t*)>& encode);
+  const uint8_t* forward_payload(int64_t src_rank, int64_t pos) const;
+
+  // Reverse transfer: for every received row i, fill(i, row, slots) writes its bf16 partial
+  // (if rows) and per-slot values (if slots) into the source's reverse area.
+  void push_reverse(const HandleState& h, bool rows, bool slots,
+                    const std::function<void(int64_t, uint16_t*, float*)>& fill);
+  // The reverse data this rank received for its token t from rank d (pos = send_pos).
+  const uint16_t* reverse_row(int d, int64_t pos) const;
+  const float* reverse_slots(int d, int64_t pos) const;
+
+  int rank_;
+  int ranks_;
+  int64_t local_experts_;
+  WireRow wire_;
+  int64_t fwd_row_bytes_;  // max(wire row, bf16 row): gradients travel forward in bf16
+  std::chrono::milliseconds timeout_;
+  std::shared_ptr<SharedBuffer> shared_;
+  int64_t calls_ = 0;
+};
+
+template <typename F>
+auto HostBackend::guarded(const Call& call, F&& body) -> decltype(body()) {
+  try {
+    return body();
+  } catch (const std::exception& e) {
+    shared_->barrier.abort(call.name + ": rank " + std::to_string(rank_) + " failed: " + e.what());
+    throw;
+  }
+}
+
+}  // namespace epx::detail

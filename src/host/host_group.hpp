@@ -1,0 +1,60 @@
+// Shared state of a host group: ranks are threads of one process. Each Buffer's ranks share a
+// SharedBuffer: a barrier and every rank's receive memory, which peers write into directly.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "core/backend.hpp"
+#include "host/peer_barrier.hpp"
+
+namespace epx::detail {
+
+// What a rank publishes at the start of every collective operation.
+struct Mailbox {
+  std::string op;         // "dispatch #3": the call, numbered per buffer
+  std::string signature;  // options that must agree across ranks
+  std::string error;      // this rank's input error, empty when its input is fine
+  int64_t tokens = 0;
+  std::vector<int64_t> expert_counts;  // dispatch: this rank's (token, expert) pairs per expert
+};
+
+// One rank's receive memory, written by its peers. Sized once from the buffer config.
+struct RankArea {
+  // Forward direction (source -> expert rank), rows [source rank][position].
+  std::vector<uint8_t> fwd_payload;      // row_bytes each
+  std::vector<int32_t> fwd_token;        // source token index
+  std::vector<int32_t> fwd_slot_expert;  // [K] local expert of each source slot, -1 if not here
+  std::vector<float> fwd_slot_weight;    // [K]
+  std::vector<int64_t> fwd_rows;         // [R] rows each source wrote
+  // Reverse direction (expert rank -> source), rows [expert rank][position].
+  std::vector<uint16_t> rev_rows;        // [H] bf16 partial sums
+  std::vector<float> rev_slot_value;     // [K] per-slot scalars (gradients of the weights)
+  // Double-buffered by call parity, so a fast rank's next call never overwrites a mailbox
+  // that a slower rank is still reading.
+  Mailbox mailbox[2];
+};
+
+struct SharedBuffer {
+  explicit SharedBuffer(int ranks) : barrier(ranks), areas(ranks), configs(ranks) {}
+  PeerBarrier barrier;
+  std::vector<RankArea> areas;
+  std::vector<std::string> configs;  // describe(config) of each rank, to compare
+};
+
+struct HostGroupState final : GroupState {
+  explicit HostGroupState(int ranks) : ranks(ranks), buffers_created(ranks, 0) {}
+
+  // The SharedBuffer for this rank's next Buffer: the n-th Buffer of every rank shares one.
+  std::shared_ptr<SharedBuffer> join_next_buffer(int rank);
+
+  const int ranks;
+  std::mutex mutex;
+  std::vector<int64_t> buffers_created;                         // per rank
+  std::map<int64_t, std::pair<int, std::shared_ptr<SharedBuffer>>> pending;  // index -> (joined, buffer)
+};
+
+}  // namespace epx::detail

@@ -1,0 +1,353 @@
+// dispatch, combine and their backward passes on the CPU backend. The comments name the
+// rules of docs/semantics.md that each step implements.
+#include <cmath>
+#include <cstring>
+
+#include "core/check.hpp"
+#include "core/reduce.hpp"
+#include "core/routing.hpp"
+#include "core/validate.hpp"
+#include "host/host_backend.hpp"
+
+namespace epx::detail {
+
+namespace {
+
+// Combine's partial sum on the expert rank for received row i (fp32, slots in order).
+void partial_sum(const RecvLayout& r, int64_t i, int64_t topk, const TensorView& y, bool weighted, float* acc,
+                 int64_t hidden) {
+  std::fill(acc, acc + hidden, 0.0f);
+  if (r.layout == Layout::rank_major) {  // one row per (token, rank), already reduced by the caller
+    if (i < r.capacity) add_row(acc, row_ptr<uint16_t>(y, i), hidden);
+    return;
+  }
+  for (int64_t k = 0; k < topk; ++k) {
+    const int64_t row = r.slot_row[i * topk + k];
+    if (row < 0 || row >= r.capacity) continue;  // slot not here, or lost to overflow
+    const uint16_t* yr = row_ptr<uint16_t>(y, row);
+    if (weighted) fma_row(acc, r.slot_weight[i * topk + k], yr, hidden);
+    else add_row(acc, yr, hidden);
+  }
+}
+
+Tensor offsets_tensor(const std::vector<int64_t>& v) {
+  Tensor t = Tensor::zeros_host(DType::i64, {static_cast<int64_t>(v.size())});
+  std::copy(v.begin(), v.end(), t.data<int64_t>());
+  return t;
+}
+
+}  // namespace
+
+DispatchResult HostBackend::dispatch(const DispatchInput& in, const DispatchOptions& opt) {
+  const Call call = begin_call("dispatch");
+  const BufferConfig& c = config();
+  Mailbox mine;
+  mine.signature = cat("layout=", layout_name(opt.layout));
+  Routing routing;
+  try {
+    require(opt.layout == Layout::expert_major || opt.layout == Layout::rank_major, "dispatch: unknown layout ",
+            static_cast<int>(opt.layout));
+    require(std::isfinite(opt.nvfp4_global_scale) && opt.nvfp4_global_scale >= 0.0f,
+            "dispatch: nvfp4_global_scale must be 0 (per token) or a positive finite number, got ", opt.nvfp4_global_scale);
+    validate_dispatch_x(in, c, DeviceKind::host);
+    routing = routing_from_input(in, c);
+    mine.tokens = routing.tokens;
+    mine.expert_counts = count_per_expert(routing, c.num_experts);
+  } catch (const Error& e) {
+    mine.error = e.what();
+  }
+  const std::vector<const Mailbox*> boxes = exchange_plan(call, std::move(mine));
+
+  return guarded(call, [&] {
+    // Capacity-factor dropping: needs every rank's counts, hence after the plan exchange.
+    int64_t dropped = 0;
+    if (c.capacity_factor > 0.0) {
+      std::vector<std::vector<int64_t>> counts(ranks_);
+      int64_t total_tokens = 0;
+      for (int r = 0; r < ranks_; ++r) {
+        counts[r] = boxes[r]->expert_counts;
+        total_tokens += boxes[r]->tokens;
+      }
+      const int64_t cap = expert_capacity(c.capacity_factor, total_tokens, c.topk, c.num_experts);
+      dropped = drop_over_capacity(routing, counts, rank_, cap);
+    }
+
+    auto h = std::make_shared<HandleState>();
+    h->owner = this;
+    h->layout = opt.layout;
+    h->rank = rank_;
+    h->ranks = ranks_;
+    h->tokens = routing.tokens;
+    h->topk = c.topk;
+    h->hidden = c.hidden;
+    h->has_weights = routing.has_weights;
+    h->slot_expert = routing.expert;
+    h->slot_weight = routing.weight;
+    plan_send(*h, local_experts_);
+
+    // Transfer: each token once per destination rank, with its slots as the receiver sees them.
+    push_forward(*h, wire_.bytes(), [&](int64_t t, uint8_t* dst) { encode_row(in, t, wire_, opt.nvfp4_global_scale, dst); });
+    const int64_t max_tokens = c.max_tokens_per_rank, k_count = c.topk;
+    for (int64_t t = 0; t < h->tokens; ++t)
+      for (int d = 0; d < ranks_; ++d) {
+        const int32_t pos = h->send_pos[t * ranks_ + d];
+        if (pos < 0) continue;
+        RankArea& dst = shared_->areas[d];
+        const int64_t at = rank_ * max_tokens + pos;
+        dst.fwd_token[at] = static_cast<int32_t>(t);
+        for (int64_t k = 0; k < k_count; ++k) {
+          const int32_t e = h->slot_expert[t * k_count + k];
+          const bool here = e >= 0 && e / local_experts_ == d;
+          dst.fwd_slot_expert[at * k_count + k] = here ? static_cast<int32_t>(e % local_experts_) : -1;
+          dst.fwd_slot_weight[at * k_count + k] = here ? h->slot_weight[t * k_count + k] : 0.0f;
+        }
+      }
+    for (int d = 0; d < ranks_; ++d) shared_->areas[d].fwd_rows[rank_] = h->sent_rows[d];
+    sync(call, "transfer");
+
+    // Receive: rows in (source rank, source token) order, then the layout.
+    const RankArea& area = shared_->areas[rank_];
+    RecvLayout& r = h->recv;
+    r.layout = opt.layout;
+    r.rank_offsets.assign(ranks_ + 1, 0);
+    for (int s = 0; s < ranks_; ++s) r.rank_offsets[s + 1] = r.rank_offsets[s] + area.fwd_rows[s];
+    r.tokens = r.rank_offsets[ranks_];
+    for (int s = 0; s < ranks_; ++s)
+      for (int64_t p = 0; p < area.fwd_rows[s]; ++p) {
+        const int64_t at = s * max_tokens + p;
+        r.src_rank.push_back(s);
+        r.src_token.push_back(area.fwd_token[at]);
+        r.slot_expert.insert(r.slot_expert.end(), &area.fwd_slot_expert[at * k_count],
+                             &area.fwd_slot_expert[(at + 1) * k_count]);
+        r.slot_weight.insert(r.slot_weight.end(), &area.fwd_slot_weight[at * k_count],
+                             &area.fwd_slot_weight[(at + 1) * k_count]);
+      }
+    plan_receive_layout(r, local_experts_, k_count, c.expert_alignment,
+                        c.mode == CapacityMode::capacity ? c.capacity_rows : 0);
+
+    // Outputs: zero-filled, so padding rows are zero (and recv_src marks them -1).
+    DispatchResult out;
+    allocate_recv(out, wire_, r.capacity);
+    out.recv_src = Tensor::zeros_host(DType::i32, {r.capacity, 2});
+    std::fill_n(out.recv_src.data<int32_t>(), 2 * r.capacity, -1);
+    const bool expert_major = opt.layout == Layout::expert_major;
+    if (expert_major) {
+      out.recv_weights = Tensor::zeros_host(DType::f32, {r.capacity});
+    } else {
+      out.recv_topk_idx = Tensor::zeros_host(DType::i32, {r.capacity, k_count});
+      out.recv_topk_weights = Tensor::zeros_host(DType::f32, {r.capacity, k_count});
+    }
+    auto store = [&](int64_t row, int64_t i, const uint8_t* payload) {
+      store_row(out, wire_, row, payload);
+      out.recv_src.data<int32_t>()[2 * row] = r.src_rank[i];
+      out.recv_src.data<int32_t>()[2 * row + 1] = r.src_token[i];
+    };
+    for (int64_t i = 0; i < r.tokens; ++i) {
+      const uint8_t* payload = forward_payload(r.src_rank[i], i - r.rank_offsets[r.src_rank[i]]);
+      if (!expert_major) {  // the token once, with its slots as local expert ids
+        if (i >= r.capacity) continue;
+        store(i, i, payload);
+        std::copy_n(&r.slot_expert[i * k_count], k_count, out.recv_topk_idx.data<int32_t>() + i * k_count);
+        std::copy_n(&r.slot_weight[i * k_count], k_count, out.recv_topk_weights.data<float>() + i * k_count);
+        continue;
+      }
+      for (int64_t k = 0; k < k_count; ++k) {  // expanded: one row per local expert
+        const int64_t row = r.slot_row[i * k_count + k];
+        if (row < 0 || row >= r.capacity) continue;
+        store(row, i, payload);
+        out.recv_weights.data<float>()[row] = r.slot_weight[i * k_count + k];
+      }
+    }
+    if (expert_major) out.expert_offsets = offsets_tensor(r.expert_offsets);
+    out.tokens_per_expert = offsets_tensor(r.tokens_per_expert);
+    out.rank_offsets = offsets_tensor(r.rank_offsets);
+    out.num_rows = r.num_rows;
+    out.overflow = r.overflow();
+    out.dropped_slots = dropped;
+    out.handle = Handle(std::move(h));
+    return out;
+  });
+}
+
+CombineResult HostBackend::combine(const CombineInput& in, const Handle& handle, const CombineOptions& opt) {
+  const Call call = begin_call("combine");
+  const BufferConfig& c = config();
+  Mailbox mine;
+  const HandleState* h = nullptr;
+  try {
+    h = &state_of(handle, call);
+    mine.signature = cat("weighted=", opt.weighted, " layout=", layout_name(h->layout));
+    check_tensor(in.y, "combine: y", cat("[", h->recv.capacity, ", ", c.hidden, "] (the rows of the dispatch output)"),
+                 DType::bf16, {h->recv.capacity, c.hidden}, DeviceKind::host);
+    if (in.shared_out.defined())
+      check_tensor(in.shared_out, "combine: shared_out", cat("[", h->tokens, ", ", c.hidden, "]"), DType::bf16,
+                   {h->tokens, c.hidden}, DeviceKind::host);
+    require(!opt.weighted || h->layout == Layout::expert_major,
+            "combine: weighted combine needs the expert-major layout; in the rank-major layout apply recv_topk_weights "
+            "in the expert computation and combine with weighted=false");
+    require(!opt.weighted || h->has_weights,
+            "combine: weighted combine needs router weights, but dispatch got no topk_weights/probs; pass them to "
+            "dispatch or combine with weighted=false");
+  } catch (const Error& e) {
+    mine.error = e.what();
+  }
+  exchange_plan(call, std::move(mine));
+
+  return guarded(call, [&] {
+    const int64_t hidden = c.hidden;
+    std::vector<float> acc(hidden);
+    push_reverse(*h, true, false, [&](int64_t i, uint16_t* row, float*) {
+      partial_sum(h->recv, i, c.topk, in.y, opt.weighted, acc.data(), hidden);
+      round_row(row, acc.data(), hidden);  // one bf16 row per (token, rank) crosses back
+    });
+    sync(call, "transfer");
+
+    CombineResult out;
+    out.out = Tensor::zeros_host(DType::bf16, {h->tokens, hidden});
+    for (int64_t t = 0; t < h->tokens; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int d = 0; d < ranks_; ++d) {  // ranks in order
+        const int32_t pos = h->send_pos[t * ranks_ + d];
+        if (pos >= 0) add_row(acc.data(), reverse_row(d, pos), hidden);
+      }
+      if (in.shared_out.defined()) add_row(acc.data(), row_ptr<uint16_t>(in.shared_out, t), hidden);
+      round_row(out.out.data<uint16_t>() + t * hidden, acc.data(), hidden);
+    }
+    out.overflow = h->recv.overflow();
+    return out;
+  });
+}
+
+DispatchBackwardResult HostBackend::dispatch_backward(const DispatchBackwardInput& in, const Handle& handle) {
+  const Call call = begin_call("dispatch_backward");
+  const BufferConfig& c = config();
+  Mailbox mine;
+  const HandleState* h = nullptr;
+  try {
+    h = &state_of(handle, call);
+    mine.signature = cat("grad_weights=", in.grad_recv_weights.defined());
+    const int64_t n = h->recv.capacity;
+    check_tensor(in.grad_recv_x, "dispatch_backward: grad_recv_x", cat("[", n, ", ", c.hidden, "]"), DType::bf16,
+                 {n, c.hidden}, DeviceKind::host);
+    if (in.grad_recv_weights.defined()) {
+      if (h->layout == Layout::expert_major)
+        check_tensor(in.grad_recv_weights, "dispatch_backward: grad_recv_weights", cat("[", n, "] (one per row)"),
+                     DType::f32, {n}, DeviceKind::host);
+      else
+        check_tensor(in.grad_recv_weights, "dispatch_backward: grad_recv_weights",
+                     cat("[", n, ", ", c.topk, "] (as recv_topk_weights)"), DType::f32, {n, c.topk}, DeviceKind::host);
+    }
+  } catch (const Error& e) {
+    mine.error = e.what();
+  }
+  exchange_plan(call, std::move(mine));
+
+  return guarded(call, [&] {
+    const int64_t hidden = c.hidden, k_count = c.topk;
+    const bool with_weights = in.grad_recv_weights.defined();
+    const RecvLayout& r = h->recv;
+    std::vector<float> acc(hidden);
+    push_reverse(*h, true, with_weights, [&](int64_t i, uint16_t* row, float* slots) {
+      partial_sum(r, i, k_count, in.grad_recv_x, false, acc.data(), hidden);
+      round_row(row, acc.data(), hidden);
+      if (!slots) return;
+      for (int64_t k = 0; k < k_count; ++k) {
+        const int64_t row_k = r.slot_row[i * k_count + k];
+        const bool valid = row_k >= 0 && row_k < r.capacity;
+        slots[k] = !valid ? 0.0f
+                   : r.layout == Layout::expert_major ? in.grad_recv_weights.ptr<const float>()[row_k * in.grad_recv_weights.strides[0]]
+                                                      : at<float>(in.grad_recv_weights, row_k, k);
+      }
+    });
+    sync(call, "transfer");
+
+    DispatchBackwardResult out;
+    out.grad_x = Tensor::zeros_host(DType::bf16, {h->tokens, hidden});
+    if (with_weights) out.grad_topk_weights = Tensor::zeros_host(DType::f32, {h->tokens, k_count});
+    for (int64_t t = 0; t < h->tokens; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int d = 0; d < ranks_; ++d) {
+        const int32_t pos = h->send_pos[t * ranks_ + d];
+        if (pos >= 0) add_row(acc.data(), reverse_row(d, pos), hidden);
+      }
+      round_row(out.grad_x.data<uint16_t>() + t * hidden, acc.data(), hidden);
+      if (!with_weights) continue;
+      for (int64_t k = 0; k < k_count; ++k) {
+        const int32_t e = h->slot_expert[t * k_count + k];
+        if (e < 0) continue;  // unused or dropped slot: zero gradient
+        const int d = static_cast<int>(e / local_experts_);
+        out.grad_topk_weights.data<float>()[t * k_count + k] = reverse_slots(d, h->send_pos[t * ranks_ + d])[k];
+      }
+    }
+    return out;
+  });
+}
+
+CombineBackwardResult HostBackend::combine_backward(const CombineBackwardInput& in, const Handle& handle,
+                                                    const CombineOptions& opt) {
+  const Call call = begin_call("combine_backward");
+  const BufferConfig& c = config();
+  Mailbox mine;
+  const HandleState* h = nullptr;
+  try {
+    h = &state_of(handle, call);
+    mine.signature = cat("weighted=", opt.weighted);
+    check_tensor(in.grad_out, "combine_backward: grad_out", cat("[", h->tokens, ", ", c.hidden, "]"), DType::bf16,
+                 {h->tokens, c.hidden}, DeviceKind::host);
+    require(!opt.weighted || h->layout == Layout::expert_major,
+            "combine_backward: weighted needs the expert-major layout (as combine)");
+    require(!opt.weighted || h->has_weights, "combine_backward: weighted needs router weights at dispatch (as combine)");
+    if (opt.weighted)
+      check_tensor(in.y, "combine_backward: y", cat("[", h->recv.capacity, ", ", c.hidden, "] (the combine's input)"),
+                   DType::bf16, {h->recv.capacity, c.hidden}, DeviceKind::host);
+  } catch (const Error& e) {
+    mine.error = e.what();
+  }
+  exchange_plan(call, std::move(mine));
+
+  return guarded(call, [&] {
+    const int64_t hidden = c.hidden, k_count = c.topk;
+    // Forward: grad_out[t] once per rank that holds one of its experts (bf16 on the wire).
+    push_forward(*h, 2 * hidden, [&](int64_t t, uint8_t* dst) {
+      std::memcpy(dst, row_ptr<uint16_t>(in.grad_out, t), 2 * hidden);
+    });
+    sync(call, "transfer");
+
+    // Expand into the dispatch layout, scaled per row; grad of each weight on the expert rank.
+    const RecvLayout& r = h->recv;
+    CombineBackwardResult out;
+    out.grad_y = Tensor::zeros_host(DType::bf16, {r.capacity, hidden});
+    std::vector<float> grad_w(r.tokens * k_count, 0.0f);
+    for (int64_t i = 0; i < r.tokens; ++i) {
+      const auto* g = reinterpret_cast<const uint16_t*>(forward_payload(r.src_rank[i], i - r.rank_offsets[r.src_rank[i]]));
+      for (int64_t k = 0; k < k_count; ++k) {
+        const int64_t row = r.slot_row[i * k_count + k];
+        if (row < 0 || row >= r.capacity) continue;
+        uint16_t* dst = out.grad_y.data<uint16_t>() + row * hidden;
+        if (!opt.weighted) {
+          std::memcpy(dst, g, 2 * hidden);
+          continue;
+        }
+        scale_row(dst, r.slot_weight[i * k_count + k], g, hidden);
+        grad_w[i * k_count + k] = dot_bf16(g, row_ptr<uint16_t>(in.y, row), hidden);
+      }
+    }
+    if (!opt.weighted) return out;
+
+    push_reverse(*h, false, true, [&](int64_t i, uint16_t*, float* slots) {
+      std::copy_n(&grad_w[i * k_count], k_count, slots);
+    });
+    sync(call, "weight gradients");
+    out.grad_topk_weights = Tensor::zeros_host(DType::f32, {h->tokens, k_count});
+    for (int64_t t = 0; t < h->tokens; ++t)
+      for (int64_t k = 0; k < k_count; ++k) {
+        const int32_t e = h->slot_expert[t * k_count + k];
+        if (e < 0) continue;
+        const int d = static_cast<int>(e / local_experts_);
+        out.grad_topk_weights.data<float>()[t * k_count + k] = reverse_slots(d, h->send_pos[t * ranks_ + d])[k];
+      }
+    return out;
+  });
+}
+
+}  // namespace epx::detail

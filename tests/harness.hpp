@@ -1,0 +1,132 @@
+// Test harness: run a whole problem (dispatch, combine, both backward passes) on a host
+// group and keep every rank's inputs and outputs for comparison with the reference.
+#pragma once
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "verify/random_inputs.hpp"
+#include "verify/reference.hpp"
+#include "verify/run_ranks.hpp"
+
+namespace epx::test {
+
+struct RankRun {
+  DispatchResult dispatched;
+  std::vector<uint16_t> y;          // combine input [rows, H] (padding rows random too)
+  std::vector<uint16_t> shared;     // shared-expert rows [T, H]
+  CombineResult combined;
+  std::vector<uint16_t> grad_recv_x;
+  std::vector<float> grad_recv_weights;
+  DispatchBackwardResult dispatch_grad;
+  std::vector<uint16_t> grad_out;
+  CombineBackwardResult combine_grad;
+};
+
+struct RunOptions {
+  DispatchOptions dispatch;
+  bool combine = true;
+  bool backward = true;
+  bool shared_expert = true;
+};
+
+inline TensorView bf16_view(const std::vector<uint16_t>& v, int64_t rows, int64_t h) {
+  return TensorView::of(const_cast<uint16_t*>(v.data()), DType::bf16, {rows, h});
+}
+
+// Runs the problem; fails the test (and returns early) if any rank threw.
+inline std::vector<RankRun> run_problem(const verify::Problem& p, const RunOptions& o) {
+  std::vector<RankRun> runs(p.ranks);
+  const int64_t h = p.cfg.hidden, k_count = p.cfg.topk;
+  const bool weighted = o.dispatch.layout == Layout::expert_major && p.inputs[0].has_weights;
+  auto errors = verify::run_ranks(p.ranks, [&](const Group& g) {
+    const int r = g.rank();
+    RankRun& run = runs[r];
+    Buffer buffer(g, p.cfg);
+    run.dispatched = buffer.dispatch(p.inputs[r].view(h, k_count), o.dispatch);
+    if (!o.combine) return;
+    const int64_t rows = run.dispatched.recv_x.size(0), tokens = p.inputs[r].tokens;
+    run.y = verify::random_bf16(rows * h, 100 + r);
+    run.shared = verify::random_bf16(tokens * h, 200 + r);
+    run.combined = buffer.combine({bf16_view(run.y, rows, h), o.shared_expert ? bf16_view(run.shared, tokens, h) : TensorView{}},
+                                  run.dispatched.handle, {weighted});
+    if (!o.backward) return;
+    run.grad_recv_x = verify::random_bf16(rows * h, 300 + r);
+    const int64_t per_row = o.dispatch.layout == Layout::expert_major ? 1 : k_count;
+    run.grad_recv_weights.resize(rows * per_row);
+    for (size_t i = 0; i < run.grad_recv_weights.size(); ++i) run.grad_recv_weights[i] = 0.25f * static_cast<float>(i % 13) - 1.0f;
+    TensorView gw = per_row == 1 ? TensorView::of(run.grad_recv_weights.data(), DType::f32, {rows})
+                                 : TensorView::of(run.grad_recv_weights.data(), DType::f32, {rows, k_count});
+    run.dispatch_grad = buffer.dispatch_backward({bf16_view(run.grad_recv_x, rows, h), gw}, run.dispatched.handle);
+    run.grad_out = verify::random_bf16(tokens * h, 400 + r);
+    run.combine_grad = buffer.combine_backward({bf16_view(run.grad_out, tokens, h), bf16_view(run.y, rows, h)},
+                                               run.dispatched.handle, {weighted});
+  });
+  for (int r = 0; r < p.ranks; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+  return runs;
+}
+
+// Compares every output of every rank with the reference, bit for bit.
+inline void expect_matches_reference(const verify::Problem& p, const RunOptions& o, const std::vector<RankRun>& runs) {
+  const Layout layout = o.dispatch.layout;
+  const auto kept = verify::kept_routing(p);
+  std::vector<verify::Expected> layouts;
+  for (int r = 0; r < p.ranks; ++r) {
+    layouts.push_back(verify::expected_dispatch(p, kept, r, layout));
+    ASSERT_EQ(verify::check_dispatch(p, kept, r, layout, o.dispatch.nvfp4_global_scale, runs[r].dispatched), "");
+  }
+  if (!o.combine) return;
+  const bool weighted = layout == Layout::expert_major && p.inputs[0].has_weights;
+  const int64_t h = p.cfg.hidden;
+  std::vector<std::vector<uint16_t>> ys, grad_x_in, grad_out;
+  std::vector<std::vector<float>> grad_w_in;
+  for (const auto& run : runs) {
+    ys.push_back(run.y);
+    grad_x_in.push_back(run.grad_recv_x);
+    grad_w_in.push_back(run.grad_recv_weights);
+    grad_out.push_back(run.grad_out);
+  }
+  for (int s = 0; s < p.ranks; ++s) {
+    const RankRun& run = runs[s];
+    const int64_t tokens = p.inputs[s].tokens;
+    const auto want = verify::expected_combine(p, kept, layouts, ys, s, layout, weighted, o.shared_expert ? &run.shared : nullptr);
+    ASSERT_EQ(run.combined.out.numel(), tokens * h);
+    ASSERT_EQ(verify::compare_bits(run.combined.out.data<uint16_t>(), want.data(), tokens * h, 2, "combine out"), "")
+        << "rank " << s;
+    if (!o.backward) continue;
+    const auto want_gx = verify::expected_combine(p, kept, layouts, grad_x_in, s, layout, false, nullptr);
+    ASSERT_EQ(verify::compare_bits(run.dispatch_grad.grad_x.data<uint16_t>(), want_gx.data(), tokens * h, 2, "grad_x"), "")
+        << "rank " << s;
+    const auto want_gtw = verify::expected_gathered_weights(p, kept, layouts, grad_w_in, s, layout);
+    ASSERT_EQ(verify::compare_bits(run.dispatch_grad.grad_topk_weights.data<float>(), want_gtw.data(),
+                                   static_cast<int64_t>(want_gtw.size()), 4, "dispatch_backward grad_topk_weights"), "")
+        << "rank " << s;
+    const auto want_gy = verify::expected_grad_y(p, layouts[s], grad_out, weighted);
+    ASSERT_EQ(verify::compare_bits(run.combine_grad.grad_y.data<uint16_t>(), want_gy.data(),
+                                   static_cast<int64_t>(want_gy.size()), 2, "grad_y"), "")
+        << "rank " << s;
+    if (weighted) {
+      const auto want_gw = verify::expected_grad_w(p, kept, layouts, grad_out, ys, s);
+      ASSERT_EQ(verify::compare_bits(run.combine_grad.grad_topk_weights.data<float>(), want_gw.data(),
+                                     static_cast<int64_t>(want_gw.size()), 4, "combine_backward grad_topk_weights"), "")
+          << "rank " << s;
+    }
+  }
+}
+
+inline BufferConfig small_config(int64_t hidden, int64_t tokens, int64_t experts, int64_t topk,
+                                 WireFormat wire = WireFormat::bf16, int64_t alignment = 1) {
+  BufferConfig c;
+  c.hidden = hidden;
+  c.max_tokens_per_rank = tokens;
+  c.num_experts = experts;
+  c.topk = topk;
+  c.wire = wire;
+  c.expert_alignment = alignment;
+  c.timeout_ms = 20000;
+  return c;
+}
+
+}  // namespace epx::test

@@ -1,0 +1,54 @@
+#include "bench/json.hpp"
+
+#include <cmath>
+#include <fstream>
+#include <iomanip>
+#include <sstream>
+
+namespace epx::bench {
+
+namespace {
+
+std::string quoted(const std::string& s) {
+  std::ostringstream os;
+  os << '"';
+  for (unsigned char c : s) {
+    if (c == '"' || c == '\\') os << '\\' << c;
+    else if (c < 0x20) os << "\\u" << std::hex << std::setw(4) << std::setfill('0') << int(c) << std::dec;
+    else os << c;
+  }
+  os << '"';
+  return os.str();
+}
+
+std::string number(double v) {
+  if (!std::isfinite(v)) return "null";
+  std::ostringstream os;
+  os << std::setprecision(6) << v;
+  return os.str();
+}
+
+}  // namespace
+
+bool write_json(const std::string& path, const std::vector<Record>& records) {
+  std::ofstream f(path);
+  if (!f) return false;
+  f << "[\n";
+  for (size_t i = 0; i < records.size(); ++i) {
+    const Record& r = records[i];
+    f << "  {\"op\": " << quoted(r.op) << ", \"dtype\": " << quoted(r.dtype) << ", \"layout\": " << quoted(r.layout)
+      << ", \"ranks\": " << r.ranks << ", \"tokens\": " << r.tokens << ", \"hidden\": " << r.hidden
+      << ", \"topk\": " << r.topk << ", \"experts\": " << r.experts << ", \"alignment\": " << r.alignment
+      << ", \"routing\": " << quoted(r.routing) << ", \"sms\": " << r.sms << ", \"time_us\": " << number(r.time_us)
+      << ", \"min_us\": " << number(r.min_us) << ", \"max_us\": " << number(r.max_us) << ", \"iters\": " << r.iters
+      << ", \"logical_gbps\": " << number(r.logical_gbps) << ", \"wire_gbps\": " << number(r.wire_gbps)
+      << ", \"logical_bytes\": " << number(r.logical_bytes) << ", \"verified\": " << (r.verified ? "true" : "false");
+    if (!r.verify_error.empty()) f << ", \"verify_error\": " << quoted(r.verify_error);
+    f << ", \"backend\": " << quoted(r.backend) << ", \"gpu\": " << (r.gpu.empty() ? "null" : quoted(r.gpu))
+      << ", \"git_commit\": " << quoted(r.git_commit) << "}" << (i + 1 < records.size() ? "," : "") << "\n";
+  }
+  f << "]\n";
+  return static_cast<bool>(f);
+}
+
+}  // namespace epx::bench

@@ -1,0 +1,38 @@
+// Benchmark records and their JSON form (docs/benchmarks.md lists the fields).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace epx::bench {
+
+struct Record {
+  std::string op;      // dispatch, combine, dispatch_backward, combine_backward
+  std::string dtype;   // wire format: bf16, fp8, fp8_ue8m0, nvfp4
+  std::string layout;  // rank_major, expert_major
+  int ranks = 0;
+  int64_t tokens = 0;  // per rank
+  int64_t hidden = 0;
+  int64_t topk = 0;
+  int64_t experts = 0;
+  int64_t alignment = 1;
+  std::string routing;
+  int sms = 0;
+  double time_us = 0;  // median
+  double min_us = 0;
+  double max_us = 0;
+  int iters = 0;
+  double logical_gbps = 0;  // DeepEP accounting: bytes received per rank / time
+  double wire_gbps = 0;     // bytes that crossed to another rank, per rank / time
+  double logical_bytes = 0;
+  bool verified = false;
+  std::string verify_error;
+  std::string backend;
+  std::string gpu;  // empty on the host backend
+  std::string git_commit;
+};
+
+// Writes the records as a JSON list; returns false (with errno set) when the file fails.
+bool write_json(const std::string& path, const std::vector<Record>& records);
+
+}  // namespace epx::bench

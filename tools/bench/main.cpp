@@ -1,0 +1,263 @@
+// epx-bench: times dispatch, combine and the backward passes of one MoE layer over N ranks,
+// verifies every result against the independent reference, prints a table and writes JSON.
+#include <algorithm>
+#include <barrier>
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <memory>
+
+#include "bench/json.hpp"
+#include "bench/options.hpp"
+#include "verify/reference.hpp"
+#include "verify/run_ranks.hpp"
+
+namespace epx::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Everything one rank produced for one (layout, wire) configuration.
+struct RankOutputs {
+  DispatchResult dispatched;
+  std::vector<uint16_t> y, grad_x_in, grad_out;
+  std::vector<float> grad_w_in;
+  CombineResult combined;
+  DispatchBackwardResult dispatch_grad;
+  CombineBackwardResult combine_grad;
+  std::map<std::string, std::vector<double>> times_us;  // op -> per iteration
+};
+
+TensorView bf16_view(const std::vector<uint16_t>& v, int64_t rows, int64_t h) {
+  return TensorView::of(const_cast<uint16_t*>(v.data()), DType::bf16, {rows, h});
+}
+
+bool wants(const Options& o, const std::string& op) { return std::find(o.ops.begin(), o.ops.end(), op) != o.ops.end(); }
+
+// Runs one configuration on all ranks. Each timed call starts together on every rank (a plain
+// thread barrier outside epx) and the iteration's time is the slowest rank's.
+std::vector<RankOutputs> run_config(const Options& o, const verify::Problem& p, Layout layout, bool with_combine) {
+  std::vector<RankOutputs> outs(p.ranks);
+  std::barrier start(p.ranks);
+  const int64_t h = p.cfg.hidden, k_count = p.cfg.topk;
+  const bool weighted = layout == Layout::expert_major;
+  auto timed = [&](RankOutputs& out, const std::string& op, auto&& call) {
+    for (int i = 0; i < o.warmup + o.iters; ++i) {
+      start.arrive_and_wait();
+      const auto t0 = Clock::now();
+      call();
+      const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+      if (i >= o.warmup) out.times_us[op].push_back(us);
+    }
+  };
+  auto errors = verify::run_ranks(p.ranks, [&](const Group& g) {
+    const int r = g.rank();
+    RankOutputs& out = outs[r];
+    Buffer buffer(g, p.cfg);
+    const DispatchInput in = p.inputs[r].view(h, k_count);
+    DispatchOptions dopt;
+    dopt.layout = layout;
+    timed(out, "dispatch", [&] { out.dispatched = buffer.dispatch(in, dopt); });
+    if (!with_combine) return;
+    const int64_t rows = out.dispatched.recv_x.size(0), tokens = p.inputs[r].tokens;
+    out.y = verify::random_bf16(rows * h, o.seed * 7 + r);
+    if (wants(o, "combine"))
+      timed(out, "combine", [&] {
+        out.combined = buffer.combine({bf16_view(out.y, rows, h), {}}, out.dispatched.handle, {weighted});
+      });
+    if (wants(o, "dispatch_backward")) {
+      out.grad_x_in = verify::random_bf16(rows * h, o.seed * 11 + r);
+      out.grad_w_in.assign(rows * (weighted ? 1 : k_count), 0.5f);
+      for (size_t i = 0; i < out.grad_w_in.size(); ++i) out.grad_w_in[i] = static_cast<float>(i % 17) * 0.125f - 1.0f;
+      const TensorView gw = weighted ? TensorView::of(out.grad_w_in.data(), DType::f32, {rows})
+                                     : TensorView::of(out.grad_w_in.data(), DType::f32, {rows, k_count});
+      timed(out, "dispatch_backward", [&] {
+        out.dispatch_grad = buffer.dispatch_backward({bf16_view(out.grad_x_in, rows, h), gw}, out.dispatched.handle);
+      });
+    }
+    if (wants(o, "combine_backward")) {
+      out.grad_out = verify::random_bf16(tokens * h, o.seed * 13 + r);
+      timed(out, "combine_backward", [&] {
+        out.combine_grad = buffer.combine_backward({bf16_view(out.grad_out, tokens, h), bf16_view(out.y, rows, h)},
+                                                   out.dispatched.handle, {weighted});
+      });
+    }
+  });
+  for (int r = 0; r < p.ranks; ++r)
+    if (!errors[r].empty()) throw Error(ErrorCode::internal, "rank " + std::to_string(r) + ": " + errors[r]);
+  return outs;
+}
+
+// Empty when every rank's result of `op` equals the reference.
+std::string verify_op(const std::string& op, const verify::Problem& p, Layout layout, const std::vector<RankOutputs>& outs) {
+  const auto kept = verify::kept_routing(p);
+  std::vector<verify::Expected> layouts;
+  for (int r = 0; r < p.ranks; ++r) layouts.push_back(verify::expected_dispatch(p, kept, r, layout));
+  auto gather = [&](auto member) {
+    std::vector<std::decay_t<decltype(outs[0].*member)>> v;
+    for (const auto& o : outs) v.push_back(o.*member);
+    return v;
+  };
+  const int64_t h = p.cfg.hidden;
+  const bool weighted = layout == Layout::expert_major;
+  std::string err;
+  for (int r = 0; r < p.ranks && err.empty(); ++r) {
+    const RankOutputs& o = outs[r];
+    const int64_t tokens = p.inputs[r].tokens;
+    if (op == "dispatch") {
+      err = verify::check_dispatch(p, kept, r, layout, 0.0f, o.dispatched);
+    } else if (op == "combine") {
+      const auto want = verify::expected_combine(p, kept, layouts, gather(&RankOutputs::y), r, layout, weighted, nullptr);
+      err = verify::compare_bits(o.combined.out.data<uint16_t>(), want.data(), tokens * h, 2, "combine out");
+    } else if (op == "dispatch_backward") {
+      const auto want = verify::expected_combine(p, kept, layouts, gather(&RankOutputs::grad_x_in), r, layout, false, nullptr);
+      err = verify::compare_bits(o.dispatch_grad.grad_x.data<uint16_t>(), want.data(), tokens * h, 2, "grad_x");
+      const auto want_w = verify::expected_gathered_weights(p, kept, layouts, gather(&RankOutputs::grad_w_in), r, layout);
+      if (err.empty())
+        err = verify::compare_bits(o.dispatch_grad.grad_topk_weights.data<float>(), want_w.data(),
+                                   static_cast<int64_t>(want_w.size()), 4, "grad_topk_weights");
+    } else if (op == "combine_backward") {
+      const auto want = verify::expected_grad_y(p, layouts[r], gather(&RankOutputs::grad_out), weighted);
+      err = verify::compare_bits(o.combine_grad.grad_y.data<uint16_t>(), want.data(), static_cast<int64_t>(want.size()),
+                                 2, "grad_y");
+      if (err.empty() && weighted) {
+        const auto want_w = verify::expected_grad_w(p, kept, layouts, gather(&RankOutputs::grad_out), gather(&RankOutputs::y), r);
+        err = verify::compare_bits(o.combine_grad.grad_topk_weights.data<float>(), want_w.data(),
+                                   static_cast<int64_t>(want_w.size()), 4, "grad_topk_weights");
+      }
+    }
+    if (!err.empty()) err = "rank " + std::to_string(r) + ": " + err;
+  }
+  return err;
+}
+
+// DeepEP's accounting: a rank receives each token once per destination rank (its own tokens
+// included); `row_bytes` per token. Returns {logical bytes, bytes from other ranks}, per rank.
+std::pair<double, double> bytes_per_rank(const std::vector<RankOutputs>& outs, double row_bytes) {
+  double logical = 0, wire = 0;
+  for (size_t r = 0; r < outs.size(); ++r) {
+    const int64_t* off = outs[r].dispatched.rank_offsets.data<int64_t>();
+    const double received = static_cast<double>(off[outs.size()]);
+    logical += received * row_bytes;
+    wire += (received - static_cast<double>(off[r + 1] - off[r])) * row_bytes;
+  }
+  return {logical / static_cast<double>(outs.size()), wire / static_cast<double>(outs.size())};
+}
+
+double wire_row_bytes(WireFormat w, int64_t h) {
+  switch (w) {
+    case WireFormat::bf16: return 2.0 * h;
+    case WireFormat::fp8:
+    case WireFormat::fp8_ue8m0: return h + 4.0 * (h / kFp8Block);
+    case WireFormat::nvfp4: return h / 2.0 + h / kNvfp4Block + 4.0;
+  }
+  return 0;
+}
+
+Record make_record(const Options& o, const verify::Problem& p, const std::string& op, WireFormat wire, Layout layout,
+                   const std::vector<RankOutputs>& outs) {
+  Record rec;
+  rec.op = op;
+  rec.dtype = std::string(wire_name(wire));
+  rec.layout = std::string(layout_name(layout));
+  rec.ranks = p.ranks;
+  rec.tokens = o.tokens;
+  rec.hidden = p.cfg.hidden;
+  rec.topk = p.cfg.topk;
+  rec.experts = p.cfg.num_experts;
+  rec.alignment = p.cfg.expert_alignment;
+  rec.routing = o.routing == verify::Routing::skewed ? "skewed" : "uniform";
+  rec.sms = o.sms;
+  rec.iters = o.iters;
+  rec.backend = o.backend;
+  rec.git_commit = EPX_GIT_COMMIT;
+  std::vector<double> t(o.iters, 0.0);  // slowest rank per iteration
+  for (const auto& out : outs)
+    for (int i = 0; i < o.iters; ++i) t[i] = std::max(t[i], out.times_us.at(op)[i]);
+  std::sort(t.begin(), t.end());
+  rec.time_us = o.iters % 2 ? t[o.iters / 2] : 0.5 * (t[o.iters / 2 - 1] + t[o.iters / 2]);
+  rec.min_us = t.front();
+  rec.max_us = t.back();
+  const auto [logical, wire_bytes] = bytes_per_rank(outs, op == "dispatch" ? wire_row_bytes(wire, p.cfg.hidden) : 2.0 * p.cfg.hidden);
+  rec.logical_bytes = logical;
+  rec.logical_gbps = logical / (rec.time_us * 1e3);
+  rec.wire_gbps = wire_bytes / (rec.time_us * 1e3);
+  rec.verify_error = verify_op(op, p, layout, outs);
+  rec.verified = rec.verify_error.empty();
+  return rec;
+}
+
+void print_table(const std::vector<Record>& records) {
+  std::printf("%-18s %-10s %-13s %11s %11s %11s %10s %10s %s\n", "op", "dtype", "layout", "median_us", "min_us", "max_us",
+              "logical", "wire", "verified");
+  std::printf("%-18s %-10s %-13s %11s %11s %11s %10s %10s\n", "", "", "", "", "", "", "GB/s", "GB/s");
+  for (const Record& r : records)
+    std::printf("%-18s %-10s %-13s %11.1f %11.1f %11.1f %10.2f %10.2f %s\n", r.op.c_str(), r.dtype.c_str(),
+                r.layout.c_str(), r.time_us, r.min_us, r.max_us, r.logical_gbps, r.wire_gbps,
+                r.verified ? "yes" : ("NO: " + r.verify_error).c_str());
+}
+
+int run(const Options& o) {
+  if (o.backend == "cuda") {
+    std::fprintf(stderr, "epx-bench: this build of epx has no CUDA backend; use --backend host\n");
+    return 2;
+  }
+  verify::ProblemSpec spec;
+  spec.cfg.hidden = o.hidden;
+  spec.cfg.max_tokens_per_rank = o.tokens;
+  spec.cfg.num_experts = o.experts;
+  spec.cfg.topk = o.topk;
+  spec.cfg.expert_alignment = o.alignment;
+  spec.ranks = o.ranks;
+  spec.routing = o.routing;
+  spec.seed = o.seed;
+  std::printf("epx-bench: backend %s, %d ranks, %lld tokens/rank%s, hidden %lld, top-%lld of %lld experts, %s routing, "
+              "%d warm-up + %d timed iterations\n",
+              o.backend.c_str(), o.ranks, static_cast<long long>(o.tokens),
+              o.tokens_scaled ? " (v3 scaled down for the host; --tokens 4096 for full size)" : "",
+              static_cast<long long>(o.hidden), static_cast<long long>(o.topk), static_cast<long long>(o.experts),
+              o.routing == verify::Routing::skewed ? "skewed" : "uniform", o.warmup, o.iters);
+  std::fflush(stdout);
+  verify::Problem base = verify::make_problem(spec);
+
+  std::vector<Record> records;
+  const size_t configs = o.layouts.size() * o.wires.size();
+  size_t done = 0;
+  for (Layout layout : o.layouts)
+    for (WireFormat wire : o.wires) {
+      std::fprintf(stderr, "[%zu/%zu] %s %s ...\n", ++done, configs, std::string(layout_name(layout)).c_str(),
+                   std::string(wire_name(wire)).c_str());
+      verify::Problem p = base;
+      p.cfg.wire = wire;
+      // combine and the backward passes take bf16 whatever the dispatch wire; run them once.
+      const bool with_combine = wire == o.wires.front();
+      const auto outs = run_config(o, p, layout, with_combine);
+      if (wants(o, "dispatch")) records.push_back(make_record(o, p, "dispatch", wire, layout, outs));
+      if (!with_combine) continue;
+      for (const char* op : {"combine", "dispatch_backward", "combine_backward"})
+        if (wants(o, op)) records.push_back(make_record(o, p, op, WireFormat::bf16, layout, outs));
+    }
+  print_table(records);
+  const bool all_ok = std::all_of(records.begin(), records.end(), [](const Record& r) { return r.verified; });
+  if (!o.json.empty()) {
+    if (!write_json(o.json, records)) {
+      std::fprintf(stderr, "epx-bench: cannot write %s\n", o.json.c_str());
+      return 1;
+    }
+    std::printf("wrote %zu records to %s\n", records.size(), o.json.c_str());
+  }
+  std::printf("%s\n", all_ok ? "all results verified" : "VERIFICATION FAILED");
+  return all_ok ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace epx::bench
+
+int main(int argc, char** argv) {
+  try {
+    return epx::bench::run(epx::bench::parse_options(argc, argv));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "epx-bench: %s\n", e.what());
+    return 1;
+  }
+}

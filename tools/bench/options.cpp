@@ -1,0 +1,128 @@
+#include "bench/options.hpp"
+
+#include <cstdio>
+#include <cstdlib>
+#include <sstream>
+
+namespace epx::bench {
+
+namespace {
+
+const char* kUsage = R"(epx-bench: dispatch and combine of one MoE layer over N ranks, timed and verified.
+
+  --backend host|cuda     backend (default: cuda when this build has it and a GPU is visible, else host)
+  --preset v3|ll          v3: 4096 tokens/rank, hidden 7168, top-8 of 256 experts (host: 512 tokens)
+                          ll: 128 tokens/rank, hidden 7168, top-8 of 288 experts
+  --ranks N               ranks (host: threads; default 2)
+  --tokens N --hidden N --experts N --topk N   override the preset
+  --alignment N           expert_alignment of the expert-major layout (default 1)
+  --routing uniform|skewed  expert choice per token (skewed: expert e weighted 1/(e+1))
+  --wire LIST             comma list of bf16,fp8,fp8_ue8m0,nvfp4 (default all)
+  --layout LIST           comma list of expert_major,rank_major (default both)
+  --ops LIST              comma list of dispatch,combine,dispatch_backward,combine_backward (default all)
+  --sms N                 SM budget for GPU kernels (recorded; host ignores it)
+  --warmup N --iters N    untimed and timed repetitions (default 2 and 20; host 1 and 5)
+  --seed N                random seed for inputs and routing
+  --json FILE             write the records as a JSON list
+)";
+
+[[noreturn]] void usage_error(const std::string& msg) {
+  std::fprintf(stderr, "epx-bench: %s\n\n%s", msg.c_str(), kUsage);
+  std::exit(2);
+}
+
+int64_t to_int(const std::string& flag, const std::string& v) {
+  char* end = nullptr;
+  const long long x = std::strtoll(v.c_str(), &end, 10);
+  if (v.empty() || *end != '\0' || x < 0) usage_error(flag + " needs a non-negative integer, got '" + v + "'");
+  return x;
+}
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, ',');)
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+WireFormat to_wire(const std::string& s) {
+  for (WireFormat w : {WireFormat::bf16, WireFormat::fp8, WireFormat::fp8_ue8m0, WireFormat::nvfp4})
+    if (s == wire_name(w)) return w;
+  usage_error("unknown wire format '" + s + "'");
+}
+
+Layout to_layout(const std::string& s) {
+  for (Layout l : {Layout::expert_major, Layout::rank_major})
+    if (s == layout_name(l)) return l;
+  usage_error("unknown layout '" + s + "'");
+}
+
+}  // namespace
+
+Options parse_options(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--help" || flag == "-h") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    }
+    if (i + 1 >= argc) usage_error(flag + " needs a value");
+    const std::string v = argv[++i];
+    if (flag == "--backend") o.backend = v;
+    else if (flag == "--preset") o.preset = v;
+    else if (flag == "--ranks") o.ranks = static_cast<int>(to_int(flag, v));
+    else if (flag == "--tokens") o.tokens = to_int(flag, v);
+    else if (flag == "--hidden") o.hidden = to_int(flag, v);
+    else if (flag == "--experts") o.experts = to_int(flag, v);
+    else if (flag == "--topk") o.topk = to_int(flag, v);
+    else if (flag == "--alignment") o.alignment = to_int(flag, v);
+    else if (flag == "--sms") o.sms = static_cast<int>(to_int(flag, v));
+    else if (flag == "--warmup") o.warmup = static_cast<int>(to_int(flag, v));
+    else if (flag == "--iters") o.iters = static_cast<int>(to_int(flag, v));
+    else if (flag == "--seed") o.seed = static_cast<uint64_t>(to_int(flag, v));
+    else if (flag == "--json") o.json = v;
+    else if (flag == "--routing") {
+      if (v != "uniform" && v != "skewed") usage_error("--routing is uniform or skewed, got '" + v + "'");
+      o.routing = v == "skewed" ? verify::Routing::skewed : verify::Routing::uniform;
+    } else if (flag == "--wire") {
+      for (const auto& w : split(v)) o.wires.push_back(to_wire(w));
+    } else if (flag == "--layout") {
+      for (const auto& l : split(v)) o.layouts.push_back(to_layout(l));
+    } else if (flag == "--ops") {
+      for (const auto& op : split(v)) {
+        if (op != "dispatch" && op != "combine" && op != "dispatch_backward" && op != "combine_backward")
+          usage_error("unknown op '" + op + "'");
+        o.ops.push_back(op);
+      }
+    } else {
+      usage_error("unknown flag " + flag);
+    }
+  }
+  if (o.backend.empty()) o.backend = "host";  // this build has no CUDA backend yet
+  if (o.backend != "host" && o.backend != "cuda") usage_error("--backend is host or cuda, got '" + o.backend + "'");
+  if (o.preset != "v3" && o.preset != "ll") usage_error("--preset is v3 or ll, got '" + o.preset + "'");
+  if (o.ranks < 1) usage_error("--ranks must be >= 1");
+  const bool host = o.backend == "host";
+  if (o.warmup < 0) o.warmup = host ? 1 : 2;
+  if (o.iters < 0) o.iters = host ? 5 : 20;
+  if (o.iters < 1) usage_error("--iters must be >= 1");
+  const bool v3 = o.preset == "v3";
+  if (o.tokens < 0) {
+    o.tokens = v3 ? 4096 : 128;
+    if (host && v3) {  // keep a host run well under a minute on 2 cores
+      o.tokens = 512;
+      o.tokens_scaled = true;
+    }
+  }
+  if (o.hidden < 0) o.hidden = 7168;
+  if (o.experts < 0) o.experts = v3 ? 256 : 288;
+  if (o.topk < 0) o.topk = 8;
+  if (o.wires.empty()) o.wires = {WireFormat::bf16, WireFormat::fp8, WireFormat::fp8_ue8m0, WireFormat::nvfp4};
+  if (o.layouts.empty()) o.layouts = {Layout::expert_major, Layout::rank_major};
+  if (o.ops.empty()) o.ops = {"dispatch", "combine", "dispatch_backward", "combine_backward"};
+  return o;
+}
+
+}  // namespace epx::bench

@@ -1,0 +1,36 @@
+// epx-bench command line.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "epx/epx.hpp"
+#include "verify/random_inputs.hpp"
+
+namespace epx::bench {
+
+struct Options {
+  std::string backend;  // "host" or "cuda"
+  std::string preset = "v3";
+  int ranks = 2;
+  int64_t tokens = -1;  // -1: from the preset (scaled down on the host backend)
+  int64_t hidden = -1;
+  int64_t experts = -1;
+  int64_t topk = -1;
+  int64_t alignment = 1;
+  int sms = 0;  // SM budget for GPU kernels (0 = backend default); recorded
+  verify::Routing routing = verify::Routing::uniform;
+  std::vector<WireFormat> wires;
+  std::vector<Layout> layouts;
+  std::vector<std::string> ops;  // dispatch, combine, dispatch_backward, combine_backward
+  int warmup = -1;  // -1: 2 (host: 1)
+  int iters = -1;   // -1: 20 (host: 5)
+  uint64_t seed = 1;
+  std::string json;
+  bool tokens_scaled = false;  // the host backend shrank the preset's token count
+};
+
+// Parses argv; prints usage and exits on --help or a bad flag.
+Options parse_options(int argc, char** argv);
+
+}  // namespace epx::bench

@@ -1,0 +1,341 @@
+#include "verify/reference.hpp"
+
+#include <cmath>
+#include <cstring>
+#include <sstream>
+#include <unordered_map>
+
+namespace epx::verify {
+
+namespace {
+
+int64_t local_experts(const Problem& p) { return p.cfg.num_experts / p.ranks; }
+
+int64_t capacity_of(const Problem& p, const Expected& e) {
+  return p.cfg.mode == CapacityMode::capacity ? p.cfg.capacity_rows : static_cast<int64_t>(e.rows.size());
+}
+
+float weight_of(const RankInput& in, int64_t i) { return in.has_weights ? in.weights[i] : 1.0f; }
+
+// (source rank, token, local expert or -1) -> row, for one receiving rank's layout.
+struct RowIndex {
+  std::unordered_map<int64_t, int64_t> rows;
+  static int64_t key(int64_t s, int64_t t, int64_t l) { return (s << 40) | (t << 12) | (l + 1); }
+  explicit RowIndex(const Expected& e) {
+    for (size_t i = 0; i < e.rows.size(); ++i)
+      if (e.rows[i].src_rank >= 0)
+        rows[key(e.rows[i].src_rank, e.rows[i].src_token, e.rows[i].local_expert)] = static_cast<int64_t>(i);
+  }
+  int64_t find(int64_t s, int64_t t, int64_t l) const {
+    auto it = rows.find(key(s, t, l));
+    return it == rows.end() ? -1 : it->second;
+  }
+};
+
+// The documented dot order: 32 lanes over 8-channel chunks, then a butterfly.
+float lane_dot(const uint16_t* a, const uint16_t* b, int64_t n) {
+  float lane[32] = {};
+  for (int64_t h = 0; h < n; ++h)
+    lane[(h / 8) % 32] = std::fma(bf16_to_float(a[h]), bf16_to_float(b[h]), lane[(h / 8) % 32]);
+  for (int o = 16; o >= 1; o /= 2) {
+    float next[32];
+    for (int l = 0; l < 32; ++l) next[l] = lane[l] + lane[l ^ o];
+    std::memcpy(lane, next, sizeof lane);
+  }
+  return lane[0];
+}
+
+// Wire bytes of token t of rank s: x codes, scales, global scale (as dispatch must deliver them).
+struct Encoded {
+  std::vector<uint8_t> x, scales, global;
+};
+
+Encoded encode(const Problem& p, int s, int64_t t, float nvfp4_gs) {
+  const int64_t h = p.cfg.hidden;
+  const RankInput& in = p.inputs[s];
+  const uint16_t* x = &in.x[t * h];
+  Encoded e;
+  switch (p.cfg.wire) {
+    case WireFormat::bf16:
+      e.x.assign(reinterpret_cast<const uint8_t*>(x), reinterpret_cast<const uint8_t*>(x + h));
+      break;
+    case WireFormat::fp8:
+    case WireFormat::fp8_ue8m0: {
+      std::vector<float> sc(h / kFp8Block);
+      e.x.resize(h);
+      if (p.prequantized) {
+        std::memcpy(e.x.data(), &in.x_fp8[t * h], h);
+        std::memcpy(sc.data(), &in.x_scales[t * (h / kFp8Block)], sc.size() * 4);
+      } else {
+        quantize_fp8_row(x, h, p.cfg.wire == WireFormat::fp8_ue8m0, e.x.data(), sc.data());
+      }
+      e.scales.resize(sc.size() * 4);
+      std::memcpy(e.scales.data(), sc.data(), e.scales.size());
+      break;
+    }
+    case WireFormat::nvfp4: {
+      e.x.resize(h / 2);
+      e.scales.resize(h / kNvfp4Block);
+      const float inv = quantize_nvfp4_row(x, h, nvfp4_gs, e.x.data(), e.scales.data());
+      e.global.resize(4);
+      std::memcpy(e.global.data(), &inv, 4);
+      break;
+    }
+  }
+  return e;
+}
+
+// A padding row: every byte zero.
+Encoded padding_row(const Problem& p) {
+  const int64_t h = p.cfg.hidden;
+  Encoded e;
+  switch (p.cfg.wire) {
+    case WireFormat::bf16: e.x.assign(2 * h, 0); break;
+    case WireFormat::fp8:
+    case WireFormat::fp8_ue8m0:
+      e.x.assign(h, 0);
+      e.scales.assign(4 * (h / kFp8Block), 0);
+      break;
+    case WireFormat::nvfp4:
+      e.x.assign(h / 2, 0);
+      e.scales.assign(h / kNvfp4Block, 0);
+      e.global.assign(4, 0);
+      break;
+  }
+  return e;
+}
+
+template <typename T>
+std::string compare_vec(const Tensor& got, const std::vector<T>& want, const std::string& what) {
+  if (!got.defined()) return what + ": missing";
+  if (got.numel() != static_cast<int64_t>(want.size()))
+    return what + ": " + std::to_string(got.numel()) + " elements, want " + std::to_string(want.size());
+  return compare_bits(got.data<T>(), want.data(), static_cast<int64_t>(want.size()), sizeof(T), what);
+}
+
+std::string check_bytes_row(const Tensor& t, int64_t row, const std::vector<uint8_t>& want, const std::string& what) {
+  if (want.empty()) return {};
+  if (!t.defined()) return what + ": missing";
+  const int64_t row_bytes = t.numel() / t.size(0) * dtype_size(t.dtype());
+  if (row_bytes != static_cast<int64_t>(want.size()))
+    return what + ": row of " + std::to_string(row_bytes) + " bytes, want " + std::to_string(want.size());
+  return compare_bits(t.data<uint8_t>() + row * row_bytes, want.data(), row_bytes, 1,
+                      what + "[row " + std::to_string(row) + "]");
+}
+
+}  // namespace
+
+std::string compare_bits(const void* got, const void* want, int64_t count, int64_t elem_size, const std::string& what) {
+  const auto* g = static_cast<const uint8_t*>(got);
+  const auto* w = static_cast<const uint8_t*>(want);
+  for (int64_t i = 0; i < count; ++i) {
+    if (std::memcmp(g + i * elem_size, w + i * elem_size, elem_size) == 0) continue;
+    std::ostringstream os;
+    os << what << "[" << i << "]: got 0x" << std::hex;
+    for (int64_t b = elem_size - 1; b >= 0; --b) os << static_cast<int>(g[i * elem_size + b]) / 16 << static_cast<int>(g[i * elem_size + b]) % 16;
+    os << ", want 0x";
+    for (int64_t b = elem_size - 1; b >= 0; --b) os << static_cast<int>(w[i * elem_size + b]) / 16 << static_cast<int>(w[i * elem_size + b]) % 16;
+    return os.str();
+  }
+  return {};
+}
+
+std::vector<std::vector<int32_t>> kept_routing(const Problem& p) {
+  std::vector<std::vector<int32_t>> kept(p.ranks);
+  for (int s = 0; s < p.ranks; ++s) kept[s] = p.inputs[s].idx;
+  if (p.cfg.capacity_factor <= 0.0) return kept;
+  int64_t total = 0;
+  for (const auto& in : p.inputs) total += in.tokens;
+  const auto cap = static_cast<int64_t>(
+      std::ceil(p.cfg.capacity_factor * static_cast<double>(total * p.cfg.topk) / static_cast<double>(p.cfg.num_experts)));
+  std::vector<int64_t> seen(p.cfg.num_experts, 0);
+  for (int s = 0; s < p.ranks; ++s)  // global (source rank, token, slot) order
+    for (auto& e : kept[s])
+      if (e >= 0 && seen[e]++ >= cap) e = -1;
+  return kept;
+}
+
+Expected expected_dispatch(const Problem& p, const std::vector<std::vector<int32_t>>& kept, int rank, Layout layout) {
+  const int64_t k_count = p.cfg.topk, l_count = local_experts(p);
+  Expected x;
+  x.tokens_per_expert.assign(l_count, 0);
+  x.rank_offsets.assign(p.ranks + 1, 0);
+  for (int s = 0; s < p.ranks; ++s) {
+    const RankInput& in = p.inputs[s];
+    int64_t tokens_here = 0;
+    for (int64_t t = 0; t < in.tokens; ++t) {
+      bool here = false;
+      for (int64_t k = 0; k < k_count; ++k) {
+        const int32_t e = kept[s][t * k_count + k];
+        if (e >= 0 && e / l_count == rank) {
+          here = true;
+          ++x.tokens_per_expert[e % l_count];
+        }
+      }
+      tokens_here += here;
+      if (!here || layout != Layout::rank_major) continue;
+      x.rows.push_back({s, static_cast<int32_t>(t), -1, 0.0f});
+      for (int64_t k = 0; k < k_count; ++k) {
+        const int32_t e = kept[s][t * k_count + k];
+        const bool on = e >= 0 && e / l_count == rank;
+        x.topk_idx.push_back(on ? static_cast<int32_t>(e % l_count) : -1);
+        x.topk_weights.push_back(on ? weight_of(in, t * k_count + k) : 0.0f);
+      }
+    }
+    x.rank_offsets[s + 1] = x.rank_offsets[s] + tokens_here;
+  }
+  if (layout == Layout::rank_major) return x;
+
+  x.expert_offsets.assign(1, 0);
+  for (int64_t l = 0; l < l_count; ++l) {
+    const int32_t e = static_cast<int32_t>(rank * l_count + l);
+    for (int s = 0; s < p.ranks; ++s)
+      for (int64_t t = 0; t < p.inputs[s].tokens; ++t)
+        for (int64_t k = 0; k < k_count; ++k)
+          if (kept[s][t * k_count + k] == e)
+            x.rows.push_back({s, static_cast<int32_t>(t), static_cast<int32_t>(l), weight_of(p.inputs[s], t * k_count + k)});
+    while (static_cast<int64_t>(x.rows.size()) % p.cfg.expert_alignment != 0) x.rows.push_back({});
+    x.expert_offsets.push_back(static_cast<int64_t>(x.rows.size()));
+  }
+  return x;
+}
+
+std::string check_dispatch(const Problem& p, const std::vector<std::vector<int32_t>>& kept, int rank, Layout layout,
+                           float nvfp4_global_scale, const DispatchResult& got) {
+  const Expected x = expected_dispatch(p, kept, rank, layout);
+  const std::string at = "rank " + std::to_string(rank) + " ";
+  const int64_t n = static_cast<int64_t>(x.rows.size()), cap = capacity_of(p, x), k_count = p.cfg.topk;
+  if (got.num_rows != n) return at + "num_rows " + std::to_string(got.num_rows) + ", want " + std::to_string(n);
+  if (got.overflow != (n > cap)) return at + "overflow flag wrong";
+  if (!got.recv_x.defined() || got.recv_x.size(0) != cap)
+    return at + "recv_x has " + (got.recv_x.defined() ? std::to_string(got.recv_x.size(0)) : "no") + " rows, want " +
+           std::to_string(cap);
+  std::string err;
+  if (!(err = compare_vec(got.tokens_per_expert, x.tokens_per_expert, at + "tokens_per_expert")).empty()) return err;
+  if (!(err = compare_vec(got.rank_offsets, x.rank_offsets, at + "rank_offsets")).empty()) return err;
+  if (layout == Layout::expert_major &&
+      !(err = compare_vec(got.expert_offsets, x.expert_offsets, at + "expert_offsets")).empty())
+    return err;
+
+  for (int64_t i = 0; i < std::min(n, cap); ++i) {
+    const ExpectedRow& row = x.rows[i];
+    const std::string where = at + "row " + std::to_string(i);
+    const Encoded want = row.src_rank >= 0 ? encode(p, row.src_rank, row.src_token, nvfp4_global_scale) : padding_row(p);
+    if (!(err = check_bytes_row(got.recv_x, i, want.x, at + "recv_x")).empty()) return err;
+    if (!(err = check_bytes_row(got.recv_scales, i, want.scales, at + "recv_scales")).empty()) return err;
+    if (!(err = check_bytes_row(got.recv_global_scale, i, want.global, at + "recv_global_scale")).empty()) return err;
+    const int32_t src[2] = {row.src_rank, row.src_token};
+    if (!(err = compare_bits(got.recv_src.data<int32_t>() + 2 * i, src, 2, 4, where + " recv_src")).empty()) return err;
+    if (layout == Layout::expert_major) {
+      if (!(err = compare_bits(got.recv_weights.data<float>() + i, &row.weight, 1, 4, where + " recv_weights")).empty())
+        return err;
+    } else {
+      if (!(err = compare_bits(got.recv_topk_idx.data<int32_t>() + i * k_count, &x.topk_idx[i * k_count], k_count, 4,
+                               where + " recv_topk_idx")).empty())
+        return err;
+      if (!(err = compare_bits(got.recv_topk_weights.data<float>() + i * k_count, &x.topk_weights[i * k_count], k_count,
+                               4, where + " recv_topk_weights")).empty())
+        return err;
+    }
+  }
+  return {};
+}
+
+std::vector<uint16_t> expected_combine(const Problem& p, const std::vector<std::vector<int32_t>>& kept,
+                                       const std::vector<Expected>& layouts, const std::vector<std::vector<uint16_t>>& y,
+                                       int s, Layout layout, bool weighted, const std::vector<uint16_t>* shared) {
+  const int64_t h = p.cfg.hidden, k_count = p.cfg.topk, l_count = local_experts(p);
+  const RankInput& in = p.inputs[s];
+  std::vector<RowIndex> index;
+  for (const auto& l : layouts) index.emplace_back(l);
+  std::vector<uint16_t> out(in.tokens * h);
+  std::vector<float> partial(h), total(h);
+  for (int64_t t = 0; t < in.tokens; ++t) {
+    std::fill(total.begin(), total.end(), 0.0f);
+    for (int d = 0; d < p.ranks; ++d) {
+      std::fill(partial.begin(), partial.end(), 0.0f);
+      const int64_t cap = capacity_of(p, layouts[d]);
+      bool sent = false;
+      for (int64_t k = 0; k < k_count; ++k) {
+        const int32_t e = kept[s][t * k_count + k];
+        if (e < 0 || e / l_count != d) continue;
+        sent = true;
+        if (layout == Layout::rank_major) continue;
+        const int64_t row = index[d].find(s, t, e % l_count);
+        if (row < 0 || row >= cap) continue;  // lost to overflow
+        const float w = weight_of(in, t * k_count + k);
+        for (int64_t c = 0; c < h; ++c) {
+          const float v = bf16_to_float(y[d][row * h + c]);
+          partial[c] = weighted ? std::fma(w, v, partial[c]) : partial[c] + v;
+        }
+      }
+      if (!sent) continue;
+      if (layout == Layout::rank_major) {  // the caller already reduced the token's local experts
+        const int64_t row = index[d].find(s, t, -1);
+        if (row >= 0 && row < cap)
+          for (int64_t c = 0; c < h; ++c) partial[c] = bf16_to_float(y[d][row * h + c]);
+      }
+      for (int64_t c = 0; c < h; ++c) total[c] += bf16_to_float(float_to_bf16(partial[c]));
+    }
+    if (shared)
+      for (int64_t c = 0; c < h; ++c) total[c] += bf16_to_float((*shared)[t * h + c]);
+    for (int64_t c = 0; c < h; ++c) out[t * h + c] = float_to_bf16(total[c]);
+  }
+  return out;
+}
+
+std::vector<uint16_t> expected_grad_y(const Problem& p, const Expected& layout,
+                                      const std::vector<std::vector<uint16_t>>& grad_out, bool weighted) {
+  const int64_t h = p.cfg.hidden, cap = capacity_of(p, layout);
+  std::vector<uint16_t> g(cap * h, 0);
+  for (int64_t i = 0; i < std::min<int64_t>(cap, layout.rows.size()); ++i) {
+    const ExpectedRow& row = layout.rows[i];
+    if (row.src_rank < 0) continue;
+    const uint16_t* src = &grad_out[row.src_rank][row.src_token * h];
+    for (int64_t c = 0; c < h; ++c)
+      g[i * h + c] = weighted ? float_to_bf16(row.weight * bf16_to_float(src[c])) : src[c];
+  }
+  return g;
+}
+
+std::vector<float> expected_grad_w(const Problem& p, const std::vector<std::vector<int32_t>>& kept,
+                                   const std::vector<Expected>& layouts, const std::vector<std::vector<uint16_t>>& grad_out,
+                                   const std::vector<std::vector<uint16_t>>& y, int s) {
+  const int64_t h = p.cfg.hidden, k_count = p.cfg.topk, l_count = local_experts(p);
+  std::vector<RowIndex> index;
+  for (const auto& l : layouts) index.emplace_back(l);
+  std::vector<float> gw(p.inputs[s].tokens * k_count, 0.0f);
+  for (int64_t t = 0; t < p.inputs[s].tokens; ++t)
+    for (int64_t k = 0; k < k_count; ++k) {
+      const int32_t e = kept[s][t * k_count + k];
+      if (e < 0) continue;
+      const int d = static_cast<int>(e / l_count);
+      const int64_t row = index[d].find(s, t, e % l_count);
+      if (row < 0 || row >= capacity_of(p, layouts[d])) continue;
+      gw[t * k_count + k] = lane_dot(&grad_out[s][t * h], &y[d][row * h], h);
+    }
+  return gw;
+}
+
+std::vector<float> expected_gathered_weights(const Problem& p, const std::vector<std::vector<int32_t>>& kept,
+                                             const std::vector<Expected>& layouts,
+                                             const std::vector<std::vector<float>>& grad_recv_weights, int s,
+                                             Layout layout) {
+  const int64_t k_count = p.cfg.topk, l_count = local_experts(p);
+  std::vector<RowIndex> index;
+  for (const auto& l : layouts) index.emplace_back(l);
+  std::vector<float> gw(p.inputs[s].tokens * k_count, 0.0f);
+  for (int64_t t = 0; t < p.inputs[s].tokens; ++t)
+    for (int64_t k = 0; k < k_count; ++k) {
+      const int32_t e = kept[s][t * k_count + k];
+      if (e < 0) continue;
+      const int d = static_cast<int>(e / l_count);
+      const bool rank_major = layout == Layout::rank_major;
+      const int64_t row = index[d].find(s, t, rank_major ? -1 : e % l_count);
+      if (row < 0 || row >= capacity_of(p, layouts[d])) continue;
+      gw[t * k_count + k] = rank_major ? grad_recv_weights[d][row * k_count + k] : grad_recv_weights[d][row];
+    }
+  return gw;
+}
+
+}  // namespace epx::verify

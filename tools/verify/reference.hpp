@@ -1,0 +1,63 @@
+// An independent, deliberately naive statement of docs/semantics.md: it looks at every rank's
+// inputs at once and builds each expected output by scanning all (rank, token, slot) triples.
+// It shares only the scalar codecs and the documented reductions with the library.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "verify/random_inputs.hpp"
+
+namespace epx::verify {
+
+// Per rank [T*K]: the routing after the capacity-factor drop rule.
+std::vector<std::vector<int32_t>> kept_routing(const Problem& p);
+
+struct ExpectedRow {
+  int32_t src_rank = -1;  // -1: padding
+  int32_t src_token = -1;
+  int32_t local_expert = -1;  // expert-major: the row's expert
+  float weight = 0.0f;
+};
+
+struct Expected {
+  std::vector<ExpectedRow> rows;
+  std::vector<int64_t> expert_offsets;     // expert-major
+  std::vector<int64_t> tokens_per_expert;
+  std::vector<int64_t> rank_offsets;
+  std::vector<int32_t> topk_idx;           // rank-major [N*K]
+  std::vector<float> topk_weights;         // rank-major [N*K]
+};
+
+Expected expected_dispatch(const Problem& p, const std::vector<std::vector<int32_t>>& kept, int rank, Layout layout);
+
+// Empty when `got` is exactly what rank `rank` must receive; otherwise the first difference.
+std::string check_dispatch(const Problem& p, const std::vector<std::vector<int32_t>>& kept, int rank, Layout layout,
+                           float nvfp4_global_scale, const DispatchResult& got);
+
+// Expected combine output of source rank s, given every rank's y (rows in its dispatch layout)
+// and optional shared-expert rows of s.
+std::vector<uint16_t> expected_combine(const Problem& p, const std::vector<std::vector<int32_t>>& kept,
+                                       const std::vector<Expected>& layouts, const std::vector<std::vector<uint16_t>>& y,
+                                       int s, Layout layout, bool weighted,
+                                       const std::vector<uint16_t>* shared);
+
+// Expected combine-backward outputs: grad_y on expert rank d; grad_w of source rank s.
+std::vector<uint16_t> expected_grad_y(const Problem& p, const Expected& layout, const std::vector<std::vector<uint16_t>>& grad_out,
+                                      bool weighted);
+std::vector<float> expected_grad_w(const Problem& p, const std::vector<std::vector<int32_t>>& kept,
+                                   const std::vector<Expected>& layouts, const std::vector<std::vector<uint16_t>>& grad_out,
+                                   const std::vector<std::vector<uint16_t>>& y, int s);
+
+// Byte-exact comparison of two arrays; empty when equal, else "what[i]: got a, want b".
+std::string compare_bits(const void* got, const void* want, int64_t count, int64_t elem_size, const std::string& what);
+
+}  // namespace epx::verify
+
+namespace epx::verify {
+// Expected dispatch_backward grad_topk_weights of source rank s: per kept slot, the value at its
+// row on the expert rank (expert-major: g[d][row]; rank-major: g[d][row * K + k]).
+std::vector<float> expected_gathered_weights(const Problem& p, const std::vector<std::vector<int32_t>>& kept,
+                                             const std::vector<Expected>& layouts,
+                                             const std::vector<std::vector<float>>& grad_recv_weights, int s,
+                                             Layout layout);
+}  // namespace epx::verify
