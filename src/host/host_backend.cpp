@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "core/check.hpp"
+#include "core/reduce.hpp"
 
 namespace epx::detail {
 
@@ -134,12 +135,28 @@ void HostBackend::push_reverse(const HandleState& h, bool rows, bool slots,
   }
 }
 
-const uint16_t* HostBackend::reverse_row(int d, int64_t pos) const {
-  return &shared_->areas[rank_].rev_rows[(d * config().max_tokens_per_rank + pos) * config().hidden];
+void HostBackend::add_returned_rows(const HandleState& h, int64_t t, float* acc) const {
+  const RankArea& area = shared_->areas[rank_];
+  const int64_t max_tokens = config().max_tokens_per_rank, hidden = config().hidden;
+  for (int d = 0; d < ranks_; ++d) {  // ranks in order
+    const int32_t pos = h.send_pos[t * ranks_ + d];
+    if (pos >= 0) add_row(acc, &area.rev_rows[(d * max_tokens + pos) * hidden], hidden);
+  }
 }
 
-const float* HostBackend::reverse_slots(int d, int64_t pos) const {
-  return &shared_->areas[rank_].rev_slot_value[(d * config().max_tokens_per_rank + pos) * config().topk];
+Tensor HostBackend::gather_slot_values(const HandleState& h) const {
+  const RankArea& area = shared_->areas[rank_];
+  const int64_t max_tokens = config().max_tokens_per_rank, k_count = h.topk;
+  Tensor out = Tensor::zeros_host(DType::f32, {h.tokens, k_count});
+  for (int64_t t = 0; t < h.tokens; ++t)
+    for (int64_t k = 0; k < k_count; ++k) {
+      const int32_t e = h.slot_expert[t * k_count + k];
+      if (e < 0) continue;  // unused or dropped: zero
+      const int d = static_cast<int>(e / local_experts_);
+      const int64_t pos = h.send_pos[t * ranks_ + d];
+      out.data<float>()[t * k_count + k] = area.rev_slot_value[(d * max_tokens + pos) * k_count + k];
+    }
+  return out;
 }
 
 }  // namespace epx::detail

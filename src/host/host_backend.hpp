@@ -58,9 +58,11 @@ class HostBackend final : public Backend {
   // (if rows) and per-slot values (if slots) into the source's reverse area.
   void push_reverse(const HandleState& h, bool rows, bool slots,
                     const std::function<void(int64_t, uint16_t*, float*)>& fill);
-  // The reverse data this rank received for its token t from rank d (pos = send_pos).
-  const uint16_t* reverse_row(int d, int64_t pos) const;
-  const float* reverse_slots(int d, int64_t pos) const;
+  // After a reverse transfer, on the source: acc += the rows returned for token t, ranks in order.
+  void add_returned_rows(const HandleState& h, int64_t t, float* acc) const;
+  // After a reverse transfer with slots, on the source: [T, K] f32 of the per-slot values,
+  // each from the rank holding that slot's expert; 0 for unused or dropped slots.
+  Tensor gather_slot_values(const HandleState& h) const;
 
   int rank_;
   int ranks_;

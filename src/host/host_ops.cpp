@@ -206,10 +206,7 @@ CombineResult HostBackend::combine(const CombineInput& in, const Handle& handle,
     out.out = Tensor::zeros_host(DType::bf16, {h->tokens, hidden});
     for (int64_t t = 0; t < h->tokens; ++t) {
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int d = 0; d < ranks_; ++d) {  // ranks in order
-        const int32_t pos = h->send_pos[t * ranks_ + d];
-        if (pos >= 0) add_row(acc.data(), reverse_row(d, pos), hidden);
-      }
+      add_returned_rows(*h, t, acc.data());
       if (in.shared_out.defined()) add_row(acc.data(), row_ptr<uint16_t>(in.shared_out, t), hidden);
       round_row(out.out.data<uint16_t>() + t * hidden, acc.data(), hidden);
     }
@@ -263,22 +260,12 @@ DispatchBackwardResult HostBackend::dispatch_backward(const DispatchBackwardInpu
 
     DispatchBackwardResult out;
     out.grad_x = Tensor::zeros_host(DType::bf16, {h->tokens, hidden});
-    if (with_weights) out.grad_topk_weights = Tensor::zeros_host(DType::f32, {h->tokens, k_count});
     for (int64_t t = 0; t < h->tokens; ++t) {
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int d = 0; d < ranks_; ++d) {
-        const int32_t pos = h->send_pos[t * ranks_ + d];
-        if (pos >= 0) add_row(acc.data(), reverse_row(d, pos), hidden);
-      }
+      add_returned_rows(*h, t, acc.data());
       round_row(out.grad_x.data<uint16_t>() + t * hidden, acc.data(), hidden);
-      if (!with_weights) continue;
-      for (int64_t k = 0; k < k_count; ++k) {
-        const int32_t e = h->slot_expert[t * k_count + k];
-        if (e < 0) continue;  // unused or dropped slot: zero gradient
-        const int d = static_cast<int>(e / local_experts_);
-        out.grad_topk_weights.data<float>()[t * k_count + k] = reverse_slots(d, h->send_pos[t * ranks_ + d])[k];
-      }
     }
+    if (with_weights) out.grad_topk_weights = gather_slot_values(*h);
     return out;
   });
 }
@@ -338,14 +325,7 @@ CombineBackwardResult HostBackend::combine_backward(const CombineBackwardInput& 
       std::copy_n(&grad_w[i * k_count], k_count, slots);
     });
     sync(call, "weight gradients");
-    out.grad_topk_weights = Tensor::zeros_host(DType::f32, {h->tokens, k_count});
-    for (int64_t t = 0; t < h->tokens; ++t)
-      for (int64_t k = 0; k < k_count; ++k) {
-        const int32_t e = h->slot_expert[t * k_count + k];
-        if (e < 0) continue;
-        const int d = static_cast<int>(e / local_experts_);
-        out.grad_topk_weights.data<float>()[t * k_count + k] = reverse_slots(d, h->send_pos[t * ranks_ + d])[k];
-      }
+    out.grad_topk_weights = gather_slot_values(*h);
     return out;
   });
 }

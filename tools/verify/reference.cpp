@@ -298,22 +298,34 @@ std::vector<uint16_t> expected_grad_y(const Problem& p, const Expected& layout,
   return g;
 }
 
-std::vector<float> expected_grad_w(const Problem& p, const std::vector<std::vector<int32_t>>& kept,
-                                   const std::vector<Expected>& layouts, const std::vector<std::vector<uint16_t>>& grad_out,
-                                   const std::vector<std::vector<uint16_t>>& y, int s) {
-  const int64_t h = p.cfg.hidden, k_count = p.cfg.topk, l_count = local_experts(p);
+namespace {
+// Calls fn(t, k, d, row) for every kept slot of source rank s whose row on expert rank d exists
+// (not lost to overflow). Rank-major rows are looked up per token.
+template <typename Fn>
+void for_each_slot_row(const Problem& p, const std::vector<std::vector<int32_t>>& kept,
+                       const std::vector<Expected>& layouts, int s, Layout layout, Fn&& fn) {
+  const int64_t k_count = p.cfg.topk, l_count = local_experts(p);
   std::vector<RowIndex> index;
   for (const auto& l : layouts) index.emplace_back(l);
-  std::vector<float> gw(p.inputs[s].tokens * k_count, 0.0f);
   for (int64_t t = 0; t < p.inputs[s].tokens; ++t)
     for (int64_t k = 0; k < k_count; ++k) {
       const int32_t e = kept[s][t * k_count + k];
       if (e < 0) continue;
       const int d = static_cast<int>(e / l_count);
-      const int64_t row = index[d].find(s, t, e % l_count);
-      if (row < 0 || row >= capacity_of(p, layouts[d])) continue;
-      gw[t * k_count + k] = lane_dot(&grad_out[s][t * h], &y[d][row * h], h);
+      const int64_t row = index[d].find(s, t, layout == Layout::rank_major ? -1 : e % l_count);
+      if (row >= 0 && row < capacity_of(p, layouts[d])) fn(t, k, d, row);
     }
+}
+}  // namespace
+
+std::vector<float> expected_grad_w(const Problem& p, const std::vector<std::vector<int32_t>>& kept,
+                                   const std::vector<Expected>& layouts, const std::vector<std::vector<uint16_t>>& grad_out,
+                                   const std::vector<std::vector<uint16_t>>& y, int s) {
+  const int64_t h = p.cfg.hidden, k_count = p.cfg.topk;
+  std::vector<float> gw(p.inputs[s].tokens * k_count, 0.0f);
+  for_each_slot_row(p, kept, layouts, s, Layout::expert_major, [&](int64_t t, int64_t k, int d, int64_t row) {
+    gw[t * k_count + k] = lane_dot(&grad_out[s][t * h], &y[d][row * h], h);
+  });
   return gw;
 }
 
@@ -321,20 +333,11 @@ std::vector<float> expected_gathered_weights(const Problem& p, const std::vector
                                              const std::vector<Expected>& layouts,
                                              const std::vector<std::vector<float>>& grad_recv_weights, int s,
                                              Layout layout) {
-  const int64_t k_count = p.cfg.topk, l_count = local_experts(p);
-  std::vector<RowIndex> index;
-  for (const auto& l : layouts) index.emplace_back(l);
+  const int64_t k_count = p.cfg.topk;
   std::vector<float> gw(p.inputs[s].tokens * k_count, 0.0f);
-  for (int64_t t = 0; t < p.inputs[s].tokens; ++t)
-    for (int64_t k = 0; k < k_count; ++k) {
-      const int32_t e = kept[s][t * k_count + k];
-      if (e < 0) continue;
-      const int d = static_cast<int>(e / l_count);
-      const bool rank_major = layout == Layout::rank_major;
-      const int64_t row = index[d].find(s, t, rank_major ? -1 : e % l_count);
-      if (row < 0 || row >= capacity_of(p, layouts[d])) continue;
-      gw[t * k_count + k] = rank_major ? grad_recv_weights[d][row * k_count + k] : grad_recv_weights[d][row];
-    }
+  for_each_slot_row(p, kept, layouts, s, layout, [&](int64_t t, int64_t k, int d, int64_t row) {
+    gw[t * k_count + k] = layout == Layout::rank_major ? grad_recv_weights[d][row * k_count + k] : grad_recv_weights[d][row];
+  });
   return gw;
 }
 
