@@ -23,6 +23,15 @@ class Buffer {
   const BufferConfig& config() const;
   const Group& group() const;
 
+  // CUDA: the stream (cudaStream_t) every later call of this buffer runs on; default: a
+  // non-blocking stream the buffer owns. Outputs are allocated and freed stream-ordered on it,
+  // so a stream you set must outlive them. The host backend ignores it.
+  void set_stream(void* stream);
+  // CUDA: waits until every call made so far on this buffer's stream is done (outputs are
+  // complete); the host backend returns at once. Unlike cudaDeviceSynchronize, it never waits
+  // on other ranks sharing the GPU.
+  void synchronize();
+
   // All four are collective: every rank calls them in the same order.
   DispatchResult dispatch(const DispatchInput& in, const DispatchOptions& opt = {});
   CombineResult combine(const CombineInput& in, const Handle& handle, const CombineOptions& opt = {});

@@ -36,6 +36,7 @@ struct BufferConfig {
   int64_t capacity_rows = 0;        // receive rows per rank in capacity mode
   double capacity_factor = 0.0;     // > 0: drop (token, expert) pairs beyond ceil(cf * sum_r T_r * K / E) per expert
   int64_t timeout_ms = 0;           // wait on a peer at most this long; 0 = EPX_TIMEOUT_MS or 60000
+  int64_t num_sms = 0;              // CUDA: thread blocks (one per SM) of the data-moving kernels; 0 = 24
 };
 
 std::string_view wire_name(WireFormat w);

@@ -54,7 +54,9 @@ struct DispatchResult {
   Tensor tokens_per_expert;  // [L] i64 unpadded counts
   Tensor rank_offsets;       // [R+1] i64 first row from each source rank (rank-major)
 
-  int64_t num_rows = 0;       // rows the layout needs (may exceed capacity_rows)
+  Tensor recv_info;          // [4] i64 on the backend's device: rows received, num_rows, rows allocated,
+                             // overflow (capacity mode reads sizes here, without a host sync)
+  int64_t num_rows = 0;       // rows the layout needs (may exceed capacity_rows); -1 when only on the device
   bool overflow = false;      // capacity mode: num_rows > capacity_rows; rows past capacity not written
   int64_t dropped_slots = 0;  // (token, expert) pairs this rank sent that capacity_factor dropped
   Handle handle;

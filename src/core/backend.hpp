@@ -23,6 +23,8 @@ class Backend {
   virtual DispatchBackwardResult dispatch_backward(const DispatchBackwardInput& in, const Handle& h) = 0;
   virtual CombineBackwardResult combine_backward(const CombineBackwardInput& in, const Handle& h,
                                                  const CombineOptions& opt) = 0;
+  virtual void set_stream(void*) {}
+  virtual void synchronize() {}
 
  private:
   Group group_;
@@ -30,5 +32,6 @@ class Backend {
 };
 
 std::unique_ptr<Backend> make_host_backend(const Group& group, const BufferConfig& config);
+std::unique_ptr<Backend> make_cuda_backend(const Group& group, const BufferConfig& config);
 
 }  // namespace epx::detail

@@ -12,7 +12,12 @@ Buffer::Buffer(const Group& group, const BufferConfig& config) {
   switch (group.backend()) {
     case BackendKind::host: backend_ = detail::make_host_backend(group, config); break;
     case BackendKind::cuda:
+#ifdef EPX_HAS_CUDA
+      backend_ = detail::make_cuda_backend(group, config);
+#else
       detail::fail(ErrorCode::unsupported, "buffer: this build of epx has no CUDA backend");
+#endif
+      break;
   }
 }
 
@@ -22,6 +27,8 @@ Buffer& Buffer::operator=(Buffer&&) noexcept = default;
 
 const BufferConfig& Buffer::config() const { return backend_->config(); }
 const Group& Buffer::group() const { return backend_->group(); }
+void Buffer::set_stream(void* stream) { backend_->set_stream(stream); }
+void Buffer::synchronize() { backend_->synchronize(); }
 
 DispatchResult Buffer::dispatch(const DispatchInput& in, const DispatchOptions& opt) {
   return backend_->dispatch(in, opt);

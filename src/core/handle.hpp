@@ -2,6 +2,7 @@
 // Backend-free; a device backend keeps a device copy of the same arrays.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "epx/config.hpp"
@@ -41,7 +42,9 @@ struct HandleState {
   std::vector<int32_t> send_pos;     // [T*R] row of token t in the stream to rank d, -1 if not sent
   std::vector<int64_t> sent_rows;    // [R] tokens sent to each rank
 
-  RecvLayout recv;  // receiver side
+  RecvLayout recv;  // receiver side (the CPU backend fills all of it; CUDA only layout and capacity)
+
+  std::shared_ptr<const void> device;  // a device backend's copy of the arrays above
 };
 
 // Fills slot_row, expert_offsets, tokens_per_expert, num_rows and capacity of `r` from its

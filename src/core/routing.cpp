@@ -24,6 +24,7 @@ void validate_config(const BufferConfig& c, int ranks) {
   require(c.capacity_factor >= 0.0 && std::isfinite(c.capacity_factor),
           "buffer: capacity_factor must be >= 0 (0 disables dropping), got ", c.capacity_factor);
   require(c.timeout_ms >= 0, "buffer: timeout_ms must be >= 0, got ", c.timeout_ms);
+  require(c.num_sms >= 0 && c.num_sms <= 1024, "buffer: num_sms must be in [0, 1024] (0 = default), got ", c.num_sms);
   if (c.mode == CapacityMode::capacity)
     require(c.capacity_rows > 0, "buffer: capacity mode needs capacity_rows > 0 (receive rows per rank)");
   if (c.wire == WireFormat::fp8 || c.wire == WireFormat::fp8_ue8m0)

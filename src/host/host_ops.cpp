@@ -163,6 +163,7 @@ DispatchResult HostBackend::dispatch(const DispatchInput& in, const DispatchOpti
     out.rank_offsets = offsets_tensor(r.rank_offsets);
     out.num_rows = r.num_rows;
     out.overflow = r.overflow();
+    out.recv_info = offsets_tensor({r.tokens, r.num_rows, r.capacity, r.overflow() ? 1 : 0});
     out.dropped_slots = dropped;
     out.handle = Handle(std::move(h));
     return out;

@@ -7,10 +7,19 @@
 #include <map>
 #include <memory>
 
+#include <functional>
+#include <thread>
+
 #include "bench/json.hpp"
 #include "bench/options.hpp"
+#include "bench/staging.hpp"
 #include "verify/reference.hpp"
-#include "verify/run_ranks.hpp"
+
+#ifdef EPX_HAS_CUDA
+#include <cuda_runtime.h>
+
+#include "epx/cuda.hpp"
+#endif
 
 namespace epx::bench {
 namespace {
@@ -28,61 +37,113 @@ struct RankOutputs {
   std::map<std::string, std::vector<double>> times_us;  // op -> per iteration
 };
 
-TensorView bf16_view(const std::vector<uint16_t>& v, int64_t rows, int64_t h) {
-  return TensorView::of(const_cast<uint16_t*>(v.data()), DType::bf16, {rows, h});
-}
-
 bool wants(const Options& o, const std::string& op) { return std::find(o.ops.begin(), o.ops.end(), op) != o.ops.end(); }
+
+// The ranks of the run: host threads of a HostWorld, or GPUs of a CudaWorld (one per GPU).
+struct Ranks {
+  std::function<Group(int)> group;
+  std::function<int(const Group&)> device;  // -1 on the host backend
+  std::string gpu_name;
+};
+
+Ranks make_ranks(const Options& o) {
+  if (o.backend == "host") {
+    auto world = std::make_shared<HostWorld>(o.ranks);
+    return {[world](int r) { return world->group(r); }, [](const Group&) { return -1; }, ""};
+  }
+#ifdef EPX_HAS_CUDA
+  int gpus = 0;
+  cudaGetDeviceCount(&gpus);
+  if (gpus < 1) throw Error(ErrorCode::unsupported, "epx-bench: --backend cuda but no GPU is visible");
+  if (o.ranks > gpus)  // the shared-GPU transport is for tests; its timings would mean nothing
+    throw Error(ErrorCode::invalid_argument, "epx-bench: --ranks " + std::to_string(o.ranks) + " but only " +
+                                                 std::to_string(gpus) + " GPU(s) visible; the CUDA backend runs one rank per GPU");
+  std::vector<int> devices;
+  for (int d = 0; d < o.ranks; ++d) devices.push_back(d);
+  auto world = std::make_shared<CudaWorld>(devices);
+  cudaDeviceProp prop;
+  cudaGetDeviceProperties(&prop, 0);
+  return {[world](int r) { return world->group(r); }, [](const Group& g) { return cuda_device(g); }, prop.name};
+#else
+  throw Error(ErrorCode::unsupported, "epx-bench: this build has no CUDA backend; use --backend host");
+#endif
+}
 
 // Runs one configuration on all ranks. Each timed call starts together on every rank (a plain
 // thread barrier outside epx) and the iteration's time is the slowest rank's.
-std::vector<RankOutputs> run_config(const Options& o, const verify::Problem& p, Layout layout, bool with_combine) {
+std::vector<RankOutputs> run_config(const Options& o, const Ranks& ranks, const verify::Problem& p, Layout layout,
+                                    bool with_combine) {
   std::vector<RankOutputs> outs(p.ranks);
   std::barrier start(p.ranks);
   const int64_t h = p.cfg.hidden, k_count = p.cfg.topk;
   const bool weighted = layout == Layout::expert_major;
-  auto timed = [&](RankOutputs& out, const std::string& op, auto&& call) {
-    for (int i = 0; i < o.warmup + o.iters; ++i) {
-      start.arrive_and_wait();
-      const auto t0 = Clock::now();
-      call();
-      const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
-      if (i >= o.warmup) out.times_us[op].push_back(us);
-    }
-  };
-  auto errors = verify::run_ranks(p.ranks, [&](const Group& g) {
-    const int r = g.rank();
+  std::vector<std::string> errors(p.ranks);
+  auto rank_main = [&](int r) {
+    const Group g = ranks.group(r);
+    Staging io(ranks.device(g));
     RankOutputs& out = outs[r];
+    auto timed = [&](const std::string& op, auto&& call) {
+      for (int i = 0; i < o.warmup + o.iters; ++i) {
+        start.arrive_and_wait();
+        io.start();
+        call();
+        io.stop();
+        const double us = io.elapsed_us();
+        if (i >= o.warmup) out.times_us[op].push_back(us);
+      }
+    };
     Buffer buffer(g, p.cfg);
-    const DispatchInput in = p.inputs[r].view(h, k_count);
+    buffer.set_stream(io.stream());
+    const verify::RankInput& in = p.inputs[r];
+    const int64_t tokens = in.tokens;
+    DispatchInput din;
+    din.x = io.view(in.x, DType::bf16, {tokens, h});
+    din.topk_idx = io.view(in.idx, DType::i32, {tokens, k_count});
+    din.topk_weights = io.view(in.weights, DType::f32, {tokens, k_count});
     DispatchOptions dopt;
     dopt.layout = layout;
-    timed(out, "dispatch", [&] { out.dispatched = buffer.dispatch(in, dopt); });
+    DispatchResult d;
+    timed("dispatch", [&] { d = buffer.dispatch(din, dopt); });
+    out.dispatched = io.fetch(d);
     if (!with_combine) return;
-    const int64_t rows = out.dispatched.recv_x.size(0), tokens = p.inputs[r].tokens;
+    const int64_t rows = d.recv_x.size(0);
     out.y = verify::random_bf16(rows * h, o.seed * 7 + r);
-    if (wants(o, "combine"))
-      timed(out, "combine", [&] {
-        out.combined = buffer.combine({bf16_view(out.y, rows, h), {}}, out.dispatched.handle, {weighted});
-      });
+    const TensorView y = io.view(out.y, DType::bf16, {rows, h});
+    if (wants(o, "combine")) {
+      CombineResult c;
+      timed("combine", [&] { c = buffer.combine({y, {}}, d.handle, {weighted}); });
+      out.combined.out = io.fetch(c.out);
+    }
     if (wants(o, "dispatch_backward")) {
       out.grad_x_in = verify::random_bf16(rows * h, o.seed * 11 + r);
       out.grad_w_in.assign(rows * (weighted ? 1 : k_count), 0.5f);
       for (size_t i = 0; i < out.grad_w_in.size(); ++i) out.grad_w_in[i] = static_cast<float>(i % 17) * 0.125f - 1.0f;
-      const TensorView gw = weighted ? TensorView::of(out.grad_w_in.data(), DType::f32, {rows})
-                                     : TensorView::of(out.grad_w_in.data(), DType::f32, {rows, k_count});
-      timed(out, "dispatch_backward", [&] {
-        out.dispatch_grad = buffer.dispatch_backward({bf16_view(out.grad_x_in, rows, h), gw}, out.dispatched.handle);
-      });
+      const TensorView gw = weighted ? io.view(out.grad_w_in, DType::f32, {rows}) : io.view(out.grad_w_in, DType::f32, {rows, k_count});
+      const TensorView gx = io.view(out.grad_x_in, DType::bf16, {rows, h});
+      DispatchBackwardResult b;
+      timed("dispatch_backward", [&] { b = buffer.dispatch_backward({gx, gw}, d.handle); });
+      out.dispatch_grad.grad_x = io.fetch(b.grad_x);
+      out.dispatch_grad.grad_topk_weights = io.fetch(b.grad_topk_weights);
     }
     if (wants(o, "combine_backward")) {
       out.grad_out = verify::random_bf16(tokens * h, o.seed * 13 + r);
-      timed(out, "combine_backward", [&] {
-        out.combine_grad = buffer.combine_backward({bf16_view(out.grad_out, tokens, h), bf16_view(out.y, rows, h)},
-                                                   out.dispatched.handle, {weighted});
-      });
+      const TensorView go = io.view(out.grad_out, DType::bf16, {tokens, h});
+      CombineBackwardResult b;
+      timed("combine_backward", [&] { b = buffer.combine_backward({go, y}, d.handle, {weighted}); });
+      out.combine_grad.grad_y = io.fetch(b.grad_y);
+      out.combine_grad.grad_topk_weights = io.fetch(b.grad_topk_weights);
     }
-  });
+  };
+  std::vector<std::thread> threads;
+  for (int r = 0; r < p.ranks; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        rank_main(r);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
   for (int r = 0; r < p.ranks; ++r)
     if (!errors[r].empty()) throw Error(ErrorCode::internal, "rank " + std::to_string(r) + ": " + errors[r]);
   return outs;
@@ -154,7 +215,7 @@ double wire_row_bytes(WireFormat w, int64_t h) {
   return 0;
 }
 
-Record make_record(const Options& o, const verify::Problem& p, const std::string& op, WireFormat wire, Layout layout,
+Record make_record(const Options& o, const Ranks& ranks, const verify::Problem& p, const std::string& op, WireFormat wire, Layout layout,
                    const std::vector<RankOutputs>& outs) {
   Record rec;
   rec.op = op;
@@ -167,9 +228,10 @@ Record make_record(const Options& o, const verify::Problem& p, const std::string
   rec.experts = p.cfg.num_experts;
   rec.alignment = p.cfg.expert_alignment;
   rec.routing = o.routing == verify::Routing::skewed ? "skewed" : "uniform";
-  rec.sms = o.sms;
+  rec.sms = o.backend == "cuda" ? (o.sms > 0 ? o.sms : 24) : 0;  // 24: the CUDA backend's default grid
   rec.iters = o.iters;
   rec.backend = o.backend;
+  rec.gpu = ranks.gpu_name;
   rec.git_commit = EPX_GIT_COMMIT;
   std::vector<double> t(o.iters, 0.0);  // slowest rank per iteration
   for (const auto& out : outs)
@@ -198,10 +260,6 @@ void print_table(const std::vector<Record>& records) {
 }
 
 int run(const Options& o) {
-  if (o.backend == "cuda") {
-    std::fprintf(stderr, "epx-bench: this build of epx has no CUDA backend; use --backend host\n");
-    return 2;
-  }
   verify::ProblemSpec spec;
   spec.cfg.hidden = o.hidden;
   spec.cfg.max_tokens_per_rank = o.tokens;
@@ -218,7 +276,9 @@ int run(const Options& o) {
               static_cast<long long>(o.hidden), static_cast<long long>(o.topk), static_cast<long long>(o.experts),
               o.routing == verify::Routing::skewed ? "skewed" : "uniform", o.warmup, o.iters);
   std::fflush(stdout);
+  spec.cfg.num_sms = o.sms;
   verify::Problem base = verify::make_problem(spec);
+  const Ranks ranks = make_ranks(o);
 
   std::vector<Record> records;
   const size_t configs = o.layouts.size() * o.wires.size();
@@ -231,11 +291,11 @@ int run(const Options& o) {
       p.cfg.wire = wire;
       // combine and the backward passes take bf16 whatever the dispatch wire; run them once.
       const bool with_combine = wire == o.wires.front();
-      const auto outs = run_config(o, p, layout, with_combine);
-      if (wants(o, "dispatch")) records.push_back(make_record(o, p, "dispatch", wire, layout, outs));
+      const auto outs = run_config(o, ranks, p, layout, with_combine);
+      if (wants(o, "dispatch")) records.push_back(make_record(o, ranks, p, "dispatch", wire, layout, outs));
       if (!with_combine) continue;
       for (const char* op : {"combine", "dispatch_backward", "combine_backward"})
-        if (wants(o, op)) records.push_back(make_record(o, p, op, WireFormat::bf16, layout, outs));
+        if (wants(o, op)) records.push_back(make_record(o, ranks, p, op, WireFormat::bf16, layout, outs));
     }
   print_table(records);
   const bool all_ok = std::all_of(records.begin(), records.end(), [](const Record& r) { return r.verified; });

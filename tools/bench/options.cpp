@@ -1,5 +1,9 @@
 #include "bench/options.hpp"
 
+#ifdef EPX_HAS_CUDA
+#include "epx/cuda.hpp"
+#endif
+
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
@@ -100,7 +104,13 @@ Options parse_options(int argc, char** argv) {
       usage_error("unknown flag " + flag);
     }
   }
-  if (o.backend.empty()) o.backend = "host";  // this build has no CUDA backend yet
+  if (o.backend.empty()) {
+#ifdef EPX_HAS_CUDA
+    o.backend = cuda_available() ? "cuda" : "host";
+#else
+    o.backend = "host";
+#endif
+  }
   if (o.backend != "host" && o.backend != "cuda") usage_error("--backend is host or cuda, got '" + o.backend + "'");
   if (o.preset != "v3" && o.preset != "ll") usage_error("--preset is v3 or ll, got '" + o.preset + "'");
   if (o.ranks < 1) usage_error("--ranks must be >= 1");

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: configure against the PyTorch wheel's NCCL, build with all cores,
+# run the GPU tests against the CPU reference, compute-sanitizer on a small shape (EP1: the
+# sanitizer serializes kernels, so ranks waiting on each other could not progress), epx-bench.
+# Logs and JSON go to $OUT; a short summary is printed last.
+#   usage: [EPX_GIT_COMMIT=$(git rev-parse --short=12 HEAD)] [GTEST_FILTER=...] [BENCH_ARGS=...] \
+#          bash scripts/device-check.sh [tests|sanitize|bench|all]...   (default: all)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/device-out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# The shared-GPU transport runs one stream per rank on one GPU; with fewer hardware queues than
+# streams, a rank's waiting kernel can block another rank's kernel queued behind it.
+export CUDA_DEVICE_MAX_CONNECTIONS=32
+steps=${*:-all}
+summary=()
+note() { summary+=("$1"); echo "== $1"; }
+
+NCCL_DIR=$(python3 -c "import nvidia.nccl, os; print(nvidia.nccl.__path__[0])")
+nvidia-smi --query-gpu=index,name,memory.total,clocks.sm --format=csv > "$OUT/gpus.txt" 2>&1
+nvidia-smi topo -m >> "$OUT/gpus.txt" 2>&1
+gtest_args=()
+[ -f /usr/include/gtest/gtest.h ] || gtest_args=(-DEPX_GTEST_SOURCE_DIR="$PWD/.deps/googletest")
+generator=()
+command -v ninja >/dev/null && generator=(-G Ninja)
+# EPX_GIT_COMMIT: the commit the copied tree came from (it has no .git), for benchmark records.
+if ! cmake -S . -B build-gpu "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DEPX_NCCL_ROOT="$NCCL_DIR" "${gtest_args[@]}" \
+     ${EPX_GIT_COMMIT:+-DEPX_GIT_COMMIT=$EPX_GIT_COMMIT} \
+     > "$OUT/configure.log" 2>&1 || ! cmake --build build-gpu -j "$(nproc)" > "$OUT/build.log" 2>&1; then
+  tail -40 "$OUT/configure.log" "$OUT/build.log"
+  echo "SUMMARY: build failed"
+  exit 1
+fi
+note "built against NCCL in $NCCL_DIR"
+
+want() { [[ " $steps " == *" all "* || " $steps " == *" $1 "* ]]; }
+
+if want tests; then
+  timeout 300 ./build-gpu/tests/epx_gpu_tests --gtest_filter="${GTEST_FILTER:-*}" --gtest_output=json:"$OUT/gpu_tests.json" > "$OUT/gpu_tests.log" 2>&1
+  rc=$?
+  grep -E "^\[  (PASSED|FAILED)|^\[  FAILED  \]|Failure|Which is|Actual|Expected" "$OUT/gpu_tests.log" | head -60
+  note "gpu tests rc=$rc: $(grep -E '^\[  PASSED' "$OUT/gpu_tests.log") $(grep -cE '^\[  FAILED  \] ' "$OUT/gpu_tests.log") failed lines"
+fi
+if want sanitize; then
+  for tool in memcheck racecheck; do
+    timeout 240 compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 ./build-gpu/tests/epx_gpu_tests \
+      --gtest_filter='*nccl_R1_*' > "$OUT/sanitizer_$tool.log" 2>&1
+    rc=$?
+    tail -3 "$OUT/sanitizer_$tool.log"
+    note "compute-sanitizer $tool rc=$rc ($(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitizer_$tool.log") clean summaries)"
+  done
+fi
+if want bench; then
+  # BENCH_ARGS overrides the shape and formats (default: the V3 preset, bf16 and fp8).
+  timeout 400 ./build-gpu/epx-bench --backend cuda --ranks "$(nvidia-smi -L | wc -l)" ${BENCH_ARGS:---wire bf16,fp8} \
+    --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+  rc=$?
+  cat "$OUT/bench.log" | tail -25
+  note "epx-bench rc=$rc"
+fi
+echo
+echo "SUMMARY:"
+printf '  %s\n' "${summary[@]}"

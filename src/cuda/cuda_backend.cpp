@@ -1,0 +1,594 @@
+// Host side of the CUDA backend: checks, the kernel sequence of each call, outputs, errors.
+#include "cuda/cuda_backend.hpp"
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+
+#include "core/routing.hpp"
+#include "core/validate.hpp"
+#include "cuda/cuda_check.hpp"
+#include "epx/codec.hpp"
+
+namespace epx::detail {
+
+namespace {
+
+constexpr int kDefaultBlocks = 24;
+
+int64_t round16(int64_t x) { return (x + 15) / 16 * 16; }
+
+WindowMap make_window_map(const BufferConfig& c, int ranks, const WireRow& wire) {
+  WindowMap m{};
+  const int64_t rows = ranks * c.max_tokens_per_rank;
+  int64_t at = 0;
+  auto take = [&](int64_t bytes) {
+    const int64_t here = at;
+    at += round16(bytes);
+    return here;
+  };
+  m.signals = take(8 * kSignalKinds * ranks);
+  m.plan_stride = round16(static_cast<int64_t>(sizeof(PlanHeader)) + 8 * c.num_experts);
+  m.plans = take(2 * ranks * m.plan_stride);
+  m.fwd_rows = take(8 * ranks);
+  m.payload_stride = round16(std::max(wire.bytes(), 2 * c.hidden));
+  m.fwd_payload = take(rows * m.payload_stride);
+  m.fwd_token = take(4 * rows);
+  m.fwd_slot_expert = take(4 * rows * c.topk);
+  m.fwd_slot_weight = take(4 * rows * c.topk);
+  m.rev_rows = take(2 * rows * c.hidden);
+  m.rev_slots = take(4 * rows * c.topk);
+  m.total = at;
+  return m;
+}
+
+// Everything a dispatch leaves for combine and the backward passes, in one allocation.
+struct DeviceHandle {
+  std::shared_ptr<void> memory;
+  int32_t* slot_expert;   // [T*K]
+  float* slot_weight;     // [T*K]
+  int32_t* send_pos;      // [T*R]
+  int64_t* tokens_to_rank;  // [R]
+  int64_t* counts;        // [E]
+  int64_t* expert_prefix;  // [E]
+  int64_t* drop_capacity;  // [1]
+  int64_t* dropped;        // [1]
+  kernels::RecvArrays recv;
+};
+
+// Carves typed arrays out of one block: first pass measures, second assigns.
+class Carver {
+ public:
+  explicit Carver(char* base) : base_(base) {}
+  template <typename T>
+  T* take(int64_t count) {
+    T* p = base_ ? reinterpret_cast<T*>(base_ + used_) : nullptr;
+    used_ += round16(count * static_cast<int64_t>(sizeof(T)));
+    return p;
+  }
+  int64_t used() const { return used_; }
+
+ private:
+  char* base_;
+  int64_t used_ = 0;
+};
+
+void carve_handle(DeviceHandle& h, Carver& c, int64_t tokens, const BufferConfig& cfg, int ranks) {
+  const int64_t k = cfg.topk, rows = ranks * cfg.max_tokens_per_rank, l_count = cfg.num_experts / ranks;
+  h.slot_expert = c.take<int32_t>(tokens * k);
+  h.slot_weight = c.take<float>(tokens * k);
+  h.send_pos = c.take<int32_t>(tokens * ranks);
+  h.tokens_to_rank = c.take<int64_t>(ranks);
+  h.counts = c.take<int64_t>(cfg.num_experts);
+  h.expert_prefix = c.take<int64_t>(cfg.num_experts);
+  h.drop_capacity = c.take<int64_t>(1);
+  h.dropped = c.take<int64_t>(1);
+  h.recv.info = c.take<int64_t>(4);
+  h.recv.rank_offsets = c.take<int64_t>(ranks + 1);
+  h.recv.tokens_per_expert = c.take<int64_t>(l_count);
+  h.recv.expert_offsets = c.take<int64_t>(l_count + 1);
+  h.recv.src_rank = c.take<int32_t>(rows);
+  h.recv.src_token = c.take<int32_t>(rows);
+  h.recv.slot_expert = c.take<int32_t>(rows * k);
+  h.recv.slot_weight = c.take<float>(rows * k);
+  h.recv.slot_row = c.take<int64_t>(rows * k);
+}
+
+const DeviceHandle& device_of(const HandleState& h) { return *static_cast<const DeviceHandle*>(h.device.get()); }
+
+// Stable hash of the options that must agree across ranks.
+int64_t signature_of(std::initializer_list<int64_t> values) {
+  uint64_t h = 1469598103934665603ull;
+  for (int64_t v : values) h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull;
+  return static_cast<int64_t>(h);
+}
+
+const char* call_kind_name(int32_t kind) {
+  switch (kind) {
+    case 0: return "dispatch";
+    case 1: return "combine";
+    case 2: return "dispatch_backward";
+    case 3: return "combine_backward";
+  }
+  return "an unknown call";
+}
+
+// The words for an input error found on the device (same as the CPU backend's).
+std::string input_error(int32_t code, int64_t a, int64_t b, int64_t c, const BufferConfig& cfg) {
+  if (code == kStatusBadExpert && b == cfg.topk)
+    return cat("dispatch: routing_map row ", a, " selects more than topk=", cfg.topk, " experts");
+  if (code == kStatusBadExpert)
+    return cat("dispatch: topk_idx[", a, ", ", b, "] = ", c, " is out of range; expert ids must be in [0, ",
+               cfg.num_experts, ") or -1 for an unused slot");
+  if (code == kStatusRepeatedExpert)
+    return cat("dispatch: token ", a, " selects expert ", c, " twice (first in slot ", b, "); each expert at most once per token");
+  return cat("error code ", code);
+}
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cuda_backend(const Group& group, const BufferConfig& config) {
+  return std::make_unique<CudaBackend>(group, config);
+}
+
+CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
+    : Backend(group, config),
+      rank_(group.rank()),
+      ranks_(group.size()),
+      local_experts_(config.num_experts / group.size()),
+      wire_(wire_row(config.wire, config.hidden)) {
+  auto* state = dynamic_cast<CudaGroupState*>(group.state().get());
+  require(state != nullptr, "buffer: group is not a CUDA group");
+  require(ranks_ <= kMaxRanks, "buffer: the CUDA backend supports at most ", kMaxRanks, " ranks, got ", ranks_);
+  device_ = state->device(rank_);
+  EPX_CUDA(cudaSetDevice(device_));
+  map_ = make_window_map(config, ranks_, wire_);
+  // Everything that may synchronize the device comes before the collective window allocation:
+  // once a rank returns from it, peers may already wait inside a call, and on a GPU shared by
+  // several ranks a device-synchronizing call would wait for them (and they for us).
+  EPX_CUDA(cudaMalloc(&status_, sizeof(DeviceStatus)));
+  EPX_CUDA(cudaMalloc(&scratch_, sizeof(int64_t)));
+  EPX_CUDA(cudaMemset(status_, 0, sizeof(DeviceStatus)));
+  EPX_CUDA(cudaHostAlloc(&host_status_, sizeof(DeviceStatus), cudaHostAllocMapped));
+  std::memset(host_status_, 0, sizeof(DeviceStatus));
+  cudaStream_t own = nullptr;
+  EPX_CUDA(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking));
+  owned_stream_ = std::shared_ptr<CUstream_st>(own, [](cudaStream_t st) { cudaStreamDestroy(st); });
+  stream_ = own;
+  EPX_CUDA(cudaDeviceSynchronize());
+  const int64_t timeout = config.timeout_ms > 0 ? config.timeout_ms : 60000;
+  window_ = state->allocate(rank_, static_cast<size_t>(map_.total), std::chrono::milliseconds(timeout));
+}
+
+void CudaBackend::set_stream(void* stream) {
+  EPX_CUDA(cudaStreamSynchronize(stream_));  // earlier calls finish before later ones start elsewhere
+  stream_ = stream ? static_cast<cudaStream_t>(stream) : owned_stream_.get();
+}
+
+void CudaBackend::synchronize() { EPX_CUDA(cudaStreamSynchronize(stream_)); }
+
+CudaBackend::~CudaBackend() {
+  cudaSetDevice(device_);
+  cudaStreamSynchronize(stream_);
+  window_.reset();
+  cudaFree(status_);
+  cudaFree(scratch_);
+  cudaFreeHost(host_status_);
+}
+
+kernels::Ctx CudaBackend::ctx() const {
+  const BufferConfig& c = config();
+  const int64_t timeout_ms = c.timeout_ms > 0 ? c.timeout_ms : 60000;
+  kernels::Ctx x{window_->peers(), map_, {}, status_, static_cast<uint64_t>(timeout_ms) * 1000000ull,
+                 static_cast<int>(c.num_sms > 0 ? c.num_sms : kDefaultBlocks), stream_};
+  x.shape = {rank_, ranks_, c.hidden, c.topk, c.num_experts, local_experts_, c.max_tokens_per_rank};
+  return x;
+}
+
+CudaBackend::Call CudaBackend::begin_call(CallKind kind) {
+  Call call{kind, calls_++, cat(call_kind_name(kind), " #", calls_ - 1)};
+  if (broken_) fail(ErrorCode::peer_failed, call.name, " (rank ", rank_, "): the group already failed: ", broken_reason_);
+  EPX_CUDA(cudaSetDevice(device_));
+  check_earlier_calls(call);
+  EPX_CUDA(cudaMemsetAsync(status_, 0, sizeof(DeviceStatus), stream_));
+  return call;
+}
+
+void CudaBackend::check_earlier_calls(const Call& call) {
+  DeviceStatus st;
+  std::memcpy(&st, host_status_, sizeof st);
+  if (st.code == kStatusOk) return;
+  std::memset(host_status_, 0, sizeof(DeviceStatus));
+  raise(st, Call{call.kind, call.index, cat("a call before ", call.name, " (it ran without a host sync)")});
+}
+
+void CudaBackend::raise(const DeviceStatus& st, const Call& call) {
+  const std::string who = cat(call.name, " (rank ", rank_, "): ");
+  switch (st.code) {
+    case kStatusBadExpert:
+    case kStatusRepeatedExpert:
+      throw Error(ErrorCode::invalid_argument, input_error(st.code, st.a, st.b, st.c, config()));
+    case kStatusPeerRejected: {
+      std::string reason;
+      if (st.a == kStatusHostRejected) {
+        const char* msg = window_->local() + map_.plans + (call.parity() * ranks_ + st.rank) * map_.plan_stride +
+                          offsetof(PlanHeader, message);
+        char text[sizeof(PlanHeader::message)] = {};
+        EPX_CUDA(cudaMemcpy(text, msg, sizeof text - 1, cudaMemcpyDeviceToHost));
+        reason = text;
+      } else {
+        reason = input_error(static_cast<int32_t>(st.a), st.b, st.c, st.d, config());
+      }
+      fail(ErrorCode::peer_failed, who, "rank ", st.rank, " rejected its input, so the group stops: ", reason);
+    }
+    case kStatusCallMismatch:
+      fail(ErrorCode::config_mismatch, who, "rank ", st.rank, " is in '", call_kind_name(static_cast<int32_t>(st.a)), " #",
+           st.b, "' or uses other options; every rank must make the same collective calls in the same order, with "
+           "the same options and handles of the same dispatch");
+    case kStatusTimeout: {
+      static const char* steps[] = {"plan exchange", "transfer", "return transfer"};
+      broken_ = true;
+      broken_reason_ = cat(call.name, " (", steps[st.a % 3], "): rank ", rank_, " waited ",
+                           config().timeout_ms > 0 ? config().timeout_ms : 60000, " ms for rank(s) ", st.rank,
+                           ", which never arrived (crashed, hung, or called collective operations in a different order)");
+      throw Error(ErrorCode::timeout, broken_reason_);
+    }
+    default:
+      fail(ErrorCode::internal, who, "device reported status ", st.code);
+  }
+}
+
+void CudaBackend::sync_and_check(const Call& call) {
+  kernels::publish_status(ctx(), host_status_);
+  EPX_CUDA(cudaStreamSynchronize(stream_));
+  DeviceStatus st;
+  std::memcpy(&st, host_status_, sizeof st);
+  if (st.code == kStatusOk) return;
+  std::memset(host_status_, 0, sizeof(DeviceStatus));
+  raise(st, call);
+}
+
+void CudaBackend::exchange_plan(const Call& call, const std::string& error, int64_t tokens, int64_t signature,
+                                const int64_t* counts) {
+  PlanHeader h;
+  std::memset(&h, 0, sizeof h);
+  h.call_kind = call.kind;
+  h.error = error.empty() ? kStatusOk : kStatusHostRejected;
+  h.call_index = call.index;
+  h.tokens = tokens;
+  h.signature = signature;
+  std::strncpy(h.message, error.c_str(), sizeof h.message - 1);
+  const kernels::Ctx c = ctx();
+  kernels::post_plan(c, h, counts, call.parity());
+  targets_[kSignalPlan] += 1;
+  if (!error.empty()) throw Error(ErrorCode::invalid_argument, error);
+  kernels::wait_signals(c, kSignalPlan, targets_[kSignalPlan]);
+}
+
+void CudaBackend::wait(int kind) {
+  const kernels::Ctx c = ctx();
+  targets_[kind] += static_cast<uint64_t>(c.blocks);
+  kernels::wait_signals(c, kind, targets_[kind]);
+}
+
+std::function<void(void*)> CudaBackend::stream_deleter() const {
+  cudaStream_t s = stream_;
+  std::shared_ptr<CUstream_st> keep = s == owned_stream_.get() ? owned_stream_ : nullptr;
+  return [s, keep](void* p) { cudaFreeAsync(p, s); };
+}
+
+Tensor CudaBackend::device_tensor(DType dtype, std::initializer_list<int64_t> shape, bool zero) {
+  TensorView v = TensorView::of(nullptr, dtype, shape, DeviceKind::cuda, device_);
+  const size_t bytes = static_cast<size_t>(std::max<int64_t>(1, v.numel() * dtype_size(dtype)));
+  void* p = nullptr;
+  EPX_CUDA(cudaMallocAsync(&p, bytes, stream_));
+  if (zero) EPX_CUDA(cudaMemsetAsync(p, 0, bytes, stream_));
+  v.data = p;
+  return Tensor(std::shared_ptr<void>(p, stream_deleter()), v);
+}
+
+void CudaBackend::check_device_tensor(const TensorView& t, std::string_view what) const {
+  if (t.defined())
+    require(t.device_index == device_, what, ": tensor is on cuda:", t.device_index, " but this rank drives cuda:", device_);
+}
+
+const HandleState& CudaBackend::state_of(const Handle& h, const Call& call) const {
+  require(h.valid(), call.name, ": the handle is empty; pass the handle returned by dispatch");
+  require(h.state().owner == this, call.name,
+          ": the handle belongs to another buffer or rank; pass the handle this buffer's dispatch returned");
+  return h.state();
+}
+
+DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOptions& opt) {
+  const Call call = begin_call(kDispatch);
+  const BufferConfig& c = config();
+  std::string error;
+  int64_t tokens = 0;
+  kernels::RoutingInput routing;
+  kernels::SendRows rows;
+  bool has_weights = false;
+  try {
+    require(opt.layout == Layout::expert_major || opt.layout == Layout::rank_major, "dispatch: unknown layout");
+    require(std::isfinite(opt.nvfp4_global_scale) && opt.nvfp4_global_scale >= 0.0f,
+            "dispatch: nvfp4_global_scale must be 0 (per token) or a positive finite number, got ", opt.nvfp4_global_scale);
+    validate_dispatch_x(in, c, DeviceKind::cuda);
+    check_device_tensor(in.x, "dispatch: x");
+    tokens = in.x.shape[0];
+    require(in.topk_idx.defined() != in.routing_map.defined(),
+            "dispatch: give exactly one of topk_idx and routing_map (got ", in.topk_idx.defined() ? "both" : "neither", ")");
+    if (in.topk_idx.defined()) {
+      check_tensor2(in.topk_idx, "dispatch: topk_idx", cat("[T=", tokens, ", K=", c.topk, "]"), DType::i32, DType::i64,
+                    {tokens, c.topk}, DeviceKind::cuda);
+      require(!in.probs.defined(), "dispatch: probs goes with routing_map; with topk_idx pass topk_weights");
+      routing.topk_idx = in.topk_idx.data;
+      routing.idx64 = in.topk_idx.dtype == DType::i64;
+      routing.idx_stride = in.topk_idx.strides[0];
+      if (in.topk_weights.defined()) {
+        check_tensor(in.topk_weights, "dispatch: topk_weights", cat("[T=", tokens, ", K=", c.topk, "]"), DType::f32,
+                     {tokens, c.topk}, DeviceKind::cuda);
+        routing.topk_weights = in.topk_weights.ptr<const float>();
+        routing.weight_stride = in.topk_weights.strides[0];
+      }
+      has_weights = in.topk_weights.defined();
+    } else {
+      check_tensor(in.routing_map, "dispatch: routing_map", cat("[T=", tokens, ", E=", c.num_experts, "]"),
+                   DType::boolean, {tokens, c.num_experts}, DeviceKind::cuda);
+      require(!in.topk_weights.defined(), "dispatch: topk_weights goes with topk_idx; with routing_map pass probs");
+      routing.routing_map = in.routing_map.ptr<const uint8_t>();
+      routing.map_stride = in.routing_map.strides[0];
+      if (in.probs.defined()) {
+        check_tensor(in.probs, "dispatch: probs", cat("[T=", tokens, ", E=", c.num_experts, "]"), DType::f32,
+                     {tokens, c.num_experts}, DeviceKind::cuda);
+        routing.probs = in.probs.ptr<const float>();
+        routing.probs_stride = in.probs.strides[0];
+      }
+      has_weights = in.probs.defined();
+    }
+    rows.x = static_cast<const char*>(in.x.data);
+    rows.x_stride_bytes = in.x.strides[0] * dtype_size(in.x.dtype);
+    if (in.x.dtype == DType::fp8_e4m3) {
+      rows.x_scales = in.x_scales.ptr<const float>();
+      rows.scales_stride = in.x_scales.strides[0];
+    }
+    rows.wire = c.wire;
+    rows.nvfp4_global_scale = opt.nvfp4_global_scale;
+  } catch (const Error& e) {
+    error = e.what();
+  }
+
+  // The handle's arrays, sized for this call.
+  auto dh = std::make_shared<DeviceHandle>();
+  Carver measure(nullptr);
+  carve_handle(*dh, measure, tokens, c, ranks_);
+  void* block = nullptr;
+  EPX_CUDA(cudaMallocAsync(&block, static_cast<size_t>(measure.used()), stream_));
+  EPX_CUDA(cudaMemsetAsync(block, 0, static_cast<size_t>(measure.used()), stream_));
+  dh->memory = std::shared_ptr<void>(block, stream_deleter());
+  Carver carve(static_cast<char*>(block));
+  carve_handle(*dh, carve, tokens, c, ranks_);
+
+  const kernels::Ctx x = ctx();
+  if (error.empty()) kernels::canonicalize_routing(x, routing, tokens, dh->slot_expert, dh->slot_weight, dh->counts);
+  const int64_t signature = signature_of({static_cast<int64_t>(opt.layout)});
+  exchange_plan(call, error, tokens, signature, dh->counts);
+  PlanHeader mine{};
+  mine.call_kind = call.kind;
+  mine.call_index = call.index;
+  mine.signature = signature;
+  kernels::check_plans(x, mine, call.parity(), true, c.capacity_factor, dh->expert_prefix, dh->drop_capacity);
+  if (c.capacity_factor > 0.0)
+    kernels::drop_slots(x, tokens, dh->slot_expert, dh->slot_weight, dh->expert_prefix, dh->drop_capacity, dh->dropped);
+  kernels::send_positions(x, tokens, dh->slot_expert, dh->send_pos, dh->tokens_to_rank);
+  kernels::send_tokens(x, rows, tokens, dh->slot_expert, dh->slot_weight, dh->send_pos, dh->tokens_to_rank);
+  wait(kSignalForward);
+  const bool capacity_mode = c.mode == CapacityMode::capacity;
+  kernels::receive_layout(x, dh->recv, opt.layout, c.expert_alignment, capacity_mode ? c.capacity_rows : 0);
+
+  auto h = std::make_shared<HandleState>();
+  h->owner = this;
+  h->layout = opt.layout;
+  h->rank = rank_;
+  h->ranks = ranks_;
+  h->tokens = tokens;
+  h->topk = c.topk;
+  h->hidden = c.hidden;
+  h->has_weights = has_weights;
+  h->recv.layout = opt.layout;
+  DispatchResult out;
+  int64_t capacity = c.capacity_rows;
+  if (!capacity_mode) {  // blocking: the one host read of the sizes
+    int64_t info[4] = {}, dropped = 0;
+    EPX_CUDA(cudaMemcpyAsync(info, dh->recv.info, sizeof info, cudaMemcpyDeviceToHost, stream_));
+    EPX_CUDA(cudaMemcpyAsync(&dropped, dh->dropped, sizeof dropped, cudaMemcpyDeviceToHost, stream_));
+    sync_and_check(call);
+    capacity = info[2];
+    out.num_rows = info[1];
+    out.overflow = info[3] != 0;
+    out.dropped_slots = dropped;
+    h->recv.tokens = info[0];
+    h->recv.num_rows = info[1];
+  } else {
+    out.num_rows = -1;
+    h->recv.num_rows = -1;
+  }
+  h->recv.capacity = capacity;
+
+  // Outputs: zero-filled so padding rows are zero; recv_src of padding is -1.
+  if (wire_.format == WireFormat::bf16) out.recv_x = device_tensor(DType::bf16, {capacity, c.hidden});
+  else if (wire_.format == WireFormat::nvfp4) out.recv_x = device_tensor(DType::e2m1x2, {capacity, c.hidden / 2});
+  else out.recv_x = device_tensor(DType::fp8_e4m3, {capacity, c.hidden});
+  if (wire_.scale_bytes)
+    out.recv_scales = wire_.format == WireFormat::nvfp4 ? device_tensor(DType::fp8_e4m3, {capacity, c.hidden / kNvfp4Block})
+                                                        : device_tensor(DType::f32, {capacity, c.hidden / kFp8Block});
+  if (wire_.global_bytes) out.recv_global_scale = device_tensor(DType::f32, {capacity});
+  out.recv_src = device_tensor(DType::i32, {capacity, 2}, false);
+  EPX_CUDA(cudaMemsetAsync(out.recv_src.data<void>(), 0xff, static_cast<size_t>(capacity * 8), stream_));
+  kernels::RecvOutputs ro{out.recv_x.data<char>(), out.recv_scales.defined() ? out.recv_scales.data<char>() : nullptr,
+                          out.recv_global_scale.defined() ? out.recv_global_scale.data<char>() : nullptr,
+                          wire_.x_bytes, wire_.scale_bytes, wire_.global_bytes, out.recv_src.data<int32_t>(),
+                          nullptr, nullptr, nullptr};
+  if (opt.layout == Layout::expert_major) {
+    out.recv_weights = device_tensor(DType::f32, {capacity});
+    ro.weights = out.recv_weights.data<float>();
+  } else {
+    out.recv_topk_idx = device_tensor(DType::i32, {capacity, c.topk});
+    out.recv_topk_weights = device_tensor(DType::f32, {capacity, c.topk});
+    ro.topk_idx = out.recv_topk_idx.data<int32_t>();
+    ro.topk_weights = out.recv_topk_weights.data<float>();
+  }
+  kernels::expand_rows(x, dh->recv, ro, opt.layout);
+
+  // Small outputs: views into the handle's arrays (they live as long as the handle's memory).
+  auto view = [&](int64_t* p, int64_t n) {
+    return Tensor(dh->memory, TensorView::of(p, DType::i64, {n}, DeviceKind::cuda, device_));
+  };
+  if (opt.layout == Layout::expert_major) out.expert_offsets = view(dh->recv.expert_offsets, local_experts_ + 1);
+  out.tokens_per_expert = view(dh->recv.tokens_per_expert, local_experts_);
+  out.rank_offsets = view(dh->recv.rank_offsets, ranks_ + 1);
+  out.recv_info = view(dh->recv.info, 4);
+  h->device = dh;
+  out.handle = Handle(std::move(h));
+  kernels::publish_status(x, host_status_);
+  return out;
+}
+
+CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle, const CombineOptions& opt) {
+  const Call call = begin_call(kCombine);
+  const BufferConfig& c = config();
+  std::string error;
+  const HandleState* h = nullptr;
+  try {
+    h = &state_of(handle, call);
+    check_tensor(in.y, "combine: y", cat("[", h->recv.capacity, ", ", c.hidden, "] (the rows of the dispatch output)"),
+                 DType::bf16, {h->recv.capacity, c.hidden}, DeviceKind::cuda);
+    check_device_tensor(in.y, "combine: y");
+    if (in.shared_out.defined())
+      check_tensor(in.shared_out, "combine: shared_out", cat("[", h->tokens, ", ", c.hidden, "]"), DType::bf16,
+                   {h->tokens, c.hidden}, DeviceKind::cuda);
+    require(!opt.weighted || h->layout == Layout::expert_major,
+            "combine: weighted combine needs the expert-major layout; in the rank-major layout apply recv_topk_weights "
+            "in the expert computation and combine with weighted=false");
+    require(!opt.weighted || h->has_weights,
+            "combine: weighted combine needs router weights, but dispatch got no topk_weights/probs; pass them to "
+            "dispatch or combine with weighted=false");
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  const int64_t layout = h ? static_cast<int64_t>(h->layout) : -1;
+  exchange_plan(call, error, h ? h->tokens : 0, signature_of({opt.weighted, layout}), nullptr);
+  const kernels::Ctx x = ctx();
+  PlanHeader mine{};
+  mine.call_kind = call.kind;
+  mine.call_index = call.index;
+  mine.signature = signature_of({opt.weighted, layout});
+  const DeviceHandle& dh = device_of(*h);
+  kernels::check_plans(x, mine, call.parity(), false, 0.0, nullptr, scratch_);
+  kernels::combine_send(x, dh.recv, h->layout, in.y.ptr<const uint16_t>(), in.y.strides[0], opt.weighted, nullptr, 0);
+  wait(kSignalReverse);
+  CombineResult out;
+  out.out = device_tensor(DType::bf16, {h->tokens, c.hidden}, false);
+  kernels::combine_reduce(x, h->tokens, dh.send_pos, dh.slot_expert,
+                          in.shared_out.defined() ? in.shared_out.ptr<const uint16_t>() : nullptr,
+                          in.shared_out.defined() ? in.shared_out.strides[0] : 0, out.out.data<uint16_t>(), nullptr);
+  out.overflow = h->recv.num_rows > h->recv.capacity;
+  if (c.mode == CapacityMode::blocking) sync_and_check(call);
+  else kernels::publish_status(x, host_status_);
+  return out;
+}
+
+DispatchBackwardResult CudaBackend::dispatch_backward(const DispatchBackwardInput& in, const Handle& handle) {
+  const Call call = begin_call(kDispatchBackward);
+  const BufferConfig& c = config();
+  std::string error;
+  const HandleState* h = nullptr;
+  try {
+    h = &state_of(handle, call);
+    const int64_t n = h->recv.capacity;
+    check_tensor(in.grad_recv_x, "dispatch_backward: grad_recv_x", cat("[", n, ", ", c.hidden, "]"), DType::bf16,
+                 {n, c.hidden}, DeviceKind::cuda);
+    if (in.grad_recv_weights.defined()) {
+      if (h->layout == Layout::expert_major)
+        check_tensor(in.grad_recv_weights, "dispatch_backward: grad_recv_weights", cat("[", n, "] (one per row)"),
+                     DType::f32, {n}, DeviceKind::cuda);
+      else
+        check_tensor(in.grad_recv_weights, "dispatch_backward: grad_recv_weights",
+                     cat("[", n, ", ", c.topk, "] (as recv_topk_weights)"), DType::f32, {n, c.topk}, DeviceKind::cuda);
+    }
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  const bool with_weights = in.grad_recv_weights.defined();
+  const int64_t signature = signature_of({with_weights});
+  exchange_plan(call, error, h ? h->tokens : 0, signature, nullptr);
+  const kernels::Ctx x = ctx();
+  PlanHeader mine{};
+  mine.call_kind = call.kind;
+  mine.call_index = call.index;
+  mine.signature = signature;
+  const DeviceHandle& dh = device_of(*h);
+  kernels::check_plans(x, mine, call.parity(), false, 0.0, nullptr, scratch_);
+  const TensorView& gw = in.grad_recv_weights;
+  kernels::combine_send(x, dh.recv, h->layout, in.grad_recv_x.ptr<const uint16_t>(), in.grad_recv_x.strides[0], false,
+                        with_weights ? gw.ptr<const float>() : nullptr, with_weights ? gw.strides[0] : 0);
+  wait(kSignalReverse);
+  DispatchBackwardResult out;
+  out.grad_x = device_tensor(DType::bf16, {h->tokens, c.hidden}, false);
+  if (with_weights) out.grad_topk_weights = device_tensor(DType::f32, {h->tokens, c.topk}, false);
+  kernels::combine_reduce(x, h->tokens, dh.send_pos, dh.slot_expert, nullptr, 0, out.grad_x.data<uint16_t>(),
+                          with_weights ? out.grad_topk_weights.data<float>() : nullptr);
+  if (c.mode == CapacityMode::blocking) sync_and_check(call);
+  else kernels::publish_status(x, host_status_);
+  return out;
+}
+
+CombineBackwardResult CudaBackend::combine_backward(const CombineBackwardInput& in, const Handle& handle,
+                                                    const CombineOptions& opt) {
+  const Call call = begin_call(kCombineBackward);
+  const BufferConfig& c = config();
+  std::string error;
+  const HandleState* h = nullptr;
+  try {
+    h = &state_of(handle, call);
+    check_tensor(in.grad_out, "combine_backward: grad_out", cat("[", h->tokens, ", ", c.hidden, "]"), DType::bf16,
+                 {h->tokens, c.hidden}, DeviceKind::cuda);
+    require(!opt.weighted || h->layout == Layout::expert_major,
+            "combine_backward: weighted needs the expert-major layout (as combine)");
+    require(!opt.weighted || h->has_weights, "combine_backward: weighted needs router weights at dispatch (as combine)");
+    if (opt.weighted)
+      check_tensor(in.y, "combine_backward: y", cat("[", h->recv.capacity, ", ", c.hidden, "] (the combine's input)"),
+                   DType::bf16, {h->recv.capacity, c.hidden}, DeviceKind::cuda);
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  const int64_t signature = signature_of({opt.weighted});
+  exchange_plan(call, error, h ? h->tokens : 0, signature, nullptr);
+  const kernels::Ctx x = ctx();
+  PlanHeader mine{};
+  mine.call_kind = call.kind;
+  mine.call_index = call.index;
+  mine.signature = signature;
+  const DeviceHandle& dh = device_of(*h);
+  kernels::check_plans(x, mine, call.parity(), false, 0.0, nullptr, scratch_);
+  kernels::SendRows rows;
+  rows.x = static_cast<const char*>(in.grad_out.data);
+  rows.x_stride_bytes = in.grad_out.strides[0] * 2;
+  rows.wire = WireFormat::bf16;
+  rows.with_meta = false;
+  kernels::send_tokens(x, rows, h->tokens, dh.slot_expert, dh.slot_weight, dh.send_pos, dh.tokens_to_rank);
+  wait(kSignalForward);
+  CombineBackwardResult out;
+  out.grad_y = device_tensor(DType::bf16, {h->recv.capacity, c.hidden});
+  kernels::expand_grad(x, dh.recv, h->layout, opt.weighted, opt.weighted ? in.y.ptr<const uint16_t>() : nullptr,
+                       opt.weighted ? in.y.strides[0] : 0, out.grad_y.data<uint16_t>());
+  wait(kSignalReverse);
+  if (opt.weighted) {
+    out.grad_topk_weights = device_tensor(DType::f32, {h->tokens, c.topk}, false);
+    kernels::combine_reduce(x, h->tokens, dh.send_pos, dh.slot_expert, nullptr, 0, nullptr,
+                            out.grad_topk_weights.data<float>());
+  }
+  if (c.mode == CapacityMode::blocking) sync_and_check(call);
+  else kernels::publish_status(x, host_status_);
+  return out;
+}
+
+}  // namespace epx::detail

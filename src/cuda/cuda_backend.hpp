@@ -1,0 +1,76 @@
+// The CUDA backend: the same three steps as the CPU backend (plan exchange, transfer,
+// layout), as kernels on one stream, over a symmetric window every rank can write into.
+#pragma once
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "core/backend.hpp"
+#include "core/handle.hpp"
+#include "core/wire.hpp"
+#include "cuda/cuda_group.hpp"
+#include "cuda/kernels/launch.hpp"
+
+namespace epx::detail {
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(const Group& group, const BufferConfig& config);  // collective
+  ~CudaBackend() override;
+
+  DispatchResult dispatch(const DispatchInput& in, const DispatchOptions& opt) override;
+  CombineResult combine(const CombineInput& in, const Handle& h, const CombineOptions& opt) override;
+  DispatchBackwardResult dispatch_backward(const DispatchBackwardInput& in, const Handle& h) override;
+  CombineBackwardResult combine_backward(const CombineBackwardInput& in, const Handle& h,
+                                         const CombineOptions& opt) override;
+  void set_stream(void* stream) override;
+  void synchronize() override;
+
+ private:
+  enum CallKind : int32_t { kDispatch = 0, kCombine = 1, kDispatchBackward = 2, kCombineBackward = 3 };
+  struct Call {
+    CallKind kind;
+    int64_t index;
+    std::string name;  // "dispatch #3"
+    int parity() const { return static_cast<int>(index % 2); }
+  };
+
+  Call begin_call(CallKind kind);
+  kernels::Ctx ctx() const;
+  // Posts the plan; on a host-side input error (`error` not empty) posts the rejection so
+  // peers stop too, then throws. Otherwise waits for every rank and checks their plans.
+  void exchange_plan(const Call& call, const std::string& error, int64_t tokens, int64_t signature,
+                     const int64_t* counts);
+  // Waits for the forward / reverse transfer of this call.
+  void wait(int kind);
+  // Reads the device status (synchronizing the stream) and throws what it says.
+  void sync_and_check(const Call& call);
+  // Throws if an earlier call that ran without a host sync failed.
+  void check_earlier_calls(const Call& call);
+  [[noreturn]] void raise(const DeviceStatus& st, const Call& call);
+
+  // Frees stream-ordered on the current stream, keeping the buffer's own stream alive.
+  std::function<void(void*)> stream_deleter() const;
+  Tensor device_tensor(DType dtype, std::initializer_list<int64_t> shape, bool zero = true);
+  const HandleState& state_of(const Handle& h, const Call& call) const;
+  void check_device_tensor(const TensorView& t, std::string_view what) const;
+
+  int rank_, ranks_, device_;
+  int64_t local_experts_;
+  WireRow wire_;
+  WindowMap map_{};
+  std::unique_ptr<SymmetricWindow> window_;
+  DeviceStatus* status_ = nullptr;       // device
+  DeviceStatus* host_status_ = nullptr;  // host-mapped copy, published at the end of every call
+  int64_t* scratch_ = nullptr;           // device: the drop capacity calls other than dispatch ignore
+  // The stream of every call: the buffer's own non-blocking stream (kept alive by every tensor
+  // allocated on it, so outputs may outlive the buffer) or one the caller set.
+  std::shared_ptr<CUstream_st> owned_stream_;
+  cudaStream_t stream_ = nullptr;
+  uint64_t targets_[kSignalKinds] = {};  // what each signal counter reaches after this call
+  int64_t calls_ = 0;
+  bool broken_ = false;
+  std::string broken_reason_;
+};
+
+}  // namespace epx::detail

@@ -1,0 +1,254 @@
+// CUDA groups: the NCCL transport (symmetric windows of NCCL's device API) and the
+// shared-GPU test transport.
+#include <nccl.h>
+#include <nccl_device.h>
+
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <vector>
+
+#include "cuda/cuda_check.hpp"
+#include "cuda/cuda_group.hpp"
+#include "epx/cuda.hpp"
+#include "host/peer_barrier.hpp"
+
+namespace epx {
+namespace detail {
+
+void check_nccl_version() {
+  int loaded = 0;
+  EPX_NCCL(ncclGetVersion(&loaded));
+  if (loaded != NCCL_VERSION_CODE)
+    fail(ErrorCode::unsupported, "epx was compiled against NCCL ", NCCL_VERSION_CODE, " but NCCL ", loaded,
+         " is loaded; the device API differs between releases and kernels would hang. Put the matching "
+         "libnccl.so.2 first on the library path (rebuild epx against the NCCL you run)");
+}
+
+namespace {
+
+// ---- NCCL transport ----
+
+// Fills bases[p] with rank p's window as mapped here, after an LSA barrier that guarantees
+// every rank has registered (and zeroed) its window.
+__global__ void discover_peers(ncclDevComm dev_comm, ncclWindow_t window, int ranks, char** bases) {
+  ncclLsaBarrierSession<ncclCoopCta> barrier{ncclCoopCta(), dev_comm, ncclTeamTagLsa(), 0};
+  barrier.sync(ncclCoopCta(), cuda::memory_order_acquire);
+  for (int p = threadIdx.x; p < ranks; p += blockDim.x) bases[p] = static_cast<char*>(ncclGetPeerPointer(window, 0, p));
+  barrier.sync(ncclCoopCta(), cuda::memory_order_release);
+}
+
+class NcclWindow final : public SymmetricWindow {
+ public:
+  NcclWindow(ncclComm_t comm, int device, size_t bytes) : comm_(comm), device_(device) {
+    EPX_CUDA(cudaSetDevice(device));
+    int ranks = 0, rank = 0;
+    EPX_NCCL(ncclCommCount(comm, &ranks));
+    EPX_NCCL(ncclCommUserRank(comm, &rank));
+    require(ranks <= kMaxRanks, "cuda group: at most ", kMaxRanks, " ranks, got ", ranks);
+    if (ncclTeamLsa(comm).nRanks != ranks)
+      fail(ErrorCode::unsupported, "cuda group: ", ranks, " ranks but only ", ncclTeamLsa(comm).nRanks,
+           " reachable over NVLink; multi-node (GIN) transport is not built yet");
+    EPX_NCCL(ncclMemAlloc(&memory_, bytes));
+    EPX_CUDA(cudaMemset(memory_, 0, bytes));
+    EPX_CUDA(cudaDeviceSynchronize());
+    EPX_NCCL(ncclCommWindowRegister(comm, memory_, bytes, &window_, NCCL_WIN_COLL_SYMMETRIC));
+    ncclDevCommRequirements reqs;
+    std::memset(&reqs, 0, sizeof reqs);
+    reqs.lsaBarrierCount = 1;
+    std::memset(&dev_comm_, 0, sizeof dev_comm_);
+    EPX_NCCL(ncclDevCommCreate(comm, &reqs, &dev_comm_));
+    char** bases = nullptr;
+    EPX_CUDA(cudaMalloc(&bases, sizeof(char*) * ranks));
+    discover_peers<<<1, 32>>>(dev_comm_, window_, ranks, bases);
+    EPX_CUDA(cudaGetLastError());
+    EPX_CUDA(cudaMemcpy(peers_.base, bases, sizeof(char*) * ranks, cudaMemcpyDeviceToHost));
+    EPX_CUDA(cudaFree(bases));
+    peers_.rank = rank;
+    peers_.ranks = ranks;
+  }
+  ~NcclWindow() override {
+    cudaSetDevice(device_);
+    cudaDeviceSynchronize();
+    ncclDevCommDestroy(comm_, &dev_comm_);
+    ncclCommWindowDeregister(comm_, window_);
+    ncclMemFree(memory_);
+  }
+
+ private:
+  ncclComm_t comm_;
+  int device_;
+  void* memory_ = nullptr;
+  ncclWindow_t window_ = nullptr;
+  ncclDevComm dev_comm_;
+};
+
+struct NcclGroupState final : CudaGroupState {
+  std::vector<ncclComm_t> comms;  // by rank; null for ranks of other processes
+  std::vector<int> devices;       // by rank; -1 for ranks of other processes
+  bool owns_comms = true;
+
+  ~NcclGroupState() override {
+    if (!owns_comms) return;
+    for (ncclComm_t c : comms)
+      if (c) ncclCommDestroy(c);
+  }
+  int device(int rank) const override { return devices[rank]; }
+  const char* transport_name() const override { return "nccl"; }
+  std::unique_ptr<SymmetricWindow> allocate(int rank, size_t bytes, std::chrono::milliseconds) override {
+    return std::make_unique<NcclWindow>(comms[rank], devices[rank], bytes);
+  }
+};
+
+// ---- shared-GPU test transport ----
+
+class PlainWindow final : public SymmetricWindow {
+ public:
+  PlainWindow(const std::vector<char*>& bases, int rank, std::shared_ptr<void> keep) : keep_(std::move(keep)) {
+    for (size_t p = 0; p < bases.size(); ++p) peers_.base[p] = bases[p];
+    peers_.rank = rank;
+    peers_.ranks = static_cast<int>(bases.size());
+  }
+
+ private:
+  std::shared_ptr<void> keep_;  // every rank's memory, freed when the last rank lets go
+};
+
+struct SharedGpuGroupState final : CudaGroupState {
+  SharedGpuGroupState(int ranks, int dev) : ranks(ranks), gpu(dev), barrier(ranks), created(ranks, 0) {}
+  int device(int) const override { return gpu; }
+  const char* transport_name() const override { return "shared-gpu"; }
+
+  struct Pending {
+    std::vector<char*> bases;
+    int joined = 0;
+    std::shared_ptr<void> memory;
+  };
+
+  std::unique_ptr<SymmetricWindow> allocate(int rank, size_t bytes, std::chrono::milliseconds timeout) override {
+    std::shared_ptr<Pending> mine;
+    {
+      std::lock_guard lock(mutex);
+      auto& slot = pending[created[rank]++];
+      if (!slot) {
+        slot = std::make_shared<Pending>();
+        slot->bases.assign(ranks, nullptr);
+        EPX_CUDA(cudaSetDevice(gpu));
+        char* all = nullptr;  // one allocation holds every rank's window
+        EPX_CUDA(cudaMalloc(&all, bytes * ranks));
+        EPX_CUDA(cudaMemset(all, 0, bytes * ranks));
+        EPX_CUDA(cudaDeviceSynchronize());
+        slot->memory = std::shared_ptr<void>(all, [](void* p) { cudaFree(p); });
+        for (int p = 0; p < ranks; ++p) slot->bases[p] = all + bytes * p;
+      }
+      mine = slot;
+      if (++mine->joined == ranks) pending.erase(created[rank] - 1);
+    }
+    barrier.arrive_and_wait(rank, timeout, "buffer creation (shared-gpu window)");
+    return std::make_unique<PlainWindow>(mine->bases, rank, mine->memory);
+  }
+
+  const int ranks;
+  const int gpu;
+  PeerBarrier barrier;
+  std::mutex mutex;
+  std::vector<int64_t> created;
+  std::map<int64_t, std::shared_ptr<Pending>> pending;
+};
+
+}  // namespace
+}  // namespace detail
+
+bool cuda_available() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+CudaWorld::CudaWorld(std::vector<int> devices) {
+  detail::check_nccl_version();
+  if (devices.empty()) {
+    int n = 0;
+    EPX_CUDA(cudaGetDeviceCount(&n));
+    for (int d = 0; d < n; ++d) devices.push_back(d);
+  }
+  detail::require(!devices.empty(), "CudaWorld: no GPU visible");
+  auto state = std::make_shared<detail::NcclGroupState>();
+  state->comms.assign(devices.size(), nullptr);
+  state->devices = devices;
+  EPX_NCCL(ncclCommInitAll(state->comms.data(), static_cast<int>(devices.size()), devices.data()));
+  size_ = static_cast<int>(devices.size());
+  state_ = state;
+}
+
+CudaWorld CudaWorld::shared_gpu(int ranks, int device) {
+  detail::require(ranks >= 1 && ranks <= detail::kMaxRanks, "CudaWorld::shared_gpu: ranks must be in [1, ",
+                  detail::kMaxRanks, "], got ", ranks);
+  CudaWorld w(Empty{});
+  w.state_ = std::make_shared<detail::SharedGpuGroupState>(ranks, device);
+  w.size_ = ranks;
+  return w;
+}
+
+Group CudaWorld::group(int rank) const {
+  detail::require(rank >= 0 && rank < size_, "CudaWorld::group: rank ", rank, " is outside [0, ", size_, ")");
+  return Group(state_, rank, size_, BackendKind::cuda);
+}
+
+std::string nccl_unique_id() {
+  detail::check_nccl_version();
+  ncclUniqueId id;
+  EPX_NCCL(ncclGetUniqueId(&id));
+  return std::string(id.internal, sizeof id.internal);
+}
+
+Group cuda_group_init_rank(const std::string& unique_id, int rank, int size, int device) {
+  detail::check_nccl_version();
+  ncclUniqueId id;
+  detail::require(unique_id.size() == sizeof id.internal, "cuda_group_init_rank: unique_id must be the ",
+                  sizeof id.internal, " bytes nccl_unique_id() returned, got ", unique_id.size());
+  std::memcpy(id.internal, unique_id.data(), sizeof id.internal);
+  auto state = std::make_shared<detail::NcclGroupState>();
+  state->comms.assign(size, nullptr);
+  state->devices.assign(size, -1);
+  state->devices[rank] = device;
+  EPX_CUDA(cudaSetDevice(device));
+  EPX_NCCL(ncclCommInitRank(&state->comms[rank], size, id, rank));
+  return Group(state, rank, size, BackendKind::cuda);
+}
+
+Group cuda_group_from_comm(void* nccl_comm, int device) {
+  detail::check_nccl_version();
+  auto comm = static_cast<ncclComm_t>(nccl_comm);
+  int size = 0, rank = 0;
+  EPX_NCCL(ncclCommCount(comm, &size));
+  EPX_NCCL(ncclCommUserRank(comm, &rank));
+  auto state = std::make_shared<detail::NcclGroupState>();
+  state->comms.assign(size, nullptr);
+  state->devices.assign(size, -1);
+  state->comms[rank] = comm;
+  state->devices[rank] = device;
+  state->owns_comms = false;
+  return Group(state, rank, size, BackendKind::cuda);
+}
+
+int cuda_device(const Group& group) {
+  auto* state = dynamic_cast<detail::CudaGroupState*>(group.state().get());
+  detail::require(state != nullptr, "cuda_device: not a CUDA group");
+  return state->device(group.rank());
+}
+
+Tensor to_host(const Tensor& t) {
+  if (!t.defined() || t.view().device == DeviceKind::host) return t;
+  TensorView v = t.view();
+  const size_t bytes = static_cast<size_t>(v.numel() * dtype_size(v.dtype));
+  std::shared_ptr<void> storage(std::malloc(bytes ? bytes : 1), std::free);
+  // Not cudaMemcpy: the legacy stream would wait on every blocking stream of the device.
+  EPX_CUDA(cudaMemcpyAsync(storage.get(), v.data, bytes, cudaMemcpyDeviceToHost, cudaStreamPerThread));
+  EPX_CUDA(cudaStreamSynchronize(cudaStreamPerThread));
+  v.data = storage.get();
+  v.device = DeviceKind::host;
+  v.device_index = 0;
+  return Tensor(std::move(storage), v);
+}
+
+}  // namespace epx

@@ -1,0 +1,36 @@
+// Group state of the CUDA backend: which GPU each rank drives and how ranks get a
+// symmetric window (the same size on every rank, every rank's window addressable).
+#pragma once
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "core/backend.hpp"
+#include "cuda/transport/window.hpp"
+
+namespace epx::detail {
+
+// One rank's share of a collective allocation. Zero-filled before any peer can write to it.
+class SymmetricWindow {
+ public:
+  virtual ~SymmetricWindow() = default;
+  const PeerWindows& peers() const { return peers_; }
+  char* local() const { return peers_.base[peers_.rank]; }
+
+ protected:
+  PeerWindows peers_{};
+};
+
+struct CudaGroupState : GroupState {
+  virtual int device(int rank) const = 0;
+  virtual const char* transport_name() const = 0;
+  // Collective: every rank calls it once per Buffer, in the same order.
+  virtual std::unique_ptr<SymmetricWindow> allocate(int rank, size_t bytes, std::chrono::milliseconds timeout) = 0;
+};
+
+// Throws unless the loaded NCCL is the one epx was compiled against (the device ABI changes
+// between patch releases: a mismatch hangs kernels instead of failing).
+void check_nccl_version();
+
+}  // namespace epx::detail

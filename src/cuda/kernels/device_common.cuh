@@ -1,0 +1,78 @@
+// Device helpers of the CUDA backend: signals with timeouts, status reports, row copies.
+#pragma once
+#include <cuda/atomic>
+
+#include "cuda/kernels/device_types.hpp"
+#include "epx/codec.hpp"
+
+namespace epx::detail {
+
+__device__ inline uint64_t globaltimer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+template <typename T>
+__device__ inline T* at_window(const PeerWindows& w, int owner, int64_t offset) {
+  return reinterpret_cast<T*>(w.base[owner] + offset);
+}
+
+__device__ inline bool failed(const DeviceStatus* st) { return *reinterpret_cast<const volatile int32_t*>(&st->code) != 0; }
+
+// Records the first error of the call; later ones are dropped.
+__device__ inline void report(DeviceStatus* st, int32_t code, int32_t rank, int64_t a = 0, int64_t b = 0,
+                              int64_t c = 0, int64_t d = 0) {
+  if (atomicCAS(&st->code, 0, -1) != 0) return;  // -1: being written
+  st->rank = rank;
+  st->a = a;
+  st->b = b;
+  st->c = c;
+  st->d = d;
+  __threadfence();
+  atomicExch(&st->code, code);
+}
+
+// Adds 1 to signal `kind` of every rank, from this rank. The caller fenced its writes
+// (__threadfence_system) after a __syncthreads, so peers that see the count see the data.
+__device__ inline void signal_all(const PeerWindows& w, const WindowMap& m, int kind) {
+  for (int p = 0; p < w.ranks; ++p) {
+    auto* slot = at_window<unsigned long long>(w, p, m.signals) + kind * w.ranks + w.rank;
+    atomicAdd_system(slot, 1ull);
+  }
+}
+
+// Waits until every rank's signal `kind` here reached `target`; on timeout reports the first
+// missing rank and returns false.
+__device__ inline bool wait_all(const PeerWindows& w, const WindowMap& m, int kind, uint64_t target,
+                                uint64_t timeout_ns, DeviceStatus* st) {
+  const uint64_t start = globaltimer_ns();
+  for (int p = 0; p < w.ranks; ++p) {
+    auto* slot = at_window<uint64_t>(w, w.rank, m.signals) + kind * w.ranks + p;
+    cuda::atomic_ref<uint64_t, cuda::thread_scope_system> counter(*slot);
+    while (counter.load(cuda::memory_order_acquire) < target) {
+      if (failed(st)) return false;
+      if (globaltimer_ns() - start > timeout_ns) {
+        report(st, kStatusTimeout, p, kind, static_cast<int64_t>(target), static_cast<int64_t>(counter.load()));
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+// Copies `bytes` with the threads of a warp: 16-byte moves when both ends allow it.
+__device__ inline void warp_copy(char* dst, const char* src, int64_t bytes, int lane) {
+  const bool wide = ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) % 16) == 0;
+  const int64_t vec = wide ? bytes / 16 : 0;
+  for (int64_t i = lane; i < vec; i += 32)
+    reinterpret_cast<int4*>(dst)[i] = reinterpret_cast<const int4*>(src)[i];
+  for (int64_t i = vec * 16 + lane; i < bytes; i += 32) dst[i] = src[i];
+}
+
+__device__ inline float warp_max(float v) {
+  for (int o = 16; o >= 1; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+}  // namespace epx::detail

@@ -1,0 +1,65 @@
+// Plain structs shared by the CUDA backend's host code and its kernels.
+#pragma once
+#include <cstdint>
+
+#include "cuda/transport/window.hpp"
+
+namespace epx::detail {
+
+// Signals a rank receives: counters in its window that peers add to; never reset, so a
+// wait compares with a target that grows with every call (the same on every rank).
+enum SignalKind : int { kSignalPlan = 0, kSignalForward = 1, kSignalReverse = 2, kSignalKinds = 3 };
+
+// What went wrong, as kernels report it in DeviceStatus::code.
+enum StatusCode : int32_t {
+  kStatusOk = 0,
+  kStatusBadExpert = 1,        // a = token, b = slot, c = value
+  kStatusRepeatedExpert = 2,   // a = token, b = first slot, c = expert
+  kStatusHostRejected = 3,     // this rank's host code rejected the input (message kept on the host)
+  kStatusPeerRejected = 4,     // rank = peer; a, b, c = the peer's code, first detail, ...
+  kStatusCallMismatch = 5,     // rank = peer; a = its call kind, b = its call number
+  kStatusTimeout = 6,          // rank = the first missing peer; a = signal kind
+};
+
+// Written by kernels into host-mapped memory; the first error wins.
+struct DeviceStatus {
+  int32_t code;
+  int32_t rank;
+  int64_t a, b, c, d;
+};
+
+// The message every rank posts at the start of every call; followed by counts[E] int64.
+struct PlanHeader {
+  int32_t call_kind;  // 0 dispatch, 1 combine, 2 dispatch_backward, 3 combine_backward
+  int32_t error;      // StatusCode of this rank's own input check
+  int64_t call_index;
+  int64_t tokens;
+  int64_t signature;  // hash of the options that must agree
+  int64_t detail[3];  // error details
+  int64_t pad;
+  char message[256];  // a host-side rejection, in words
+};
+
+// Byte offsets inside every rank's window (the same on all ranks).
+struct WindowMap {
+  int64_t signals;       // uint64 [kSignalKinds][R]
+  int64_t plans;         // [2 parities][R] plan_stride bytes
+  int64_t plan_stride;
+  int64_t fwd_rows;      // int64 [R]: rows each source sent in the last forward transfer
+  int64_t fwd_payload;   // [R * max_tokens] rows of payload_stride bytes
+  int64_t payload_stride;
+  int64_t fwd_token;     // int32 [R * max_tokens]
+  int64_t fwd_slot_expert;  // int32 [R * max_tokens * K]
+  int64_t fwd_slot_weight;  // f32 [R * max_tokens * K]
+  int64_t rev_rows;      // bf16 [R * max_tokens * H]
+  int64_t rev_slots;     // f32 [R * max_tokens * K]
+  int64_t total;
+};
+
+// Sizes every kernel needs.
+struct Shape {
+  int32_t rank, ranks;
+  int64_t hidden, topk, experts, local_experts, max_tokens;
+};
+
+}  // namespace epx::detail

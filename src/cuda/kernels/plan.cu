@@ -1,0 +1,209 @@
+// The plan step of every call and the routing that precedes a dispatch's transfer.
+#include "cuda/kernels/block_scan.cuh"
+#include "cuda/kernels/device_common.cuh"
+#include "cuda/kernels/launch.hpp"
+
+namespace epx::detail::kernels {
+
+namespace {
+
+__device__ int64_t read_index(const RoutingInput& in, int64_t t, int64_t k) {
+  return in.idx64 ? static_cast<const int64_t*>(in.topk_idx)[t * in.idx_stride + k]
+                  : static_cast<const int32_t*>(in.topk_idx)[t * in.idx_stride + k];
+}
+
+// One thread per token: read its routing, check it, count its experts.
+__global__ void canonicalize_kernel(Shape s, RoutingInput in, int64_t tokens, int32_t* slot_expert, float* slot_weight,
+                                    int64_t* counts, DeviceStatus* st) {
+  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < tokens;
+       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    int32_t* e = slot_expert + t * s.topk;
+    float* w = slot_weight + t * s.topk;
+    if (in.topk_idx) {
+      for (int64_t k = 0; k < s.topk; ++k) {
+        const int64_t id = read_index(in, t, k);
+        if (id < -1 || id >= s.experts) {
+          report(st, kStatusBadExpert, s.rank, t, k, id);
+          e[k] = -1;
+          w[k] = 0.0f;
+          continue;
+        }
+        e[k] = static_cast<int32_t>(id);
+        w[k] = id < 0 ? 0.0f : in.topk_weights ? in.topk_weights[t * in.weight_stride + k] : 1.0f;
+      }
+    } else {
+      int64_t k = 0;
+      for (int64_t x = 0; x < s.experts; ++x) {
+        if (!in.routing_map[t * in.map_stride + x]) continue;
+        if (k == s.topk) {  // more experts than slots: reported as slot K
+          report(st, kStatusBadExpert, s.rank, t, s.topk, x);
+          break;
+        }
+        e[k] = static_cast<int32_t>(x);
+        w[k] = in.probs ? in.probs[t * in.probs_stride + x] : 1.0f;
+        ++k;
+      }
+      for (; k < s.topk; ++k) e[k] = -1, w[k] = 0.0f;
+    }
+    for (int64_t k = 0; k < s.topk; ++k) {
+      if (e[k] < 0) continue;
+      for (int64_t j = 0; j < k; ++j)
+        if (e[j] == e[k]) report(st, kStatusRepeatedExpert, s.rank, t, j, e[k]);
+      atomicAdd(reinterpret_cast<unsigned long long*>(&counts[e[k]]), 1ull);
+    }
+  }
+}
+
+// One block: write header (+ counts) into every rank's plan slot for this rank, then signal.
+__global__ void post_plan_kernel(PeerWindows w, WindowMap m, Shape s, PlanHeader header, const int64_t* counts,
+                                 int parity, DeviceStatus* st) {
+  if (threadIdx.x == 0) {
+    const int32_t code = *reinterpret_cast<volatile int32_t*>(&st->code);
+    if (code != 0 && header.error == 0) {  // this rank's own input error, found on the device
+      header.error = code;
+      header.detail[0] = st->a;
+      header.detail[1] = st->b;
+      header.detail[2] = st->c;
+    }
+  }
+  for (int p = 0; p < w.ranks; ++p) {
+    char* slot = at_window<char>(w, p, m.plans + (parity * w.ranks + w.rank) * m.plan_stride);
+    if (threadIdx.x == 0) *reinterpret_cast<PlanHeader*>(slot) = header;
+    if (counts)
+      for (int64_t e = threadIdx.x; e < s.experts; e += blockDim.x)
+        reinterpret_cast<int64_t*>(slot + sizeof(PlanHeader))[e] = counts[e];
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    signal_all(w, m, kSignalPlan);
+  }
+}
+
+__global__ void wait_kernel(PeerWindows w, WindowMap m, int kind, uint64_t target, uint64_t timeout_ns, DeviceStatus* st) {
+  if (threadIdx.x == 0) wait_all(w, m, kind, target, timeout_ns, st);
+}
+
+__global__ void check_plans_kernel(PeerWindows w, WindowMap m, Shape s, PlanHeader mine, int parity, bool with_counts,
+                                   double capacity_factor, int64_t* expert_prefix, int64_t* drop_capacity,
+                                   DeviceStatus* st) {
+  if (failed(st)) return;  // a timeout, or this rank's own error: already reported
+  auto plan = [&](int p) {
+    return at_window<const char>(w, w.rank, m.plans + (parity * w.ranks + p) * m.plan_stride);
+  };
+  if (threadIdx.x == 0) {
+    int64_t total_tokens = 0;
+    for (int p = 0; p < w.ranks; ++p) {
+      const PlanHeader* h = reinterpret_cast<const PlanHeader*>(plan(p));
+      if (h->call_kind != mine.call_kind || h->call_index != mine.call_index || h->signature != mine.signature)
+        report(st, kStatusCallMismatch, p, h->call_kind, h->call_index, h->signature);
+      else if (h->error != 0 && p != w.rank)
+        report(st, kStatusPeerRejected, p, h->error, h->detail[0], h->detail[1], h->detail[2]);
+      total_tokens += h->tokens;
+    }
+    *drop_capacity = capacity_factor > 0.0
+                         ? static_cast<int64_t>(ceil(capacity_factor * static_cast<double>(total_tokens * s.topk) /
+                                                     static_cast<double>(s.experts)))
+                         : -1;
+  }
+  if (!with_counts) return;
+  for (int64_t e = threadIdx.x; e < s.experts; e += blockDim.x) {
+    int64_t prefix = 0;
+    for (int p = 0; p < w.rank; ++p) prefix += reinterpret_cast<const int64_t*>(plan(p) + sizeof(PlanHeader))[e];
+    expert_prefix[e] = prefix;
+  }
+}
+
+// Block e: this rank's (token, slot) pairs of expert e in order; keep while the global
+// position (lower ranks' pairs first) is below the capacity.
+__global__ void drop_kernel(Shape s, int64_t tokens, int32_t* slot_expert, float* slot_weight,
+                            const int64_t* expert_prefix, const int64_t* drop_capacity, int64_t* dropped,
+                            const DeviceStatus* st) {
+  if (failed(st)) return;
+  const int32_t e = blockIdx.x;
+  const int64_t keep = *drop_capacity - expert_prefix[e];
+  const int64_t n = block_scan_flags(
+      tokens * s.topk, [&](int64_t i) { return slot_expert[i] == e; },
+      [&](int64_t i, int64_t pos) {
+        if (pos >= keep) {
+          slot_expert[i] = -1;
+          slot_weight[i] = 0.0f;
+        }
+      });
+  const int64_t kept = min(n, max(keep, int64_t{0}));
+  if (threadIdx.x == 0 && n > kept) atomicAdd(reinterpret_cast<unsigned long long*>(dropped), static_cast<unsigned long long>(n - kept));
+}
+
+// Block d: position of every token sent to rank d, in token order.
+__global__ void send_positions_kernel(Shape s, int64_t tokens, const int32_t* slot_expert, int32_t* send_pos,
+                                      int64_t* tokens_to_rank, const DeviceStatus* st) {
+  const int d = blockIdx.x;
+  auto to_d = [&](int64_t t) {
+    for (int64_t k = 0; k < s.topk; ++k) {
+      const int32_t e = slot_expert[t * s.topk + k];
+      if (e >= 0 && e / s.local_experts == d) return true;
+    }
+    return false;
+  };
+  for (int64_t t = threadIdx.x; t < tokens; t += blockDim.x) send_pos[t * s.ranks + d] = -1;
+  __syncthreads();
+  const int64_t n = failed(st) ? 0
+                               : block_scan_flags(tokens, to_d, [&](int64_t t, int64_t pos) {
+                                   send_pos[t * s.ranks + d] = static_cast<int32_t>(pos);
+                                 });
+  if (threadIdx.x == 0) tokens_to_rank[d] = n;
+}
+
+__global__ void publish_status_kernel(const DeviceStatus* st, DeviceStatus* host) {
+  volatile DeviceStatus* h = host;
+  h->rank = st->rank;
+  h->a = st->a;
+  h->b = st->b;
+  h->c = st->c;
+  h->d = st->d;
+  h->code = st->code;
+  __threadfence_system();
+}
+
+int blocks_for(int64_t n, int threads) { return static_cast<int>(std::min<int64_t>(1024, std::max<int64_t>(1, (n + threads - 1) / threads))); }
+
+}  // namespace
+
+void canonicalize_routing(const Ctx& ctx, const RoutingInput& in, int64_t tokens, int32_t* slot_expert,
+                          float* slot_weight, int64_t* counts) {
+  if (tokens == 0) return;
+  canonicalize_kernel<<<blocks_for(tokens, 128), 128, 0, ctx.stream>>>(ctx.shape, in, tokens, slot_expert, slot_weight,
+                                                                        counts, ctx.status);
+}
+
+void post_plan(const Ctx& ctx, const PlanHeader& header, const int64_t* counts, int parity) {
+  post_plan_kernel<<<1, 256, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, header, counts, parity, ctx.status);
+}
+
+void wait_signals(const Ctx& ctx, int kind, uint64_t target) {
+  wait_kernel<<<1, 32, 0, ctx.stream>>>(ctx.peers, ctx.map, kind, target, ctx.timeout_ns, ctx.status);
+}
+
+void check_plans(const Ctx& ctx, const PlanHeader& mine, int parity, bool with_counts, double capacity_factor,
+                 int64_t* expert_prefix, int64_t* drop_capacity) {
+  check_plans_kernel<<<1, 256, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, mine, parity, with_counts,
+                                                capacity_factor, expert_prefix, drop_capacity, ctx.status);
+}
+
+void drop_slots(const Ctx& ctx, int64_t tokens, int32_t* slot_expert, float* slot_weight, const int64_t* expert_prefix,
+                const int64_t* drop_capacity, int64_t* dropped) {
+  drop_kernel<<<static_cast<unsigned>(ctx.shape.experts), kScanThreads, 0, ctx.stream>>>(
+      ctx.shape, tokens, slot_expert, slot_weight, expert_prefix, drop_capacity, dropped, ctx.status);
+}
+
+void send_positions(const Ctx& ctx, int64_t tokens, const int32_t* slot_expert, int32_t* send_pos,
+                    int64_t* tokens_to_rank) {
+  send_positions_kernel<<<ctx.shape.ranks, kScanThreads, 0, ctx.stream>>>(ctx.shape, tokens, slot_expert, send_pos,
+                                                                          tokens_to_rank, ctx.status);
+}
+
+void publish_status(const Ctx& ctx, DeviceStatus* host_status) {
+  publish_status_kernel<<<1, 1, 0, ctx.stream>>>(ctx.status, host_status);
+}
+
+}  // namespace epx::detail::kernels

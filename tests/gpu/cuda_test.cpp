@@ -1,0 +1,200 @@
+// The CUDA backend against the reference, bit for bit: EP1 and EP2 on real GPUs over NCCL,
+// EP2..EP8 on the shared-GPU transport; plus device-side errors and timeouts.
+#include <cuda_runtime.h>
+
+#include "cuda_harness.hpp"
+
+namespace epx::test {
+namespace {
+
+int gpu_count() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+
+enum class Transport { nccl, shared_gpu };
+
+struct GpuCase {
+  Transport transport;
+  int ranks;
+  int64_t hidden, tokens, experts, topk;
+  WireFormat wire;
+  Layout layout;
+  int64_t alignment;
+  verify::Routing routing;
+  double unused;
+  CapacityMode mode = CapacityMode::blocking;
+  double capacity_factor = 0.0;
+};
+
+std::string gpu_case_name(const testing::TestParamInfo<GpuCase>& info) {
+  const GpuCase& c = info.param;
+  return std::string(c.transport == Transport::nccl ? "nccl" : "shared") + "_R" + std::to_string(c.ranks) + "_H" +
+         std::to_string(c.hidden) + "_T" + std::to_string(c.tokens) + "_E" + std::to_string(c.experts) + "_K" +
+         std::to_string(c.topk) + "_" + std::string(wire_name(c.wire)) + "_" + std::string(layout_name(c.layout)) +
+         "_A" + std::to_string(c.alignment) + (c.routing == verify::Routing::skewed ? "_skewed" : "") +
+         (c.unused > 0 ? "_holes" : "") + (c.mode == CapacityMode::capacity ? "_capacity" : "") +
+         (c.capacity_factor > 0 ? "_drop" : "");
+}
+
+void PrintTo(const GpuCase& c, std::ostream* os) { *os << gpu_case_name(testing::TestParamInfo<GpuCase>(c, 0)); }
+
+class CudaVsReference : public testing::TestWithParam<GpuCase> {};
+
+TEST_P(CudaVsReference, BitForBit) {
+  const GpuCase& c = GetParam();
+  if (c.transport == Transport::nccl && gpu_count() < c.ranks) GTEST_SKIP() << "needs " << c.ranks << " GPUs";
+  verify::ProblemSpec spec;
+  spec.cfg = small_config(c.hidden, c.tokens, c.experts, c.topk, c.wire, c.alignment);
+  spec.cfg.mode = c.mode;
+  spec.cfg.capacity_factor = c.capacity_factor;
+  if (c.mode == CapacityMode::capacity) spec.cfg.capacity_rows = c.tokens * c.topk / 2 + 8;  // overflows sometimes
+  spec.cfg.num_sms = 16;
+  spec.ranks = c.ranks;
+  for (int r = 0; r < c.ranks; ++r) spec.tokens.push_back(r == 1 ? 0 : c.tokens - (5 * r) % (c.tokens + 1));
+  spec.routing = c.routing;
+  spec.unused_slot_fraction = c.unused;
+  spec.seed = static_cast<uint64_t>(c.ranks * 977 + c.hidden + c.tokens);
+  const verify::Problem p = verify::make_problem(spec);
+  RunOptions o;
+  o.dispatch.layout = c.layout;
+  const CudaWorld world = c.transport == Transport::nccl
+                              ? CudaWorld(c.ranks == 1 ? std::vector<int>{0} : std::vector<int>{0, 1})
+                              : CudaWorld::shared_gpu(c.ranks, 0);
+  const auto runs = run_problem_cuda(world, p, o);
+  expect_matches_reference(p, o, runs);
+}
+
+using W = WireFormat;
+using L = Layout;
+constexpr auto N = Transport::nccl;
+constexpr auto S = Transport::shared_gpu;
+constexpr auto U = verify::Routing::uniform;
+constexpr auto K = verify::Routing::skewed;
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CudaVsReference,
+    testing::Values(
+        // EP1 and EP2 on real GPUs (NCCL), the V3-like ratios
+        GpuCase{N, 1, 2048, 256, 32, 8, W::bf16, L::expert_major, 16, U, 0.0},
+        GpuCase{N, 2, 7168, 512, 256, 8, W::bf16, L::expert_major, 128, U, 0.0},
+        GpuCase{N, 2, 7168, 512, 256, 8, W::bf16, L::rank_major, 1, U, 0.0},
+        GpuCase{N, 2, 7168, 256, 256, 8, W::fp8, L::expert_major, 1, K, 0.0},
+        GpuCase{N, 2, 4096, 256, 64, 6, W::fp8_ue8m0, L::rank_major, 1, U, 0.1},
+        GpuCase{N, 2, 4096, 256, 64, 4, W::nvfp4, L::expert_major, 16, U, 0.0},
+        GpuCase{N, 2, 2048, 1024, 8, 1, W::bf16, L::expert_major, 1, K, 0.0},
+        GpuCase{N, 2, 2048, 300, 288, 8, W::bf16, L::expert_major, 128, U, 0.2},
+        GpuCase{N, 2, 2048, 256, 16, 4, W::bf16, L::expert_major, 1, U, 0.0, CapacityMode::capacity},
+        GpuCase{N, 2, 2048, 256, 16, 4, W::bf16, L::expert_major, 1, K, 0.0, CapacityMode::blocking, 0.6},
+        GpuCase{N, 2, 100, 64, 4, 2, W::bf16, L::expert_major, 1, U, 0.0},
+        // EP2..EP8 on one GPU
+        GpuCase{S, 2, 2048, 128, 32, 8, W::bf16, L::expert_major, 16, U, 0.0},
+        GpuCase{S, 4, 2048, 128, 64, 8, W::bf16, L::expert_major, 128, U, 0.1},
+        GpuCase{S, 4, 2048, 128, 64, 8, W::fp8, L::rank_major, 1, K, 0.0},
+        GpuCase{S, 8, 1024, 64, 64, 8, W::bf16, L::expert_major, 1, K, 0.2},
+        GpuCase{S, 8, 1024, 64, 64, 8, W::nvfp4, L::rank_major, 1, U, 0.0},
+        GpuCase{S, 8, 2048, 96, 288, 8, W::fp8_ue8m0, L::expert_major, 16, U, 0.0},
+        GpuCase{S, 3, 512, 40, 9, 3, W::bf16, L::expert_major, 4, U, 0.0, CapacityMode::blocking, 0.7}),
+    gpu_case_name);
+
+TEST(CudaErrors, BadExpertIdIsFlaggedOnTheDeviceAndEveryRankStops) {
+  verify::ProblemSpec spec;
+  spec.cfg = small_config(256, 32, 16, 4);
+  spec.ranks = 2;
+  auto p = verify::make_problem(spec);
+  p.inputs[1].idx[4 * 3 + 2] = 99;  // token 3, slot 2
+  const CudaWorld world = CudaWorld::shared_gpu(2, 0);
+  std::vector<std::string> errors(2), after(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      cudaSetDevice(0);
+      Buffer b(world.group(r), spec.cfg);
+      DeviceArray x(p.inputs[r].x), idx(p.inputs[r].idx), good(verify::make_problem(spec).inputs[r].idx);
+      DispatchInput in;
+      in.x = device_view(x, DType::bf16, {32, 256}, 0);
+      in.topk_idx = device_view(idx, DType::i32, {32, 4}, 0);
+      try {
+        b.dispatch(in);
+      } catch (const Error& e) {
+        errors[r] = e.what();
+      }
+      in.topk_idx = device_view(good, DType::i32, {32, 4}, 0);
+      try {
+        b.dispatch(in);  // the buffer still works
+      } catch (const Error& e) {
+        after[r] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  EXPECT_THAT(errors[1], testing::HasSubstr("topk_idx[3, 2] = 99 is out of range"));
+  EXPECT_THAT(errors[0], testing::HasSubstr("rank 1 rejected its input"));
+  EXPECT_THAT(errors[0], testing::HasSubstr("topk_idx[3, 2] = 99"));
+  EXPECT_EQ(after[0], "");
+  EXPECT_EQ(after[1], "");
+}
+
+TEST(CudaErrors, HostRejectionReachesPeersWithItsMessage) {
+  verify::ProblemSpec spec;
+  spec.cfg = small_config(256, 32, 16, 4);
+  spec.ranks = 2;
+  auto p = verify::make_problem(spec);
+  const CudaWorld world = CudaWorld::shared_gpu(2, 0);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      cudaSetDevice(0);
+      Buffer b(world.group(r), spec.cfg);
+      DeviceArray x(p.inputs[r].x), idx(p.inputs[r].idx);
+      DispatchInput in;
+      in.x = device_view(x, DType::bf16, {32, r == 1 ? 128 : 256}, 0);  // rank 1: wrong hidden
+      in.topk_idx = device_view(idx, DType::i32, {32, 4}, 0);
+      try {
+        b.dispatch(in);
+      } catch (const Error& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  EXPECT_THAT(errors[1], testing::HasSubstr("dispatch: x: expected shape"));
+  EXPECT_THAT(errors[0], testing::HasSubstr("rank 1 rejected its input, so the group stops: dispatch: x: expected shape"));
+}
+
+TEST(CudaErrors, AMissingPeerTimesOutInsteadOfHanging) {
+  auto cfg = small_config(256, 32, 16, 4);
+  cfg.timeout_ms = 500;
+  verify::ProblemSpec spec;
+  spec.cfg = cfg;
+  spec.ranks = 2;
+  auto p = verify::make_problem(spec);
+  const CudaWorld world = CudaWorld::shared_gpu(2, 0);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      cudaSetDevice(0);
+      Buffer b(world.group(r), cfg);
+      if (r == 1) return;  // rank 1 is "killed" after creating its buffer
+      DeviceArray x(p.inputs[r].x), idx(p.inputs[r].idx);
+      DispatchInput in;
+      in.x = device_view(x, DType::bf16, {32, 256}, 0);
+      in.topk_idx = device_view(idx, DType::i32, {32, 4}, 0);
+      try {
+        b.dispatch(in);
+      } catch (const Error& e) {
+        errors[r] = e.what();
+      }
+      try {
+        b.dispatch(in);
+      } catch (const Error& e) {
+        errors[r] += "\n" + std::string(e.what());
+      }
+    });
+  for (auto& t : threads) t.join();
+  EXPECT_THAT(errors[0], testing::HasSubstr("dispatch #0 (plan exchange): rank 0 waited 500 ms for rank(s) 1"));
+  EXPECT_THAT(errors[0], testing::HasSubstr("the group already failed"));
+}
+
+}  // namespace
+}  // namespace epx::test

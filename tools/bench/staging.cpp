@@ -1,0 +1,110 @@
+#include "bench/staging.hpp"
+
+#include <cstring>
+
+#ifdef EPX_HAS_CUDA
+#include <cuda_runtime.h>
+
+#include "epx/cuda.hpp"
+#endif
+
+namespace epx::bench {
+
+#ifndef EPX_HAS_CUDA
+namespace {
+[[noreturn]] void no_cuda() { throw Error(ErrorCode::unsupported, "epx-bench: this build has no CUDA backend"); }
+}  // namespace
+#endif
+
+Staging::Staging(int device) : device_(device) {
+  if (device_ < 0) return;
+#ifdef EPX_HAS_CUDA
+  cudaSetDevice(device_);
+  cudaStream_t s;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  stream_ = s;
+  for (auto& e : events_) {
+    cudaEvent_t ev;
+    cudaEventCreate(&ev);
+    e = ev;
+  }
+#else
+  no_cuda();
+#endif
+}
+
+Staging::~Staging() {
+#ifdef EPX_HAS_CUDA
+  if (device_ < 0) return;
+  cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
+  keep_.clear();
+  for (auto e : events_) cudaEventDestroy(static_cast<cudaEvent_t>(e));
+  cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+#endif
+}
+
+TensorView Staging::place(const void* data, size_t bytes, DType dtype, std::initializer_list<int64_t> shape) {
+  if (device_ < 0) return TensorView::of(const_cast<void*>(data), dtype, shape);
+#ifdef EPX_HAS_CUDA
+  void* p = nullptr;
+  if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) throw Error(ErrorCode::internal, "epx-bench: cudaMalloc failed");
+  cudaMemcpy(p, data, bytes, cudaMemcpyHostToDevice);
+  keep_.emplace_back(p, [](void* q) { cudaFree(q); });
+  return TensorView::of(p, dtype, shape, DeviceKind::cuda, device_);
+#else
+  (void)bytes;
+  no_cuda();
+#endif
+}
+
+Tensor Staging::fetch(const Tensor& t) const {
+#ifdef EPX_HAS_CUDA
+  if (device_ >= 0) cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
+  return epx::to_host(t);
+#else
+  return t;
+#endif
+}
+
+DispatchResult Staging::fetch(const DispatchResult& d) const {
+  DispatchResult h = d;
+  h.handle = Handle();  // device state stays with the caller's copy (freed on this stream)
+  for (Tensor* t : {&h.recv_x, &h.recv_scales, &h.recv_global_scale, &h.recv_src, &h.recv_weights, &h.recv_topk_idx,
+                    &h.recv_topk_weights, &h.expert_offsets, &h.tokens_per_expert, &h.rank_offsets, &h.recv_info})
+    *t = fetch(*t);
+  return h;
+}
+
+void Staging::start() {
+#ifdef EPX_HAS_CUDA
+  if (device_ >= 0) {
+    cudaEventRecord(static_cast<cudaEvent_t>(events_[0]), static_cast<cudaStream_t>(stream_));
+    return;
+  }
+#endif
+  t0_ = std::chrono::steady_clock::now();
+}
+
+void Staging::stop() {
+#ifdef EPX_HAS_CUDA
+  if (device_ >= 0) {
+    cudaEventRecord(static_cast<cudaEvent_t>(events_[1]), static_cast<cudaStream_t>(stream_));
+    return;
+  }
+#endif
+  t1_ = std::chrono::steady_clock::now();
+}
+
+double Staging::elapsed_us() {
+#ifdef EPX_HAS_CUDA
+  if (device_ >= 0) {
+    float ms = 0.0f;
+    cudaEventSynchronize(static_cast<cudaEvent_t>(events_[1]));
+    cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(events_[0]), static_cast<cudaEvent_t>(events_[1]));
+    return 1000.0 * ms;
+  }
+#endif
+  return std::chrono::duration<double, std::micro>(t1_ - t0_).count();
+}
+
+}  // namespace epx::bench
