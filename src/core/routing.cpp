@@ -5,6 +5,7 @@
 
 #include "core/check.hpp"
 #include "core/validate.hpp"
+#include "core/validate_ops.hpp"
 #include "epx/codec.hpp"
 
 namespace epx::detail {
@@ -65,14 +66,8 @@ void check_no_repeats(const int32_t* e, int64_t t, int64_t k_count) {
 }
 
 Routing from_topk(const DispatchInput& in, const BufferConfig& c, int64_t tokens) {
-  check_tensor2(in.topk_idx, "dispatch: topk_idx", cat("[T=", tokens, ", K=", c.topk, "]"), DType::i32, DType::i64,
-                {tokens, c.topk}, DeviceKind::host);
-  Routing r{tokens, c.topk, std::vector<int32_t>(tokens * c.topk), std::vector<float>(tokens * c.topk), false};
-  if (in.topk_weights.defined()) {
-    check_tensor(in.topk_weights, "dispatch: topk_weights", cat("[T=", tokens, ", K=", c.topk, "]"), DType::f32,
-                 {tokens, c.topk}, DeviceKind::host);
-    r.has_weights = true;
-  }
+  Routing r{tokens, c.topk, std::vector<int32_t>(tokens * c.topk), std::vector<float>(tokens * c.topk),
+            in.topk_weights.defined()};
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t k = 0; k < c.topk; ++k) {
       const int64_t id = in.topk_idx.dtype == DType::i32 ? at<int32_t>(in.topk_idx, t, k) : at<int64_t>(in.topk_idx, t, k);
@@ -87,14 +82,8 @@ Routing from_topk(const DispatchInput& in, const BufferConfig& c, int64_t tokens
 }
 
 Routing from_map(const DispatchInput& in, const BufferConfig& c, int64_t tokens) {
-  check_tensor(in.routing_map, "dispatch: routing_map", cat("[T=", tokens, ", E=", c.num_experts, "]"), DType::boolean,
-               {tokens, c.num_experts}, DeviceKind::host);
-  Routing r{tokens, c.topk, std::vector<int32_t>(tokens * c.topk, -1), std::vector<float>(tokens * c.topk, 0.0f), false};
-  if (in.probs.defined()) {
-    check_tensor(in.probs, "dispatch: probs", cat("[T=", tokens, ", E=", c.num_experts, "]"), DType::f32,
-                 {tokens, c.num_experts}, DeviceKind::host);
-    r.has_weights = true;
-  }
+  Routing r{tokens, c.topk, std::vector<int32_t>(tokens * c.topk, -1), std::vector<float>(tokens * c.topk, 0.0f),
+            in.probs.defined()};
   for (int64_t t = 0; t < tokens; ++t) {
     int64_t k = 0;
     for (int64_t e = 0; e < c.num_experts; ++e) {
@@ -114,14 +103,8 @@ Routing from_map(const DispatchInput& in, const BufferConfig& c, int64_t tokens)
 
 Routing routing_from_input(const DispatchInput& in, const BufferConfig& c) {
   const int64_t tokens = in.x.shape[0];
-  require(in.topk_idx.defined() != in.routing_map.defined(),
-          "dispatch: give exactly one of topk_idx and routing_map (got ", in.topk_idx.defined() ? "both" : "neither", ")");
-  if (in.topk_idx.defined()) {
-    require(!in.probs.defined(), "dispatch: probs goes with routing_map; with topk_idx pass topk_weights");
-    return from_topk(in, c, tokens);
-  }
-  require(!in.topk_weights.defined(), "dispatch: topk_weights goes with topk_idx; with routing_map pass probs");
-  return from_map(in, c, tokens);
+  validate_routing_tensors(in, c, tokens, DeviceKind::host);
+  return in.topk_idx.defined() ? from_topk(in, c, tokens) : from_map(in, c, tokens);
 }
 
 std::vector<int64_t> count_per_expert(const Routing& r, int64_t num_experts) {

@@ -7,6 +7,7 @@
 
 #include "core/routing.hpp"
 #include "core/validate.hpp"
+#include "core/validate_ops.hpp"
 #include "cuda/cuda_check.hpp"
 #include "epx/codec.hpp"
 
@@ -249,7 +250,7 @@ void CudaBackend::sync_and_check(const Call& call) {
 }
 
 void CudaBackend::exchange_plan(const Call& call, const std::string& error, int64_t tokens, int64_t signature,
-                                const int64_t* counts) {
+                                const int64_t* counts, int64_t* expert_prefix, int64_t* drop_capacity) {
   PlanHeader h;
   std::memset(&h, 0, sizeof h);
   h.call_kind = call.kind;
@@ -263,6 +264,9 @@ void CudaBackend::exchange_plan(const Call& call, const std::string& error, int6
   targets_[kSignalPlan] += 1;
   if (!error.empty()) throw Error(ErrorCode::invalid_argument, error);
   kernels::wait_signals(c, kSignalPlan, targets_[kSignalPlan]);
+  h.error = kStatusOk;  // what every rank's plan must match
+  kernels::check_plans(c, h, call.parity(), counts != nullptr, counts ? config().capacity_factor : 0.0, expert_prefix,
+                       drop_capacity ? drop_capacity : scratch_);
 }
 
 void CudaBackend::wait(int kind) {
@@ -308,37 +312,24 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   kernels::SendRows rows;
   bool has_weights = false;
   try {
-    require(opt.layout == Layout::expert_major || opt.layout == Layout::rank_major, "dispatch: unknown layout");
-    require(std::isfinite(opt.nvfp4_global_scale) && opt.nvfp4_global_scale >= 0.0f,
-            "dispatch: nvfp4_global_scale must be 0 (per token) or a positive finite number, got ", opt.nvfp4_global_scale);
+    validate_dispatch_options(opt);
     validate_dispatch_x(in, c, DeviceKind::cuda);
     check_device_tensor(in.x, "dispatch: x");
     tokens = in.x.shape[0];
-    require(in.topk_idx.defined() != in.routing_map.defined(),
-            "dispatch: give exactly one of topk_idx and routing_map (got ", in.topk_idx.defined() ? "both" : "neither", ")");
+    validate_routing_tensors(in, c, tokens, DeviceKind::cuda);
     if (in.topk_idx.defined()) {
-      check_tensor2(in.topk_idx, "dispatch: topk_idx", cat("[T=", tokens, ", K=", c.topk, "]"), DType::i32, DType::i64,
-                    {tokens, c.topk}, DeviceKind::cuda);
-      require(!in.probs.defined(), "dispatch: probs goes with routing_map; with topk_idx pass topk_weights");
       routing.topk_idx = in.topk_idx.data;
       routing.idx64 = in.topk_idx.dtype == DType::i64;
       routing.idx_stride = in.topk_idx.strides[0];
       if (in.topk_weights.defined()) {
-        check_tensor(in.topk_weights, "dispatch: topk_weights", cat("[T=", tokens, ", K=", c.topk, "]"), DType::f32,
-                     {tokens, c.topk}, DeviceKind::cuda);
         routing.topk_weights = in.topk_weights.ptr<const float>();
         routing.weight_stride = in.topk_weights.strides[0];
       }
       has_weights = in.topk_weights.defined();
     } else {
-      check_tensor(in.routing_map, "dispatch: routing_map", cat("[T=", tokens, ", E=", c.num_experts, "]"),
-                   DType::boolean, {tokens, c.num_experts}, DeviceKind::cuda);
-      require(!in.topk_weights.defined(), "dispatch: topk_weights goes with topk_idx; with routing_map pass probs");
       routing.routing_map = in.routing_map.ptr<const uint8_t>();
       routing.map_stride = in.routing_map.strides[0];
       if (in.probs.defined()) {
-        check_tensor(in.probs, "dispatch: probs", cat("[T=", tokens, ", E=", c.num_experts, "]"), DType::f32,
-                     {tokens, c.num_experts}, DeviceKind::cuda);
         routing.probs = in.probs.ptr<const float>();
         routing.probs_stride = in.probs.strides[0];
       }
@@ -370,12 +361,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   const kernels::Ctx x = ctx();
   if (error.empty()) kernels::canonicalize_routing(x, routing, tokens, dh->slot_expert, dh->slot_weight, dh->counts);
   const int64_t signature = signature_of({static_cast<int64_t>(opt.layout)});
-  exchange_plan(call, error, tokens, signature, dh->counts);
-  PlanHeader mine{};
-  mine.call_kind = call.kind;
-  mine.call_index = call.index;
-  mine.signature = signature;
-  kernels::check_plans(x, mine, call.parity(), true, c.capacity_factor, dh->expert_prefix, dh->drop_capacity);
+  exchange_plan(call, error, tokens, signature, dh->counts, dh->expert_prefix, dh->drop_capacity);
   if (c.capacity_factor > 0.0)
     kernels::drop_slots(x, tokens, dh->slot_expert, dh->slot_weight, dh->expert_prefix, dh->drop_capacity, dh->dropped);
   kernels::send_positions(x, tokens, dh->slot_expert, dh->send_pos, dh->tokens_to_rank);
@@ -459,30 +445,15 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
   const HandleState* h = nullptr;
   try {
     h = &state_of(handle, call);
-    check_tensor(in.y, "combine: y", cat("[", h->recv.capacity, ", ", c.hidden, "] (the rows of the dispatch output)"),
-                 DType::bf16, {h->recv.capacity, c.hidden}, DeviceKind::cuda);
+    validate_combine(in, *h, c, opt, DeviceKind::cuda);
     check_device_tensor(in.y, "combine: y");
-    if (in.shared_out.defined())
-      check_tensor(in.shared_out, "combine: shared_out", cat("[", h->tokens, ", ", c.hidden, "]"), DType::bf16,
-                   {h->tokens, c.hidden}, DeviceKind::cuda);
-    require(!opt.weighted || h->layout == Layout::expert_major,
-            "combine: weighted combine needs the expert-major layout; in the rank-major layout apply recv_topk_weights "
-            "in the expert computation and combine with weighted=false");
-    require(!opt.weighted || h->has_weights,
-            "combine: weighted combine needs router weights, but dispatch got no topk_weights/probs; pass them to "
-            "dispatch or combine with weighted=false");
   } catch (const Error& e) {
     error = e.what();
   }
   const int64_t layout = h ? static_cast<int64_t>(h->layout) : -1;
   exchange_plan(call, error, h ? h->tokens : 0, signature_of({opt.weighted, layout}), nullptr);
   const kernels::Ctx x = ctx();
-  PlanHeader mine{};
-  mine.call_kind = call.kind;
-  mine.call_index = call.index;
-  mine.signature = signature_of({opt.weighted, layout});
   const DeviceHandle& dh = device_of(*h);
-  kernels::check_plans(x, mine, call.parity(), false, 0.0, nullptr, scratch_);
   kernels::combine_send(x, dh.recv, h->layout, in.y.ptr<const uint16_t>(), in.y.strides[0], opt.weighted, nullptr, 0);
   wait(kSignalReverse);
   CombineResult out;
@@ -503,17 +474,7 @@ DispatchBackwardResult CudaBackend::dispatch_backward(const DispatchBackwardInpu
   const HandleState* h = nullptr;
   try {
     h = &state_of(handle, call);
-    const int64_t n = h->recv.capacity;
-    check_tensor(in.grad_recv_x, "dispatch_backward: grad_recv_x", cat("[", n, ", ", c.hidden, "]"), DType::bf16,
-                 {n, c.hidden}, DeviceKind::cuda);
-    if (in.grad_recv_weights.defined()) {
-      if (h->layout == Layout::expert_major)
-        check_tensor(in.grad_recv_weights, "dispatch_backward: grad_recv_weights", cat("[", n, "] (one per row)"),
-                     DType::f32, {n}, DeviceKind::cuda);
-      else
-        check_tensor(in.grad_recv_weights, "dispatch_backward: grad_recv_weights",
-                     cat("[", n, ", ", c.topk, "] (as recv_topk_weights)"), DType::f32, {n, c.topk}, DeviceKind::cuda);
-    }
+    validate_dispatch_backward(in, *h, c, DeviceKind::cuda);
   } catch (const Error& e) {
     error = e.what();
   }
@@ -521,12 +482,7 @@ DispatchBackwardResult CudaBackend::dispatch_backward(const DispatchBackwardInpu
   const int64_t signature = signature_of({with_weights});
   exchange_plan(call, error, h ? h->tokens : 0, signature, nullptr);
   const kernels::Ctx x = ctx();
-  PlanHeader mine{};
-  mine.call_kind = call.kind;
-  mine.call_index = call.index;
-  mine.signature = signature;
   const DeviceHandle& dh = device_of(*h);
-  kernels::check_plans(x, mine, call.parity(), false, 0.0, nullptr, scratch_);
   const TensorView& gw = in.grad_recv_weights;
   kernels::combine_send(x, dh.recv, h->layout, in.grad_recv_x.ptr<const uint16_t>(), in.grad_recv_x.strides[0], false,
                         with_weights ? gw.ptr<const float>() : nullptr, with_weights ? gw.strides[0] : 0);
@@ -549,26 +505,14 @@ CombineBackwardResult CudaBackend::combine_backward(const CombineBackwardInput& 
   const HandleState* h = nullptr;
   try {
     h = &state_of(handle, call);
-    check_tensor(in.grad_out, "combine_backward: grad_out", cat("[", h->tokens, ", ", c.hidden, "]"), DType::bf16,
-                 {h->tokens, c.hidden}, DeviceKind::cuda);
-    require(!opt.weighted || h->layout == Layout::expert_major,
-            "combine_backward: weighted needs the expert-major layout (as combine)");
-    require(!opt.weighted || h->has_weights, "combine_backward: weighted needs router weights at dispatch (as combine)");
-    if (opt.weighted)
-      check_tensor(in.y, "combine_backward: y", cat("[", h->recv.capacity, ", ", c.hidden, "] (the combine's input)"),
-                   DType::bf16, {h->recv.capacity, c.hidden}, DeviceKind::cuda);
+    validate_combine_backward(in, *h, c, opt, DeviceKind::cuda);
   } catch (const Error& e) {
     error = e.what();
   }
   const int64_t signature = signature_of({opt.weighted});
   exchange_plan(call, error, h ? h->tokens : 0, signature, nullptr);
   const kernels::Ctx x = ctx();
-  PlanHeader mine{};
-  mine.call_kind = call.kind;
-  mine.call_index = call.index;
-  mine.signature = signature;
   const DeviceHandle& dh = device_of(*h);
-  kernels::check_plans(x, mine, call.parity(), false, 0.0, nullptr, scratch_);
   kernels::SendRows rows;
   rows.x = static_cast<const char*>(in.grad_out.data);
   rows.x_stride_bytes = in.grad_out.strides[0] * 2;

@@ -38,9 +38,10 @@ class CudaBackend final : public Backend {
   Call begin_call(CallKind kind);
   kernels::Ctx ctx() const;
   // Posts the plan; on a host-side input error (`error` not empty) posts the rejection so
-  // peers stop too, then throws. Otherwise waits for every rank and checks their plans.
+  // peers stop too, then throws. Otherwise waits for every rank and checks their plans; with
+  // counts (dispatch) also fills the lower ranks' per-expert prefix and the drop capacity.
   void exchange_plan(const Call& call, const std::string& error, int64_t tokens, int64_t signature,
-                     const int64_t* counts);
+                     const int64_t* counts, int64_t* expert_prefix = nullptr, int64_t* drop_capacity = nullptr);
   // Waits for the forward / reverse transfer of this call.
   void wait(int kind);
   // Reads the device status (synchronizing the stream) and throws what it says.

@@ -7,6 +7,7 @@
 #include "core/reduce.hpp"
 #include "core/routing.hpp"
 #include "core/validate.hpp"
+#include "core/validate_ops.hpp"
 #include "host/host_backend.hpp"
 
 namespace epx::detail {
@@ -45,10 +46,7 @@ DispatchResult HostBackend::dispatch(const DispatchInput& in, const DispatchOpti
   mine.signature = cat("layout=", layout_name(opt.layout));
   Routing routing;
   try {
-    require(opt.layout == Layout::expert_major || opt.layout == Layout::rank_major, "dispatch: unknown layout ",
-            static_cast<int>(opt.layout));
-    require(std::isfinite(opt.nvfp4_global_scale) && opt.nvfp4_global_scale >= 0.0f,
-            "dispatch: nvfp4_global_scale must be 0 (per token) or a positive finite number, got ", opt.nvfp4_global_scale);
+    validate_dispatch_options(opt);
     validate_dispatch_x(in, c, DeviceKind::host);
     routing = routing_from_input(in, c);
     mine.tokens = routing.tokens;
@@ -178,17 +176,7 @@ CombineResult HostBackend::combine(const CombineInput& in, const Handle& handle,
   try {
     h = &state_of(handle, call);
     mine.signature = cat("weighted=", opt.weighted, " layout=", layout_name(h->layout));
-    check_tensor(in.y, "combine: y", cat("[", h->recv.capacity, ", ", c.hidden, "] (the rows of the dispatch output)"),
-                 DType::bf16, {h->recv.capacity, c.hidden}, DeviceKind::host);
-    if (in.shared_out.defined())
-      check_tensor(in.shared_out, "combine: shared_out", cat("[", h->tokens, ", ", c.hidden, "]"), DType::bf16,
-                   {h->tokens, c.hidden}, DeviceKind::host);
-    require(!opt.weighted || h->layout == Layout::expert_major,
-            "combine: weighted combine needs the expert-major layout; in the rank-major layout apply recv_topk_weights "
-            "in the expert computation and combine with weighted=false");
-    require(!opt.weighted || h->has_weights,
-            "combine: weighted combine needs router weights, but dispatch got no topk_weights/probs; pass them to "
-            "dispatch or combine with weighted=false");
+    validate_combine(in, *h, c, opt, DeviceKind::host);
   } catch (const Error& e) {
     mine.error = e.what();
   }
@@ -224,17 +212,7 @@ DispatchBackwardResult HostBackend::dispatch_backward(const DispatchBackwardInpu
   try {
     h = &state_of(handle, call);
     mine.signature = cat("grad_weights=", in.grad_recv_weights.defined());
-    const int64_t n = h->recv.capacity;
-    check_tensor(in.grad_recv_x, "dispatch_backward: grad_recv_x", cat("[", n, ", ", c.hidden, "]"), DType::bf16,
-                 {n, c.hidden}, DeviceKind::host);
-    if (in.grad_recv_weights.defined()) {
-      if (h->layout == Layout::expert_major)
-        check_tensor(in.grad_recv_weights, "dispatch_backward: grad_recv_weights", cat("[", n, "] (one per row)"),
-                     DType::f32, {n}, DeviceKind::host);
-      else
-        check_tensor(in.grad_recv_weights, "dispatch_backward: grad_recv_weights",
-                     cat("[", n, ", ", c.topk, "] (as recv_topk_weights)"), DType::f32, {n, c.topk}, DeviceKind::host);
-    }
+    validate_dispatch_backward(in, *h, c, DeviceKind::host);
   } catch (const Error& e) {
     mine.error = e.what();
   }
@@ -280,14 +258,7 @@ CombineBackwardResult HostBackend::combine_backward(const CombineBackwardInput& 
   try {
     h = &state_of(handle, call);
     mine.signature = cat("weighted=", opt.weighted);
-    check_tensor(in.grad_out, "combine_backward: grad_out", cat("[", h->tokens, ", ", c.hidden, "]"), DType::bf16,
-                 {h->tokens, c.hidden}, DeviceKind::host);
-    require(!opt.weighted || h->layout == Layout::expert_major,
-            "combine_backward: weighted needs the expert-major layout (as combine)");
-    require(!opt.weighted || h->has_weights, "combine_backward: weighted needs router weights at dispatch (as combine)");
-    if (opt.weighted)
-      check_tensor(in.y, "combine_backward: y", cat("[", h->recv.capacity, ", ", c.hidden, "] (the combine's input)"),
-                   DType::bf16, {h->recv.capacity, c.hidden}, DeviceKind::host);
+    validate_combine_backward(in, *h, c, opt, DeviceKind::host);
   } catch (const Error& e) {
     mine.error = e.what();
   }

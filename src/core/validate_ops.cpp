@@ -1,0 +1,78 @@
+#include "core/validate_ops.hpp"
+
+#include <cmath>
+
+#include "core/check.hpp"
+#include "core/validate.hpp"
+
+namespace epx::detail {
+
+void validate_dispatch_options(const DispatchOptions& opt) {
+  require(opt.layout == Layout::expert_major || opt.layout == Layout::rank_major, "dispatch: unknown layout ",
+          static_cast<int>(opt.layout));
+  require(std::isfinite(opt.nvfp4_global_scale) && opt.nvfp4_global_scale >= 0.0f,
+          "dispatch: nvfp4_global_scale must be 0 (per token) or a positive finite number, got ", opt.nvfp4_global_scale);
+}
+
+void validate_routing_tensors(const DispatchInput& in, const BufferConfig& c, int64_t tokens, DeviceKind device) {
+  require(in.topk_idx.defined() != in.routing_map.defined(),
+          "dispatch: give exactly one of topk_idx and routing_map (got ", in.topk_idx.defined() ? "both" : "neither", ")");
+  const std::string tk = cat("[T=", tokens, ", K=", c.topk, "]"), te = cat("[T=", tokens, ", E=", c.num_experts, "]");
+  if (in.topk_idx.defined()) {
+    require(!in.probs.defined(), "dispatch: probs goes with routing_map; with topk_idx pass topk_weights");
+    check_tensor2(in.topk_idx, "dispatch: topk_idx", tk, DType::i32, DType::i64, {tokens, c.topk}, device);
+    if (in.topk_weights.defined())
+      check_tensor(in.topk_weights, "dispatch: topk_weights", tk, DType::f32, {tokens, c.topk}, device);
+    return;
+  }
+  require(!in.topk_weights.defined(), "dispatch: topk_weights goes with topk_idx; with routing_map pass probs");
+  check_tensor(in.routing_map, "dispatch: routing_map", te, DType::boolean, {tokens, c.num_experts}, device);
+  if (in.probs.defined()) check_tensor(in.probs, "dispatch: probs", te, DType::f32, {tokens, c.num_experts}, device);
+}
+
+namespace {
+void require_weighted_ok(const char* op, const HandleState& h, bool weighted) {
+  require(!weighted || h.layout == Layout::expert_major, op,
+          ": weighted combine needs the expert-major layout; in the rank-major layout apply recv_topk_weights "
+          "in the expert computation and combine with weighted=false");
+  require(!weighted || h.has_weights, op,
+          ": weighted combine needs router weights, but dispatch got no topk_weights/probs; pass them to "
+          "dispatch or combine with weighted=false");
+}
+}  // namespace
+
+void validate_combine(const CombineInput& in, const HandleState& h, const BufferConfig& c, const CombineOptions& opt,
+                      DeviceKind device) {
+  check_tensor(in.y, "combine: y", cat("[", h.recv.capacity, ", ", c.hidden, "] (the rows of the dispatch output)"),
+               DType::bf16, {h.recv.capacity, c.hidden}, device);
+  if (in.shared_out.defined())
+    check_tensor(in.shared_out, "combine: shared_out", cat("[", h.tokens, ", ", c.hidden, "]"), DType::bf16,
+                 {h.tokens, c.hidden}, device);
+  require_weighted_ok("combine", h, opt.weighted);
+}
+
+void validate_dispatch_backward(const DispatchBackwardInput& in, const HandleState& h, const BufferConfig& c,
+                                DeviceKind device) {
+  const int64_t n = h.recv.capacity;
+  check_tensor(in.grad_recv_x, "dispatch_backward: grad_recv_x", cat("[", n, ", ", c.hidden, "]"), DType::bf16,
+               {n, c.hidden}, device);
+  if (!in.grad_recv_weights.defined()) return;
+  if (h.layout == Layout::expert_major)
+    check_tensor(in.grad_recv_weights, "dispatch_backward: grad_recv_weights", cat("[", n, "] (one per row)"),
+                 DType::f32, {n}, device);
+  else
+    check_tensor(in.grad_recv_weights, "dispatch_backward: grad_recv_weights",
+                 cat("[", n, ", ", c.topk, "] (as recv_topk_weights)"), DType::f32, {n, c.topk}, device);
+}
+
+void validate_combine_backward(const CombineBackwardInput& in, const HandleState& h, const BufferConfig& c,
+                               const CombineOptions& opt, DeviceKind device) {
+  check_tensor(in.grad_out, "combine_backward: grad_out", cat("[", h.tokens, ", ", c.hidden, "]"), DType::bf16,
+               {h.tokens, c.hidden}, device);
+  require_weighted_ok("combine_backward", h, opt.weighted);
+  if (opt.weighted)
+    check_tensor(in.y, "combine_backward: y", cat("[", h.recv.capacity, ", ", c.hidden, "] (the combine's input)"),
+                 DType::bf16, {h.recv.capacity, c.hidden}, device);
+}
+
+}  // namespace epx::detail
