@@ -6,5 +6,6 @@
 #include "epx/dtype.hpp"
 #include "epx/error.hpp"
 #include "epx/group.hpp"
+#include "epx/low_latency.hpp"
 #include "epx/ops.hpp"
 #include "epx/tensor.hpp"

@@ -37,7 +37,7 @@ HostBackend::HostBackend(const Group& group, const BufferConfig& config)
       timeout_(resolve_timeout(config.timeout_ms)) {
   auto* state = dynamic_cast<HostGroupState*>(group.state().get());
   require(state != nullptr, "buffer: group is not a host group");
-  shared_ = state->join_next_buffer(rank_);
+  shared_ = state->join_next<SharedBuffer>(rank_, "Buffer");
 
   const int64_t rows = ranks_ * config.max_tokens_per_rank, k = config.topk;
   RankArea& a = shared_->areas[rank_];

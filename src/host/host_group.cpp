@@ -6,13 +6,20 @@
 namespace epx {
 
 namespace detail {
-std::shared_ptr<SharedBuffer> HostGroupState::join_next_buffer(int rank) {
-  std::lock_guard lock(mutex);
-  const int64_t index = buffers_created[rank]++;
-  auto& [joined, buffer] = pending[index];
-  if (!buffer) buffer = std::make_shared<SharedBuffer>(ranks);
-  std::shared_ptr<SharedBuffer> result = buffer;
-  if (++joined == ranks) pending.erase(index);
+std::shared_ptr<void> HostGroupState::join_next_any(int rank, const char* kind,
+                                                    const std::function<std::shared_ptr<void>()>& make) {
+  std::lock_guard lock(mutex_);
+  const int64_t index = buffers_created_[rank]++;
+  Pending& p = pending_[index];
+  if (!p.shared) {
+    p.shared = make();
+    p.kind = kind;
+  }
+  if (p.kind != kind)
+    fail(ErrorCode::config_mismatch, "buffer creation (rank ", rank, "): this rank creates a ", kind,
+         " where another rank created a ", p.kind, "; every rank must create the same buffers in the same order");
+  std::shared_ptr<void> result = p.shared;
+  if (++p.joined == ranks) pending_.erase(index);
   return result;
 }
 }  // namespace detail

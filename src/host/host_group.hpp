@@ -2,6 +2,7 @@
 // SharedBuffer: a barrier and every rank's receive memory, which peers write into directly.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -46,15 +47,29 @@ struct SharedBuffer {
 };
 
 struct HostGroupState final : GroupState {
-  explicit HostGroupState(int ranks) : ranks(ranks), buffers_created(ranks, 0) {}
+  explicit HostGroupState(int ranks) : ranks(ranks), buffers_created_(ranks, 0) {}
 
-  // The SharedBuffer for this rank's next Buffer: the n-th Buffer of every rank shares one.
-  std::shared_ptr<SharedBuffer> join_next_buffer(int rank);
+  // The shared state of this rank's next buffer of any kind: the n-th buffer of every rank
+  // shares one, made by `make` on first use. A rank creating another kind of buffer than its
+  // peers at the same position gets config_mismatch.
+  template <typename T>
+  std::shared_ptr<T> join_next(int rank, const char* kind) {
+    return std::static_pointer_cast<T>(join_next_any(rank, kind, [this] { return std::make_shared<T>(ranks); }));
+  }
 
   const int ranks;
-  std::mutex mutex;
-  std::vector<int64_t> buffers_created;                         // per rank
-  std::map<int64_t, std::pair<int, std::shared_ptr<SharedBuffer>>> pending;  // index -> (joined, buffer)
+
+ private:
+  struct Pending {
+    int joined = 0;
+    std::string kind;
+    std::shared_ptr<void> shared;
+  };
+  std::shared_ptr<void> join_next_any(int rank, const char* kind, const std::function<std::shared_ptr<void>()>& make);
+
+  std::mutex mutex_;
+  std::vector<int64_t> buffers_created_;  // per rank
+  std::map<int64_t, Pending> pending_;    // by creation index
 };
 
 }  // namespace epx::detail

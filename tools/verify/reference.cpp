@@ -113,10 +113,12 @@ std::string compare_vec(const Tensor& got, const std::vector<T>& want, const std
   return compare_bits(got.data<T>(), want.data(), static_cast<int64_t>(want.size()), sizeof(T), what);
 }
 
-std::string check_bytes_row(const Tensor& t, int64_t row, const std::vector<uint8_t>& want, const std::string& what) {
+// Row `row` of t seen as `rows` rows (HT: dimension 0; low-latency: experts x slots).
+std::string check_bytes_row(const Tensor& t, int64_t rows, int64_t row, const std::vector<uint8_t>& want,
+                            const std::string& what) {
   if (want.empty()) return {};
   if (!t.defined()) return what + ": missing";
-  const int64_t row_bytes = t.numel() / t.size(0) * dtype_size(t.dtype());
+  const int64_t row_bytes = t.numel() / rows * dtype_size(t.dtype());
   if (row_bytes != static_cast<int64_t>(want.size()))
     return what + ": row of " + std::to_string(row_bytes) + " bytes, want " + std::to_string(want.size());
   return compare_bits(t.data<uint8_t>() + row * row_bytes, want.data(), row_bytes, 1,
@@ -221,9 +223,9 @@ std::string check_dispatch(const Problem& p, const std::vector<std::vector<int32
     const ExpectedRow& row = x.rows[i];
     const std::string where = at + "row " + std::to_string(i);
     const Encoded want = row.src_rank >= 0 ? encode(p, row.src_rank, row.src_token, nvfp4_global_scale) : padding_row(p);
-    if (!(err = check_bytes_row(got.recv_x, i, want.x, at + "recv_x")).empty()) return err;
-    if (!(err = check_bytes_row(got.recv_scales, i, want.scales, at + "recv_scales")).empty()) return err;
-    if (!(err = check_bytes_row(got.recv_global_scale, i, want.global, at + "recv_global_scale")).empty()) return err;
+    if (!(err = check_bytes_row(got.recv_x, got.recv_x.size(0), i, want.x, at + "recv_x")).empty()) return err;
+    if (!(err = check_bytes_row(got.recv_scales, got.recv_x.size(0), i, want.scales, at + "recv_scales")).empty()) return err;
+    if (!(err = check_bytes_row(got.recv_global_scale, got.recv_x.size(0), i, want.global, at + "recv_global_scale")).empty()) return err;
     const int32_t src[2] = {row.src_rank, row.src_token};
     if (!(err = compare_bits(got.recv_src.data<int32_t>() + 2 * i, src, 2, 4, where + " recv_src")).empty()) return err;
     if (layout == Layout::expert_major) {
@@ -339,6 +341,80 @@ std::vector<float> expected_gathered_weights(const Problem& p, const std::vector
     gw[t * k_count + k] = layout == Layout::rank_major ? grad_recv_weights[d][row * k_count + k] : grad_recv_weights[d][row];
   });
   return gw;
+}
+
+namespace {
+// Rows of local expert l on rank d in the low-latency layout: (source rank, token), in order.
+std::vector<std::pair<int, int64_t>> ll_rows(const Problem& p, const std::vector<int64_t>& num_tokens, int d, int64_t l) {
+  const int64_t e = d * local_experts(p) + l, k_count = p.cfg.topk;
+  std::vector<std::pair<int, int64_t>> rows;
+  for (int s = 0; s < p.ranks; ++s)
+    for (int64_t t = 0; t < num_tokens[s]; ++t)
+      for (int64_t k = 0; k < k_count; ++k)
+        if (p.inputs[s].idx[t * k_count + k] == e) rows.emplace_back(s, t);
+  return rows;
+}
+}  // namespace
+
+std::string check_ll_dispatch(const Problem& p, const std::vector<int64_t>& num_tokens, int rank, float nvfp4_global_scale,
+                              const LowLatencyDispatchResult& got) {
+  const int64_t l_count = local_experts(p), slots = p.ranks * p.cfg.max_tokens_per_rank;
+  const std::string at = "rank " + std::to_string(rank) + " ";
+  if (!got.recv_x.defined() || got.recv_x.numel() / got.recv_x.size(got.recv_x.view().ndim - 1) != l_count * slots)
+    return at + "recv_x is not [L, R*M, ...]";
+  const Encoded zero = padding_row(p);
+  std::string err;
+  for (int64_t l = 0; l < l_count; ++l) {
+    const auto rows = ll_rows(p, num_tokens, rank, l);
+    const std::string ex = at + "expert " + std::to_string(l) + " ";
+    if (got.recv_count.data<int32_t>()[l] != static_cast<int32_t>(rows.size()))
+      return ex + "count " + std::to_string(got.recv_count.data<int32_t>()[l]) + ", want " + std::to_string(rows.size());
+    int64_t begin = 0;
+    for (int s = 0; s < p.ranks; ++s) {
+      int64_t n = 0;
+      for (const auto& r : rows) n += r.first == s;
+      const int32_t want[2] = {static_cast<int32_t>(begin), static_cast<int32_t>(n)};
+      if (!(err = compare_bits(got.recv_layout.data<int32_t>() + (l * p.ranks + s) * 2, want, 2, 4, ex + "recv_layout")).empty())
+        return err;
+      begin += n;
+    }
+    for (int64_t j = 0; j < slots; ++j) {
+      const int64_t row = l * slots + j;
+      const bool real = j < static_cast<int64_t>(rows.size());
+      const Encoded want = real ? encode(p, rows[j].first, rows[j].second, nvfp4_global_scale) : zero;
+      if (!(err = check_bytes_row(got.recv_x, l_count * slots, row, want.x, ex + "recv_x")).empty()) return err;
+      if (!(err = check_bytes_row(got.recv_scales, l_count * slots, row, want.scales, ex + "recv_scales")).empty()) return err;
+      if (!(err = check_bytes_row(got.recv_global_scale, l_count * slots, row, want.global, ex + "recv_global_scale")).empty()) return err;
+      const int32_t src[2] = {real ? rows[j].first : -1, real ? static_cast<int32_t>(rows[j].second) : -1};
+      if (!(err = compare_bits(got.recv_src.data<int32_t>() + 2 * row, src, 2, 4, ex + "recv_src")).empty()) return err;
+    }
+  }
+  return {};
+}
+
+std::vector<uint16_t> expected_ll_combine(const Problem& p, const std::vector<int64_t>& num_tokens,
+                                          const std::vector<std::vector<uint16_t>>& y, int s, bool weighted) {
+  const int64_t h = p.cfg.hidden, k_count = p.cfg.topk, l_count = local_experts(p), slots = p.ranks * p.cfg.max_tokens_per_rank;
+  const RankInput& in = p.inputs[s];
+  std::vector<uint16_t> out(in.tokens * h, 0);
+  std::vector<float> acc(h);
+  for (int64_t t = 0; t < num_tokens[s]; ++t) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t k = 0; k < k_count; ++k) {
+      const int32_t e = in.idx[t * k_count + k];
+      if (e < 0) continue;
+      const int d = static_cast<int>(e / l_count);
+      const auto rows = ll_rows(p, num_tokens, d, e % l_count);
+      int64_t j = 0;
+      while (rows[j] != std::make_pair(s, t)) ++j;
+      const uint16_t* yr = &y[d][((e % l_count) * slots + j) * h];
+      const float w = weight_of(in, t * k_count + k);
+      for (int64_t c = 0; c < h; ++c)
+        acc[c] = weighted ? std::fma(w, bf16_to_float(yr[c]), acc[c]) : acc[c] + bf16_to_float(yr[c]);
+    }
+    for (int64_t c = 0; c < h; ++c) out[t * h + c] = float_to_bf16(acc[c]);
+  }
+  return out;
 }
 
 }  // namespace epx::verify

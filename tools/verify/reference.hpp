@@ -61,3 +61,13 @@ std::vector<float> expected_gathered_weights(const Problem& p, const std::vector
                                              const std::vector<std::vector<float>>& grad_recv_weights, int s,
                                              Layout layout);
 }  // namespace epx::verify
+
+namespace epx::verify {
+// Low-latency mode (docs/low-latency.md). num_tokens[s]: the rows of rank s that count.
+// Empty when rank `rank`'s ll_dispatch output is exactly right, else the first difference.
+std::string check_ll_dispatch(const Problem& p, const std::vector<int64_t>& num_tokens, int rank, float nvfp4_global_scale,
+                              const LowLatencyDispatchResult& got);
+// Expected ll_combine output of rank s, given every rank's y [L, R*M, H].
+std::vector<uint16_t> expected_ll_combine(const Problem& p, const std::vector<int64_t>& num_tokens,
+                                          const std::vector<std::vector<uint16_t>>& y, int s, bool weighted);
+}  // namespace epx::verify

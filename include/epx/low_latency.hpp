@@ -1,0 +1,93 @@
+// Low-latency mode, for decode: a fixed maximum of tokens per rank, per-expert receive buffers
+// [L, R * max_tokens, H], and dispatch/combine split into a send half and a receive half so the
+// caller can compute in between. docs/low-latency.md is the contract.
+#pragma once
+#include <cstdint>
+#include <memory>
+
+#include "epx/config.hpp"
+#include "epx/group.hpp"
+#include "epx/tensor.hpp"
+
+namespace epx {
+
+struct LowLatencyConfig {
+  int64_t hidden = 0;
+  int64_t max_tokens_per_rank = 0;  // M: the most tokens any rank passes to one call
+  int64_t num_experts = 0;          // E, a multiple of the group size
+  int64_t topk = 0;
+  WireFormat wire = WireFormat::bf16;
+  int64_t timeout_ms = 0;           // 0 = EPX_TIMEOUT_MS or 60000
+};
+
+struct LowLatencyDispatchInput {
+  TensorView x;            // [T, H] bf16, T <= M
+  TensorView topk_idx;     // [T, K] i32 or i64, -1 = unused slot
+  TensorView num_tokens;   // optional [1] i32: only the first num_tokens rows count (read where the data lives)
+  float nvfp4_global_scale = 0.0f;  // as DispatchOptions: 0 = per token
+};
+
+namespace detail {
+struct LowLatencyHandleState;
+}
+
+// What ll_dispatch learned; ll_combine reuses it. Valid with the buffer that made it.
+class LowLatencyHandle {
+ public:
+  LowLatencyHandle() = default;
+  explicit LowLatencyHandle(std::shared_ptr<const detail::LowLatencyHandleState> s) : state_(std::move(s)) {}
+  bool valid() const { return state_ != nullptr; }
+  const detail::LowLatencyHandleState& state() const { return *state_; }
+  const std::shared_ptr<const detail::LowLatencyHandleState>& state_ptr() const { return state_; }
+
+ private:
+  std::shared_ptr<const detail::LowLatencyHandleState> state_;
+};
+
+struct LowLatencyDispatchResult {
+  Tensor recv_x;             // [L, R*M, H] bf16 | [L, R*M, H] fp8_e4m3 | [L, R*M, H/2] e2m1x2
+  Tensor recv_scales;        // fp8: [L, R*M, H/128] f32; nvfp4: [L, R*M, H/16] fp8_e4m3
+  Tensor recv_global_scale;  // nvfp4: [L, R*M] f32, 1/g of each row
+  Tensor recv_count;         // [L] i32: rows of each local expert (rows past it are zero)
+  Tensor recv_src;           // [L, R*M, 2] i32 (source rank, source token); (-1, -1) past the count
+  Tensor recv_layout;        // [L, R, 2] i32 (first row, rows) of each source rank in each expert
+  LowLatencyHandle handle;
+};
+
+struct LowLatencyCombineInput {
+  TensorView y;             // [L, R*M, H] bf16: the expert outputs, rows as dispatched
+  TensorView topk_weights;  // [T, K] f32 (weighted combine), the dispatch's T
+  bool weighted = true;     // false: plain sum of the expert rows
+};
+
+namespace detail {
+class LowLatencyBackend;
+}
+
+// Collective to create (every rank, same config, same order as other buffers). Calls are
+// collective too. At most two calls of each kind may be in flight: the receive half of call n
+// must run before the send half of call n + 2 (two buffer sets alternate).
+class LowLatencyBuffer {
+ public:
+  LowLatencyBuffer(const Group& group, const LowLatencyConfig& config);
+  ~LowLatencyBuffer();
+  LowLatencyBuffer(LowLatencyBuffer&&) noexcept;
+  LowLatencyBuffer& operator=(LowLatencyBuffer&&) noexcept;
+
+  const LowLatencyConfig& config() const;
+
+  // Fused forms: send then receive.
+  LowLatencyDispatchResult dispatch(const LowLatencyDispatchInput& in);
+  Tensor combine(const LowLatencyCombineInput& in, const LowLatencyHandle& handle);  // [T, H] bf16
+
+  // Split forms. The send half returns at once; the receive half waits for every peer.
+  void dispatch_send(const LowLatencyDispatchInput& in);
+  LowLatencyDispatchResult dispatch_recv();
+  void combine_send(const LowLatencyCombineInput& in, const LowLatencyHandle& handle);
+  Tensor combine_recv();
+
+ private:
+  std::unique_ptr<detail::LowLatencyBackend> backend_;
+};
+
+}  // namespace epx

@@ -1,0 +1,38 @@
+// The interface of a low-latency backend, and the handle state every backend shares.
+#pragma once
+#include <vector>
+
+#include "epx/low_latency.hpp"
+
+namespace epx::detail {
+
+struct LowLatencyHandleState {
+  const void* owner = nullptr;
+  int64_t tokens = 0;      // T of this rank's dispatch
+  int64_t num_tokens = 0;  // rows that counted (num_tokens, or T)
+  std::vector<int32_t> slot_expert;  // [T*K] this rank's routing (-1 unused, and for rows >= num_tokens)
+  // Receiver side: for each row (l, j < count[l]) of the dispatch output, where it came from.
+  std::vector<int32_t> recv_count;   // [L]
+  std::vector<int32_t> src_rank;     // [L * R * M]
+  std::vector<int32_t> src_token;
+  std::vector<int32_t> src_slot;
+};
+
+class LowLatencyBackend {
+ public:
+  explicit LowLatencyBackend(const LowLatencyConfig& c) : config_(c) {}
+  virtual ~LowLatencyBackend() = default;
+  const LowLatencyConfig& config() const { return config_; }
+
+  virtual void dispatch_send(const LowLatencyDispatchInput& in) = 0;
+  virtual LowLatencyDispatchResult dispatch_recv() = 0;
+  virtual void combine_send(const LowLatencyCombineInput& in, const LowLatencyHandle& h) = 0;
+  virtual Tensor combine_recv() = 0;
+
+ private:
+  LowLatencyConfig config_;
+};
+
+std::unique_ptr<LowLatencyBackend> make_host_low_latency(const Group& group, const LowLatencyConfig& config);
+
+}  // namespace epx::detail

@@ -1,0 +1,57 @@
+#include "core/check.hpp"
+#include "core/low_latency_backend.hpp"
+#include "epx/codec.hpp"
+
+namespace epx {
+
+namespace {
+void validate(const LowLatencyConfig& c, int ranks) {
+  using detail::require;
+  require(c.hidden > 0, "low-latency buffer: hidden must be > 0");
+  require(c.max_tokens_per_rank > 0, "low-latency buffer: max_tokens_per_rank must be > 0");
+  require(c.num_experts > 0 && c.num_experts % ranks == 0, "low-latency buffer: num_experts (", c.num_experts,
+          ") must be a positive multiple of the group size (", ranks, ")");
+  require(c.topk >= 1 && c.topk <= c.num_experts && c.topk <= 64, "low-latency buffer: topk must be in [1, min(64, E)], got ",
+          c.topk);
+  require(c.timeout_ms >= 0, "low-latency buffer: timeout_ms must be >= 0");
+  if (c.wire == WireFormat::fp8 || c.wire == WireFormat::fp8_ue8m0)
+    require(c.hidden % kFp8Block == 0, "low-latency buffer: wire ", wire_name(c.wire), " needs hidden to be a multiple of ",
+            kFp8Block, ", got ", c.hidden);
+  if (c.wire == WireFormat::nvfp4)
+    require(c.hidden % kNvfp4Block == 0, "low-latency buffer: wire nvfp4 needs hidden to be a multiple of ", kNvfp4Block,
+            ", got ", c.hidden);
+}
+}  // namespace
+
+LowLatencyBuffer::LowLatencyBuffer(const Group& group, const LowLatencyConfig& config) {
+  detail::require(group.state() != nullptr, "low-latency buffer: the group is empty");
+  validate(config, group.size());
+  if (group.backend() != BackendKind::host)
+    detail::fail(ErrorCode::unsupported, "low-latency buffer: the CUDA low-latency kernels are not built yet");
+  backend_ = detail::make_host_low_latency(group, config);
+}
+
+LowLatencyBuffer::~LowLatencyBuffer() = default;
+LowLatencyBuffer::LowLatencyBuffer(LowLatencyBuffer&&) noexcept = default;
+LowLatencyBuffer& LowLatencyBuffer::operator=(LowLatencyBuffer&&) noexcept = default;
+
+const LowLatencyConfig& LowLatencyBuffer::config() const { return backend_->config(); }
+
+LowLatencyDispatchResult LowLatencyBuffer::dispatch(const LowLatencyDispatchInput& in) {
+  backend_->dispatch_send(in);
+  return backend_->dispatch_recv();
+}
+
+Tensor LowLatencyBuffer::combine(const LowLatencyCombineInput& in, const LowLatencyHandle& handle) {
+  backend_->combine_send(in, handle);
+  return backend_->combine_recv();
+}
+
+void LowLatencyBuffer::dispatch_send(const LowLatencyDispatchInput& in) { backend_->dispatch_send(in); }
+LowLatencyDispatchResult LowLatencyBuffer::dispatch_recv() { return backend_->dispatch_recv(); }
+void LowLatencyBuffer::combine_send(const LowLatencyCombineInput& in, const LowLatencyHandle& handle) {
+  backend_->combine_send(in, handle);
+}
+Tensor LowLatencyBuffer::combine_recv() { return backend_->combine_recv(); }
+
+}  // namespace epx

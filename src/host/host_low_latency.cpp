@@ -1,0 +1,339 @@
+// Low-latency mode on the CPU backend: the executable specification of docs/low-latency.md.
+// The send half writes each (token, expert) row straight into the expert rank's receive area,
+// at a slot of its own (source rank, position); the receive half waits for every peer and
+// compacts the rows of each expert in (source rank, source token) order.
+#include <cmath>
+#include <cstring>
+
+#include "core/check.hpp"
+#include "core/low_latency_backend.hpp"
+#include "core/reduce.hpp"
+#include "core/validate.hpp"
+#include "core/wire.hpp"
+#include "epx/codec.hpp"
+#include "host/host_group.hpp"
+
+namespace epx::detail {
+
+namespace {
+
+// One rank's receive memory, two sets per kind of call (call n uses set n % 2).
+struct LowLatencyArea {
+  struct DispatchSet {
+    std::vector<uint8_t> payload;  // [L][R*M] wire rows, slot (l, s*M + i)
+    std::vector<int32_t> token;    // [L][R*M]
+    std::vector<int32_t> slot;     // [L][R*M]
+    std::vector<int64_t> count;    // [L][R] rows each source wrote for each expert
+    Mailbox mailbox;
+  } dispatch[2];
+  struct CombineSet {
+    std::vector<uint16_t> rows;    // [M][K] bf16 rows: expert output of (token, slot)
+    Mailbox mailbox;
+  } combine[2];
+};
+
+struct LowLatencyShared {
+  explicit LowLatencyShared(int ranks) : barrier(ranks), areas(ranks), configs(ranks) {}
+  PeerBarrier barrier;
+  std::vector<LowLatencyArea> areas;
+  std::vector<std::string> configs;
+};
+
+std::string describe(const LowLatencyConfig& c) {
+  return cat("hidden=", c.hidden, " max_tokens_per_rank=", c.max_tokens_per_rank, " num_experts=", c.num_experts,
+             " topk=", c.topk, " wire=", wire_name(c.wire), " timeout_ms=", c.timeout_ms);
+}
+
+class HostLowLatency final : public LowLatencyBackend {
+ public:
+  HostLowLatency(const Group& group, const LowLatencyConfig& c)
+      : LowLatencyBackend(c),
+        rank_(group.rank()),
+        ranks_(group.size()),
+        local_(c.num_experts / group.size()),
+        slots_(group.size() * c.max_tokens_per_rank),
+        wire_(wire_row(c.wire, c.hidden)),
+        timeout_(c.timeout_ms > 0 ? c.timeout_ms : 60000) {
+    auto* state = dynamic_cast<HostGroupState*>(group.state().get());
+    require(state != nullptr, "low-latency buffer: group is not a host group");
+    shared_ = state->join_next<LowLatencyShared>(rank_, "LowLatencyBuffer");
+    LowLatencyArea& a = shared_->areas[rank_];
+    for (auto& set : a.dispatch) {
+      set.payload.assign(local_ * slots_ * wire_.bytes(), 0);
+      set.token.assign(local_ * slots_, -1);
+      set.slot.assign(local_ * slots_, -1);
+      set.count.assign(local_ * ranks_, 0);
+    }
+    for (auto& set : a.combine) {
+      set.rows.assign(c.max_tokens_per_rank * c.topk * c.hidden, 0);
+    }
+    shared_->configs[rank_] = describe(c);
+    sync("low-latency buffer creation (config exchange)");
+    for (int r = 0; r < ranks_; ++r)
+      if (shared_->configs[r] != shared_->configs[rank_])
+        fail(ErrorCode::config_mismatch, "low-latency buffer creation (rank ", rank_, "): ranks disagree on the config: rank ",
+             rank_, " has {", shared_->configs[rank_], "} but rank ", r, " has {", shared_->configs[r], "}");
+  }
+
+  void dispatch_send(const LowLatencyDispatchInput& in) override {
+    require(!dispatch_pending_, "ll dispatch_send: the previous dispatch_send has no dispatch_recv yet");
+    const int64_t call = dispatch_calls_++;
+    const int set = static_cast<int>(call % 2);
+    const std::string name = cat("ll_dispatch #", call);
+    auto h = std::make_shared<LowLatencyHandleState>();
+    h->owner = this;
+    std::string error;
+    try {
+      read_dispatch_input(in, *h);
+    } catch (const Error& e) {
+      error = e.what();
+    }
+    if (error.empty()) send_rows(in, *h, set);
+    publish(set, name, error, /*dispatch=*/true);
+    dispatch_pending_ = std::move(h);
+    if (!error.empty()) {  // fail together: wait for the peers' receive half, then throw
+      dispatch_pending_.reset();
+      sync(name + " (receive)");
+      throw Error(ErrorCode::invalid_argument, error);
+    }
+  }
+
+  LowLatencyDispatchResult dispatch_recv() override {
+    require(dispatch_pending_ != nullptr, "ll dispatch_recv: no dispatch_send before it");
+    const int64_t call = dispatch_calls_ - 1;
+    const int set = static_cast<int>(call % 2);
+    auto h = std::move(dispatch_pending_);
+    const std::string name = cat("ll_dispatch #", call);
+    sync(name + " (receive)");
+    check_mailboxes(set, name, true);
+
+    const LowLatencyConfig& c = config();
+    const LowLatencyArea::DispatchSet& area = shared_->areas[rank_].dispatch[set];
+    LowLatencyDispatchResult out;
+    allocate(out);
+    h->recv_count.assign(local_, 0);
+    h->src_rank.assign(local_ * slots_, -1);
+    h->src_token.assign(local_ * slots_, -1);
+    h->src_slot.assign(local_ * slots_, -1);
+    auto* layout = out.recv_layout.data<int32_t>();
+    auto* src = out.recv_src.data<int32_t>();
+    for (int64_t l = 0; l < local_; ++l) {
+      int64_t row = 0;
+      for (int s = 0; s < ranks_; ++s) {
+        const int64_t n = area.count[l * ranks_ + s];
+        layout[(l * ranks_ + s) * 2] = static_cast<int32_t>(row);
+        layout[(l * ranks_ + s) * 2 + 1] = static_cast<int32_t>(n);
+        for (int64_t i = 0; i < n; ++i, ++row) {
+          const int64_t from = l * slots_ + s * c.max_tokens_per_rank + i, to = l * slots_ + row;
+          store(out, to, &area.payload[from * wire_.bytes()]);
+          src[2 * to] = s;
+          src[2 * to + 1] = area.token[from];
+          h->src_rank[to] = s;
+          h->src_token[to] = area.token[from];
+          h->src_slot[to] = area.slot[from];
+        }
+      }
+      h->recv_count[l] = static_cast<int32_t>(row);
+      out.recv_count.data<int32_t>()[l] = static_cast<int32_t>(row);
+    }
+    out.handle = LowLatencyHandle(std::move(h));
+    return out;
+  }
+
+  void combine_send(const LowLatencyCombineInput& in, const LowLatencyHandle& handle) override {
+    require(combine_pending_.handle == nullptr, "ll combine_send: the previous combine_send has no combine_recv yet");
+    const int64_t call = combine_calls_++;
+    const int set = static_cast<int>(call % 2);
+    const std::string name = cat("ll_combine #", call);
+    const LowLatencyConfig& c = config();
+    std::string error;
+    const LowLatencyHandleState* h = nullptr;
+    try {
+      require(handle.valid(), "ll_combine: the handle is empty; pass the handle ll_dispatch returned");
+      require(handle.state().owner == this, "ll_combine: the handle belongs to another buffer or rank");
+      h = &handle.state();
+      check_tensor(in.y, "ll_combine: y", cat("[L=", local_, ", R*M=", slots_, ", H=", c.hidden, "]"), DType::bf16,
+                   {local_, slots_, c.hidden}, DeviceKind::host);
+      require(in.y.is_contiguous(), "ll_combine: y must be contiguous");
+      if (in.weighted)
+        check_tensor(in.topk_weights, "ll_combine: topk_weights", cat("[T=", h->tokens, ", K=", c.topk, "]"), DType::f32,
+                     {h->tokens, c.topk}, DeviceKind::host);
+    } catch (const Error& e) {
+      error = e.what();
+    }
+    if (error.empty()) {
+      // Each expert row goes back to its source, into the (token, slot) place it came from.
+      const uint16_t* y = in.y.ptr<const uint16_t>();
+      for (int64_t l = 0; l < local_; ++l)
+        for (int64_t j = 0; j < h->recv_count[l]; ++j) {
+          const int64_t row = l * slots_ + j;
+          LowLatencyArea::CombineSet& dst = shared_->areas[h->src_rank[row]].combine[set];
+          const int64_t at = static_cast<int64_t>(h->src_token[row]) * c.topk + h->src_slot[row];
+          std::memcpy(&dst.rows[at * c.hidden], y + row * c.hidden, 2 * c.hidden);
+        }
+      combine_pending_ = {handle.state_ptr(), in.weighted, in.topk_weights};
+    }
+    publish(set, name, error, /*dispatch=*/false);
+    if (!error.empty()) {
+      sync(name + " (receive)");
+      throw Error(ErrorCode::invalid_argument, error);
+    }
+  }
+
+  Tensor combine_recv() override {
+    require(combine_pending_.handle != nullptr, "ll combine_recv: no combine_send before it");
+    const int64_t call = combine_calls_ - 1;
+    const int set = static_cast<int>(call % 2);
+    const PendingCombine p = std::move(combine_pending_);
+    combine_pending_ = {};
+    const std::string name = cat("ll_combine #", call);
+    sync(name + " (receive)");
+    check_mailboxes(set, name, false);
+
+    // out[t] = sum over slots in slot order: fma(w, y, acc) (weighted) or acc + y; bf16.
+    const LowLatencyConfig& c = config();
+    const LowLatencyArea::CombineSet& area = shared_->areas[rank_].combine[set];
+    const LowLatencyHandleState& h = *p.handle;
+    Tensor out = Tensor::zeros_host(DType::bf16, {h.tokens, c.hidden});
+    std::vector<float> acc(c.hidden);
+    for (int64_t t = 0; t < h.num_tokens; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t k = 0; k < c.topk; ++k) {
+        if (h.slot_expert[t * c.topk + k] < 0) continue;
+        const uint16_t* y = &area.rows[(t * c.topk + k) * c.hidden];
+        if (p.weighted) fma_row(acc.data(), at<float>(p.weights, t, k), y, c.hidden);
+        else add_row(acc.data(), y, c.hidden);
+      }
+      round_row(out.data<uint16_t>() + t * c.hidden, acc.data(), c.hidden);
+    }
+    return out;
+  }
+
+ private:
+  struct PendingCombine {
+    std::shared_ptr<const LowLatencyHandleState> handle;
+    bool weighted = false;
+    TensorView weights;
+  };
+
+  void sync(const std::string& what) { shared_->barrier.arrive_and_wait(rank_, std::chrono::milliseconds(timeout_), what); }
+
+  void publish(int set, const std::string& name, const std::string& error, bool dispatch) {
+    Mailbox& m = dispatch ? shared_->areas[rank_].dispatch[set].mailbox : shared_->areas[rank_].combine[set].mailbox;
+    m.op = name;
+    m.error = error;
+  }
+
+  void check_mailboxes(int set, const std::string& name, bool dispatch) {
+    for (int r = 0; r < ranks_; ++r) {
+      const Mailbox& m = dispatch ? shared_->areas[r].dispatch[set].mailbox : shared_->areas[r].combine[set].mailbox;
+      if (m.op != name)
+        fail(ErrorCode::config_mismatch, name, " (rank ", rank_, "): rank ", r, " is in '", m.op,
+             "'; every rank must make the same low-latency calls in the same order");
+      if (!m.error.empty())
+        fail(ErrorCode::peer_failed, name, " (rank ", rank_, "): rank ", r, " rejected its input, so the group stops: ",
+             m.error);
+    }
+  }
+
+  void read_dispatch_input(const LowLatencyDispatchInput& in, LowLatencyHandleState& h) {
+    const LowLatencyConfig& c = config();
+    check_tensor(in.x, "ll_dispatch: x", cat("[T, ", c.hidden, "] with T <= max_tokens_per_rank=", c.max_tokens_per_rank),
+                 DType::bf16, {kAnyDim, c.hidden}, DeviceKind::host);
+    h.tokens = in.x.shape[0];
+    require(h.tokens <= c.max_tokens_per_rank, "ll_dispatch: x has ", h.tokens,
+            " tokens but the buffer was sized for max_tokens_per_rank=", c.max_tokens_per_rank);
+    require(std::isfinite(in.nvfp4_global_scale) && in.nvfp4_global_scale >= 0.0f,
+            "ll_dispatch: nvfp4_global_scale must be 0 (per token) or a positive finite number");
+    check_tensor2(in.topk_idx, "ll_dispatch: topk_idx", cat("[T=", h.tokens, ", K=", c.topk, "]"), DType::i32, DType::i64,
+                  {h.tokens, c.topk}, DeviceKind::host);
+    h.num_tokens = h.tokens;
+    if (in.num_tokens.defined()) {
+      check_tensor(in.num_tokens, "ll_dispatch: num_tokens", "[1]", DType::i32, {1}, DeviceKind::host);
+      const int32_t n = *in.num_tokens.ptr<const int32_t>();
+      require(n >= 0 && n <= h.tokens, "ll_dispatch: num_tokens = ", n, " must be in [0, T=", h.tokens, "]");
+      h.num_tokens = n;
+    }
+    h.slot_expert.assign(h.tokens * c.topk, -1);
+    for (int64_t t = 0; t < h.num_tokens; ++t)
+      for (int64_t k = 0; k < c.topk; ++k) {
+        const int64_t e = in.topk_idx.dtype == DType::i32 ? at<int32_t>(in.topk_idx, t, k) : at<int64_t>(in.topk_idx, t, k);
+        require(e >= -1 && e < c.num_experts, "ll_dispatch: topk_idx[", t, ", ", k, "] = ", e,
+                " is out of range; expert ids must be in [0, ", c.num_experts, ") or -1 for an unused slot");
+        for (int64_t j = 0; j < k && e >= 0; ++j)
+          require(h.slot_expert[t * c.topk + j] != e, "ll_dispatch: token ", t, " selects expert ", e, " twice");
+        h.slot_expert[t * c.topk + k] = static_cast<int32_t>(e);
+      }
+  }
+
+  // Every (token, expert) pair to the expert's rank, at this rank's next slot of that expert.
+  void send_rows(const LowLatencyDispatchInput& in, const LowLatencyHandleState& h, int set) {
+    const LowLatencyConfig& c = config();
+    std::vector<int64_t> next(c.num_experts, 0);
+    std::vector<uint8_t> row(wire_.bytes());
+    DispatchInput as_dispatch;
+    as_dispatch.x = in.x;
+    for (int64_t t = 0; t < h.num_tokens; ++t) {
+      bool encoded = false;
+      for (int64_t k = 0; k < c.topk; ++k) {
+        const int32_t e = h.slot_expert[t * c.topk + k];
+        if (e < 0) continue;
+        if (!encoded) encode_row(as_dispatch, t, wire_, in.nvfp4_global_scale, row.data());
+        encoded = true;
+        LowLatencyArea::DispatchSet& dst = shared_->areas[e / local_].dispatch[set];
+        const int64_t at = (e % local_) * slots_ + rank_ * c.max_tokens_per_rank + next[e]++;
+        std::memcpy(&dst.payload[at * wire_.bytes()], row.data(), row.size());
+        dst.token[at] = static_cast<int32_t>(t);
+        dst.slot[at] = static_cast<int32_t>(k);
+      }
+    }
+    for (int64_t e = 0; e < c.num_experts; ++e)
+      shared_->areas[e / local_].dispatch[set].count[(e % local_) * ranks_ + rank_] = next[e];
+  }
+
+  void allocate(LowLatencyDispatchResult& out) const {
+    const LowLatencyConfig& c = config();
+    switch (c.wire) {
+      case WireFormat::bf16: out.recv_x = Tensor::zeros_host(DType::bf16, {local_, slots_, c.hidden}); break;
+      case WireFormat::fp8:
+      case WireFormat::fp8_ue8m0:
+        out.recv_x = Tensor::zeros_host(DType::fp8_e4m3, {local_, slots_, c.hidden});
+        out.recv_scales = Tensor::zeros_host(DType::f32, {local_, slots_, c.hidden / kFp8Block});
+        break;
+      case WireFormat::nvfp4:
+        out.recv_x = Tensor::zeros_host(DType::e2m1x2, {local_, slots_, c.hidden / 2});
+        out.recv_scales = Tensor::zeros_host(DType::fp8_e4m3, {local_, slots_, c.hidden / kNvfp4Block});
+        out.recv_global_scale = Tensor::zeros_host(DType::f32, {local_, slots_});
+        break;
+    }
+    out.recv_count = Tensor::zeros_host(DType::i32, {local_});
+    out.recv_src = Tensor::zeros_host(DType::i32, {local_, slots_, 2});
+    std::fill_n(out.recv_src.data<int32_t>(), 2 * local_ * slots_, -1);
+    out.recv_layout = Tensor::zeros_host(DType::i32, {local_, ranks_, 2});
+  }
+
+  void store(LowLatencyDispatchResult& out, int64_t row, const uint8_t* payload) const {
+    std::memcpy(out.recv_x.data<uint8_t>() + row * wire_.x_bytes, payload, wire_.x_bytes);
+    if (wire_.scale_bytes)
+      std::memcpy(out.recv_scales.data<uint8_t>() + row * wire_.scale_bytes, payload + wire_.x_bytes, wire_.scale_bytes);
+    if (wire_.global_bytes)
+      std::memcpy(out.recv_global_scale.data<uint8_t>() + row * 4, payload + wire_.x_bytes + wire_.scale_bytes, 4);
+  }
+
+  int rank_, ranks_;
+  int64_t local_, slots_;
+  WireRow wire_;
+  int64_t timeout_;
+  std::shared_ptr<LowLatencyShared> shared_;
+  int64_t dispatch_calls_ = 0, combine_calls_ = 0;
+  std::shared_ptr<LowLatencyHandleState> dispatch_pending_;
+  PendingCombine combine_pending_;
+};
+
+}  // namespace
+
+std::unique_ptr<LowLatencyBackend> make_host_low_latency(const Group& group, const LowLatencyConfig& config) {
+  return std::make_unique<HostLowLatency>(group, config);
+}
+
+}  // namespace epx::detail

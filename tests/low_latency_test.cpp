@@ -1,0 +1,188 @@
+// Low-latency mode on the CPU backend against the independent reference: layouts, formats,
+// device-read token counts, split send/receive with work in between, alternating buffer sets.
+#include "harness.hpp"
+
+namespace epx::test {
+namespace {
+
+using testing::HasSubstr;
+
+LowLatencyConfig ll_config(const BufferConfig& c) {
+  LowLatencyConfig l;
+  l.hidden = c.hidden;
+  l.max_tokens_per_rank = c.max_tokens_per_rank;
+  l.num_experts = c.num_experts;
+  l.topk = c.topk;
+  l.wire = c.wire;
+  l.timeout_ms = 20000;
+  return l;
+}
+
+verify::Problem ll_problem(int ranks, int64_t hidden, int64_t tokens, int64_t experts, int64_t topk, WireFormat wire,
+                           uint64_t seed) {
+  verify::ProblemSpec spec;
+  spec.cfg = small_config(hidden, tokens, experts, topk, wire);
+  spec.ranks = ranks;
+  spec.seed = seed;
+  spec.unused_slot_fraction = 0.1;
+  return verify::make_problem(spec);
+}
+
+struct LlCase {
+  int ranks;
+  int64_t hidden, tokens, experts, topk;
+  WireFormat wire;
+};
+
+class LowLatency : public testing::TestWithParam<LlCase> {};
+
+// Several rounds on one buffer (sets alternate), each with its own token counts and data;
+// dispatch and combine in split form with the "expert computation" between the halves.
+TEST_P(LowLatency, RoundsMatchTheReference) {
+  const LlCase& c = GetParam();
+  const int rounds = 4;
+  std::vector<verify::Problem> problems;
+  std::vector<std::vector<int64_t>> counts(rounds, std::vector<int64_t>(c.ranks));
+  for (int i = 0; i < rounds; ++i) {
+    problems.push_back(ll_problem(c.ranks, c.hidden, c.tokens, c.experts, c.topk, c.wire, 50 + i));
+    for (int r = 0; r < c.ranks; ++r) counts[i][r] = (c.tokens * (i + r + 1)) / (rounds + c.ranks) % (c.tokens + 1);
+  }
+  std::vector<std::vector<LowLatencyDispatchResult>> got(rounds, std::vector<LowLatencyDispatchResult>(c.ranks));
+  std::vector<std::vector<std::vector<uint16_t>>> ys(rounds, std::vector<std::vector<uint16_t>>(c.ranks));
+  std::vector<std::vector<Tensor>> outs(rounds, std::vector<Tensor>(c.ranks));
+  auto errors = verify::run_ranks(c.ranks, [&](const Group& g) {
+    const int r = g.rank();
+    LowLatencyBuffer b(g, ll_config(problems[0].cfg));
+    for (int i = 0; i < rounds; ++i) {
+      const verify::RankInput& in = problems[i].inputs[r];
+      int32_t n = static_cast<int32_t>(counts[i][r]);
+      LowLatencyDispatchInput d;
+      d.x = TensorView::of(const_cast<uint16_t*>(in.x.data()), DType::bf16, {in.tokens, c.hidden});
+      d.topk_idx = TensorView::of(const_cast<int32_t*>(in.idx.data()), DType::i32, {in.tokens, c.topk});
+      d.num_tokens = TensorView::of(&n, DType::i32, {1});
+      b.dispatch_send(d);
+      const int64_t rows = (c.experts / c.ranks) * c.ranks * c.tokens;
+      ys[i][r] = verify::random_bf16(rows * c.hidden, 700 + 10 * i + r);  // computed between the halves
+      got[i][r] = b.dispatch_recv();
+      LowLatencyCombineInput ci;
+      ci.y = TensorView::of(ys[i][r].data(), DType::bf16, {c.experts / c.ranks, c.ranks * c.tokens, c.hidden});
+      ci.topk_weights = TensorView::of(const_cast<float*>(in.weights.data()), DType::f32, {in.tokens, c.topk});
+      b.combine_send(ci, got[i][r].handle);
+      outs[i][r] = b.combine_recv();
+    }
+  });
+  for (int r = 0; r < c.ranks; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
+  for (int i = 0; i < rounds; ++i)
+    for (int r = 0; r < c.ranks; ++r) {
+      // Only the counted rows travel: the reference sees the problem cut to num_tokens.
+      ASSERT_EQ(verify::check_ll_dispatch(problems[i], counts[i], r, 0.0f, got[i][r]), "") << "round " << i;
+      const auto want = verify::expected_ll_combine(problems[i], counts[i], ys[i], r, true);
+      ASSERT_EQ(verify::compare_bits(outs[i][r].data<uint16_t>(), want.data(), static_cast<int64_t>(want.size()), 2,
+                                     "ll_combine out"), "")
+          << "round " << i << " rank " << r;
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, LowLatency,
+                         testing::Values(LlCase{1, 256, 16, 8, 4, WireFormat::bf16},
+                                         LlCase{2, 256, 24, 16, 8, WireFormat::bf16},
+                                         LlCase{2, 256, 24, 16, 8, WireFormat::fp8},
+                                         LlCase{3, 384, 16, 9, 3, WireFormat::fp8_ue8m0},
+                                         LlCase{4, 256, 12, 36, 8, WireFormat::nvfp4},
+                                         LlCase{8, 128, 8, 72, 8, WireFormat::bf16}));
+
+TEST(LowLatency, TwoLayersInFlightUseAlternateSets) {
+  // Layer B's dispatch is sent before layer A's combine is received: the sets must not mix.
+  auto pa = ll_problem(2, 128, 16, 8, 2, WireFormat::bf16, 3), pb = ll_problem(2, 128, 16, 8, 2, WireFormat::bf16, 4);
+  const std::vector<int64_t> full(2, 16);
+  std::vector<LowLatencyDispatchResult> da(2), db(2);
+  std::vector<std::vector<uint16_t>> ya(2);
+  std::vector<Tensor> oa(2);
+  auto errors = verify::run_ranks(2, [&](const Group& g) {
+    const int r = g.rank();
+    LowLatencyBuffer b(g, ll_config(pa.cfg));
+    auto in = [&](const verify::Problem& p) {
+      LowLatencyDispatchInput d;
+      d.x = TensorView::of(const_cast<uint16_t*>(p.inputs[r].x.data()), DType::bf16, {16, 128});
+      d.topk_idx = TensorView::of(const_cast<int32_t*>(p.inputs[r].idx.data()), DType::i32, {16, 2});
+      return d;
+    };
+    b.dispatch_send(in(pa));
+    da[r] = b.dispatch_recv();
+    ya[r] = verify::random_bf16(4 * 32 * 128, 90 + r);
+    LowLatencyCombineInput c;
+    c.y = TensorView::of(ya[r].data(), DType::bf16, {4, 32, 128});
+    c.topk_weights = TensorView::of(pa.inputs[r].weights.data(), DType::f32, {16, 2});
+    b.combine_send(c, da[r].handle);
+    b.dispatch_send(in(pb));
+    oa[r] = b.combine_recv();
+    db[r] = b.dispatch_recv();
+  });
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(errors[r], "");
+    EXPECT_EQ(verify::check_ll_dispatch(pa, full, r, 0.0f, da[r]), "");
+    EXPECT_EQ(verify::check_ll_dispatch(pb, full, r, 0.0f, db[r]), "");
+    const auto want = verify::expected_ll_combine(pa, full, ya, r, true);
+    EXPECT_EQ(verify::compare_bits(oa[r].data<uint16_t>(), want.data(), static_cast<int64_t>(want.size()), 2, "out"), "");
+  }
+}
+
+TEST(LowLatency, BadInputFailsEveryRankAndTheBufferGoesOn) {
+  auto p = ll_problem(2, 128, 8, 4, 2, WireFormat::bf16, 5);
+  std::vector<std::string> first(2), second(2);
+  auto errors = verify::run_ranks(2, [&](const Group& g) {
+    const int r = g.rank();
+    LowLatencyBuffer b(g, ll_config(p.cfg));
+    std::vector<int32_t> idx = p.inputs[r].idx;
+    if (r == 1) idx[3] = 7;
+    LowLatencyDispatchInput d;
+    d.x = TensorView::of(p.inputs[r].x.data(), DType::bf16, {8, 128});
+    d.topk_idx = TensorView::of(idx.data(), DType::i32, {8, 2});
+    try {
+      b.dispatch(d);
+    } catch (const Error& e) {
+      first[r] = e.what();
+    }
+    d.topk_idx = TensorView::of(p.inputs[r].idx.data(), DType::i32, {8, 2});
+    second[r] = verify::check_ll_dispatch(p, {8, 8}, r, 0.0f, b.dispatch(d));
+  });
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
+  EXPECT_THAT(first[1], HasSubstr("ll_dispatch: topk_idx[1, 1] = 7 is out of range"));
+  EXPECT_THAT(first[0], HasSubstr("rank 1 rejected its input"));
+  EXPECT_EQ(second[0], "");
+  EXPECT_EQ(second[1], "");
+}
+
+TEST(LowLatency, ClearErrorsForMisuse) {
+  auto p = ll_problem(1, 128, 8, 4, 2, WireFormat::bf16, 6);
+  HostWorld world(1);
+  LowLatencyBuffer b(world.group(0), ll_config(p.cfg));
+  std::vector<uint16_t> big(9 * 128, 0x3f80);
+  std::vector<int32_t> idx(9 * 2, 0);
+  for (int t = 0; t < 9; ++t) idx[t * 2 + 1] = 1;
+  LowLatencyDispatchInput d;
+  d.x = TensorView::of(big.data(), DType::bf16, {9, 128});
+  d.topk_idx = TensorView::of(idx.data(), DType::i32, {9, 2});
+  EXPECT_THAT([&] { b.dispatch(d); }, testing::ThrowsMessage<Error>(HasSubstr("sized for max_tokens_per_rank=8")));
+  d.x = TensorView::of(big.data(), DType::bf16, {8, 128});
+  d.topk_idx = TensorView::of(idx.data(), DType::i32, {8, 2});
+  int32_t n = 12;
+  d.num_tokens = TensorView::of(&n, DType::i32, {1});
+  EXPECT_THAT([&] { b.dispatch(d); }, testing::ThrowsMessage<Error>(HasSubstr("num_tokens = 12 must be in [0, T=8]")));
+  EXPECT_THAT([&] { b.dispatch_recv(); }, testing::ThrowsMessage<Error>(HasSubstr("no dispatch_send before it")));
+  d.num_tokens = {};
+  auto res = b.dispatch(d);
+  std::vector<uint16_t> y(4 * 8 * 128);
+  LowLatencyCombineInput c;
+  c.y = TensorView::of(y.data(), DType::bf16, {4, 8, 64});
+  c.weighted = false;
+  EXPECT_THAT([&] { b.combine(c, res.handle); }, testing::ThrowsMessage<Error>(HasSubstr("ll_combine: y: expected shape")));
+  LowLatencyBuffer other(world.group(0), ll_config(p.cfg));
+  c.y = TensorView::of(y.data(), DType::bf16, {4, 8, 128});
+  EXPECT_THAT([&] { other.combine(c, res.handle); }, testing::ThrowsMessage<Error>(HasSubstr("belongs to another buffer")));
+  EXPECT_THAT([&] { b.combine(c, res.handle); }, testing::Not(testing::Throws<Error>()));
+}
+
+}  // namespace
+}  // namespace epx::test
