@@ -215,12 +215,13 @@ double wire_row_bytes(WireFormat w, int64_t h) {
   return 0;
 }
 
-Record make_record(const Options& o, const Ranks& ranks, const verify::Problem& p, const std::string& op, WireFormat wire, Layout layout,
-                   const std::vector<RankOutputs>& outs) {
+// The fields every record has; times from each rank's per-iteration times (slowest rank counts).
+Record base_record(const Options& o, const Ranks& ranks, const verify::Problem& p, const std::string& op, WireFormat wire,
+                   const std::string& layout, const std::vector<const std::vector<double>*>& times) {
   Record rec;
   rec.op = op;
   rec.dtype = std::string(wire_name(wire));
-  rec.layout = std::string(layout_name(layout));
+  rec.layout = layout;
   rec.ranks = p.ranks;
   rec.tokens = o.tokens;
   rec.hidden = p.cfg.hidden;
@@ -233,20 +234,107 @@ Record make_record(const Options& o, const Ranks& ranks, const verify::Problem& 
   rec.backend = o.backend;
   rec.gpu = ranks.gpu_name;
   rec.git_commit = EPX_GIT_COMMIT;
-  std::vector<double> t(o.iters, 0.0);  // slowest rank per iteration
-  for (const auto& out : outs)
-    for (int i = 0; i < o.iters; ++i) t[i] = std::max(t[i], out.times_us.at(op)[i]);
+  std::vector<double> t(o.iters, 0.0);
+  for (const auto* rank_times : times)
+    for (int i = 0; i < o.iters; ++i) t[i] = std::max(t[i], (*rank_times)[i]);
   std::sort(t.begin(), t.end());
   rec.time_us = o.iters % 2 ? t[o.iters / 2] : 0.5 * (t[o.iters / 2 - 1] + t[o.iters / 2]);
   rec.min_us = t.front();
   rec.max_us = t.back();
-  const auto [logical, wire_bytes] = bytes_per_rank(outs, op == "dispatch" ? wire_row_bytes(wire, p.cfg.hidden) : 2.0 * p.cfg.hidden);
+  return rec;
+}
+
+void set_bytes(Record& rec, double logical, double wire_bytes) {
   rec.logical_bytes = logical;
   rec.logical_gbps = logical / (rec.time_us * 1e3);
   rec.wire_gbps = wire_bytes / (rec.time_us * 1e3);
+}
+
+Record make_record(const Options& o, const Ranks& ranks, const verify::Problem& p, const std::string& op, WireFormat wire,
+                   Layout layout, const std::vector<RankOutputs>& outs) {
+  std::vector<const std::vector<double>*> times;
+  for (const auto& out : outs) times.push_back(&out.times_us.at(op));
+  Record rec = base_record(o, ranks, p, op, wire, std::string(layout_name(layout)), times);
+  const auto [logical, wire_bytes] = bytes_per_rank(outs, op == "dispatch" ? wire_row_bytes(wire, p.cfg.hidden) : 2.0 * p.cfg.hidden);
+  set_bytes(rec, logical, wire_bytes);
   rec.verify_error = verify_op(op, p, layout, outs);
   rec.verified = rec.verify_error.empty();
   return rec;
+}
+
+// Low-latency mode: ll_dispatch and ll_combine (fused forms), verified against the reference.
+std::vector<Record> run_low_latency(const Options& o, const Ranks& ranks, const verify::Problem& p, WireFormat wire) {
+  const int64_t h = p.cfg.hidden, k_count = p.cfg.topk, l_count = p.cfg.num_experts / p.ranks;
+  const int64_t slots = p.ranks * p.cfg.max_tokens_per_rank;
+  LowLatencyConfig cfg{h, p.cfg.max_tokens_per_rank, p.cfg.num_experts, k_count, wire, 0};
+  std::vector<LowLatencyDispatchResult> got(p.ranks);
+  std::vector<Tensor> outs(p.ranks);
+  std::vector<std::vector<uint16_t>> ys(p.ranks);
+  std::vector<std::vector<double>> t_dispatch(p.ranks), t_combine(p.ranks);
+  std::vector<std::string> errors(p.ranks);
+  std::barrier start(p.ranks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < p.ranks; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        const Group g = ranks.group(r);
+        Staging io(ranks.device(g));
+        ys[r] = verify::random_bf16(l_count * slots * h, o.seed * 17 + r);
+        LowLatencyDispatchInput in;
+        in.x = io.view(p.inputs[r].x, DType::bf16, {p.inputs[r].tokens, h});
+        in.topk_idx = io.view(p.inputs[r].idx, DType::i32, {p.inputs[r].tokens, k_count});
+        LowLatencyCombineInput ci;
+        ci.y = io.view(ys[r], DType::bf16, {l_count, slots, h});
+        ci.topk_weights = io.view(p.inputs[r].weights, DType::f32, {p.inputs[r].tokens, k_count});
+        LowLatencyBuffer buffer(g, cfg);
+        auto timed = [&](std::vector<double>& times, auto&& call) {
+          for (int i = 0; i < o.warmup + o.iters; ++i) {
+            start.arrive_and_wait();
+            io.start();
+            call();
+            io.stop();
+            const double us = io.elapsed_us();
+            if (i >= o.warmup) times.push_back(us);
+          }
+        };
+        timed(t_dispatch[r], [&] { got[r] = buffer.dispatch(in); });
+        timed(t_combine[r], [&] { outs[r] = buffer.combine(ci, got[r].handle); });
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < p.ranks; ++r)
+    if (!errors[r].empty()) throw Error(ErrorCode::internal, "rank " + std::to_string(r) + ": " + errors[r]);
+
+  const std::vector<int64_t> all(p.ranks, p.cfg.max_tokens_per_rank);
+  double rows = 0, remote = 0;  // (token, expert) rows received per rank, and those from other ranks
+  for (int r = 0; r < p.ranks; ++r)
+    for (int64_t l = 0; l < l_count; ++l) {
+      rows += got[r].recv_count.data<int32_t>()[l];
+      remote += got[r].recv_count.data<int32_t>()[l] - got[r].recv_layout.data<int32_t>()[(l * p.ranks + r) * 2 + 1];
+    }
+  rows /= p.ranks;
+  remote /= p.ranks;
+  std::vector<const std::vector<double>*> td, tc;
+  for (int r = 0; r < p.ranks; ++r) td.push_back(&t_dispatch[r]), tc.push_back(&t_combine[r]);
+  Record d = base_record(o, ranks, p, "ll_dispatch", wire, "ll", td);
+  set_bytes(d, rows * wire_row_bytes(wire, h), remote * wire_row_bytes(wire, h));
+  Record c = base_record(o, ranks, p, "ll_combine", WireFormat::bf16, "ll", tc);
+  set_bytes(c, rows * 2.0 * h, remote * 2.0 * h);
+  for (int r = 0; r < p.ranks && d.verify_error.empty(); ++r) {
+    verify::Problem pw = p;
+    pw.cfg.wire = wire;
+    d.verify_error = verify::check_ll_dispatch(pw, all, r, 0.0f, got[r]);
+  }
+  for (int r = 0; r < p.ranks && c.verify_error.empty(); ++r) {
+    const auto want = verify::expected_ll_combine(p, all, ys, r, true);
+    c.verify_error = verify::compare_bits(outs[r].data<uint16_t>(), want.data(), static_cast<int64_t>(want.size()), 2,
+                                          "rank " + std::to_string(r) + " ll_combine out");
+  }
+  d.verified = d.verify_error.empty();
+  c.verified = c.verify_error.empty();
+  return {d, c};
 }
 
 void print_table(const std::vector<Record>& records) {
@@ -272,7 +360,7 @@ int run(const Options& o) {
   std::printf("epx-bench: backend %s, %d ranks, %lld tokens/rank%s, hidden %lld, top-%lld of %lld experts, %s routing, "
               "%d warm-up + %d timed iterations\n",
               o.backend.c_str(), o.ranks, static_cast<long long>(o.tokens),
-              o.tokens_scaled ? " (v3 scaled down for the host; --tokens 4096 for full size)" : "",
+              o.tokens_scaled ? " (preset scaled down for the host; --tokens for full size)" : "",
               static_cast<long long>(o.hidden), static_cast<long long>(o.topk), static_cast<long long>(o.experts),
               o.routing == verify::Routing::skewed ? "skewed" : "uniform", o.warmup, o.iters);
   std::fflush(stdout);
@@ -283,7 +371,9 @@ int run(const Options& o) {
   std::vector<Record> records;
   const size_t configs = o.layouts.size() * o.wires.size();
   size_t done = 0;
-  for (Layout layout : o.layouts)
+  const bool any_ht = wants(o, "dispatch") || wants(o, "combine") || wants(o, "dispatch_backward") ||
+                      wants(o, "combine_backward");
+  for (Layout layout : any_ht ? o.layouts : std::vector<Layout>{})
     for (WireFormat wire : o.wires) {
       std::fprintf(stderr, "[%zu/%zu] %s %s ...\n", ++done, configs, std::string(layout_name(layout)).c_str(),
                    std::string(wire_name(wire)).c_str());
@@ -297,6 +387,17 @@ int run(const Options& o) {
       for (const char* op : {"combine", "dispatch_backward", "combine_backward"})
         if (wants(o, op)) records.push_back(make_record(o, ranks, p, op, WireFormat::bf16, layout, outs));
     }
+  if (wants(o, "ll_dispatch") || wants(o, "ll_combine")) {
+    if (o.backend == "cuda") {
+      std::fprintf(stderr, "epx-bench: low-latency mode has no CUDA kernels yet; ll ops skipped\n");
+    } else {
+      for (WireFormat wire : o.wires) {
+        std::fprintf(stderr, "[ll] %s ...\n", std::string(wire_name(wire)).c_str());
+        for (Record& r : run_low_latency(o, ranks, base, wire))  // ll_combine moves bf16 whatever the wire: once
+          if (wants(o, r.op) && (r.op == "ll_dispatch" || wire == o.wires.front())) records.push_back(std::move(r));
+      }
+    }
+  }
   print_table(records);
   const bool all_ok = std::all_of(records.begin(), records.end(), [](const Record& r) { return r.verified; });
   if (!o.json.empty()) {

@@ -16,14 +16,15 @@ const char* kUsage = R"(epx-bench: dispatch and combine of one MoE layer over N 
 
   --backend host|cuda     backend (default: cuda when this build has it and a GPU is visible, else host)
   --preset v3|ll          v3: 4096 tokens/rank, hidden 7168, top-8 of 256 experts (host: 512 tokens)
-                          ll: 128 tokens/rank, hidden 7168, top-8 of 288 experts
+                          ll: 128 tokens/rank, hidden 7168, top-8 of 288 experts (host: 32 tokens)
   --ranks N               ranks (host: threads; default 2)
   --tokens N --hidden N --experts N --topk N   override the preset
   --alignment N           expert_alignment of the expert-major layout (default 1)
   --routing uniform|skewed  expert choice per token (skewed: expert e weighted 1/(e+1))
   --wire LIST             comma list of bf16,fp8,fp8_ue8m0,nvfp4 (default all)
   --layout LIST           comma list of expert_major,rank_major (default both)
-  --ops LIST              comma list of dispatch,combine,dispatch_backward,combine_backward (default all)
+  --ops LIST              comma list of dispatch,combine,dispatch_backward,combine_backward,
+                          ll_dispatch,ll_combine (default: the first four; with --preset ll all six)
   --sms N                 SM budget for GPU kernels (recorded; host ignores it)
   --warmup N --iters N    untimed and timed repetitions (default 2 and 20; host 1 and 5)
   --seed N                random seed for inputs and routing
@@ -96,7 +97,8 @@ Options parse_options(int argc, char** argv) {
       for (const auto& l : split(v)) o.layouts.push_back(to_layout(l));
     } else if (flag == "--ops") {
       for (const auto& op : split(v)) {
-        if (op != "dispatch" && op != "combine" && op != "dispatch_backward" && op != "combine_backward")
+        if (op != "dispatch" && op != "combine" && op != "dispatch_backward" && op != "combine_backward" &&
+            op != "ll_dispatch" && op != "ll_combine")
           usage_error("unknown op '" + op + "'");
         o.ops.push_back(op);
       }
@@ -121,8 +123,8 @@ Options parse_options(int argc, char** argv) {
   const bool v3 = o.preset == "v3";
   if (o.tokens < 0) {
     o.tokens = v3 ? 4096 : 128;
-    if (host && v3) {  // keep a host run well under a minute on 2 cores
-      o.tokens = 512;
+    if (host) {  // keep a host run well under a minute on 2 cores (and the ll buffers small)
+      o.tokens = v3 ? 512 : 32;
       o.tokens_scaled = true;
     }
   }
@@ -131,7 +133,10 @@ Options parse_options(int argc, char** argv) {
   if (o.topk < 0) o.topk = 8;
   if (o.wires.empty()) o.wires = {WireFormat::bf16, WireFormat::fp8, WireFormat::fp8_ue8m0, WireFormat::nvfp4};
   if (o.layouts.empty()) o.layouts = {Layout::expert_major, Layout::rank_major};
-  if (o.ops.empty()) o.ops = {"dispatch", "combine", "dispatch_backward", "combine_backward"};
+  if (o.ops.empty()) {
+    o.ops = {"dispatch", "combine", "dispatch_backward", "combine_backward"};
+    if (!v3) o.ops.insert(o.ops.end(), {"ll_dispatch", "ll_combine"});
+  }
   return o;
 }
 
