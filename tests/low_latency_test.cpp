@@ -34,6 +34,11 @@ struct LlCase {
   WireFormat wire;
 };
 
+void PrintTo(const LlCase& c, std::ostream* os) {
+  *os << "R" << c.ranks << "_H" << c.hidden << "_T" << c.tokens << "_E" << c.experts << "_K" << c.topk << "_"
+      << wire_name(c.wire);
+}
+
 class LowLatency : public testing::TestWithParam<LlCase> {};
 
 // Several rounds on one buffer (sets alternate), each with its own token counts and data;
@@ -152,6 +157,28 @@ TEST(LowLatency, BadInputFailsEveryRankAndTheBufferGoesOn) {
   EXPECT_THAT(first[0], HasSubstr("rank 1 rejected its input"));
   EXPECT_EQ(second[0], "");
   EXPECT_EQ(second[1], "");
+}
+
+TEST(LowLatency, CombineSumsSlotsInSlotOrder) {
+  // Slots hold experts 2, 0, 1 with outputs 2^-30, -1, 1: slot order gives 0, expert-id order or
+  // reversed slot order give 2^-30 (random data rarely shows the order after bf16 rounding).
+  LowLatencyConfig cfg{8, 1, 3, 3, WireFormat::bf16, 20000};
+  HostWorld world(1);
+  LowLatencyBuffer b(world.group(0), cfg);
+  std::vector<uint16_t> x(8, float_to_bf16(1.0f));
+  std::vector<int32_t> idx = {2, 0, 1};
+  std::vector<float> w = {1.0f, 1.0f, 1.0f};
+  LowLatencyDispatchInput d;
+  d.x = TensorView::of(x.data(), DType::bf16, {1, 8});
+  d.topk_idx = TensorView::of(idx.data(), DType::i32, {1, 3});
+  auto res = b.dispatch(d);
+  const float value_of_expert[3] = {-1.0f, 1.0f, 0x1p-30f};
+  std::vector<uint16_t> y(3 * 1 * 8);
+  for (int e = 0; e < 3; ++e) std::fill_n(&y[e * 8], 8, float_to_bf16(value_of_expert[e]));
+  LowLatencyCombineInput c;
+  c.y = TensorView::of(y.data(), DType::bf16, {3, 1, 8});
+  c.topk_weights = TensorView::of(w.data(), DType::f32, {1, 3});
+  EXPECT_EQ(b.combine(c, res.handle).data<uint16_t>()[0], float_to_bf16(0.0f));
 }
 
 TEST(LowLatency, ClearErrorsForMisuse) {
