@@ -75,6 +75,7 @@ INSTANTIATE_TEST_SUITE_P(
         Case{4, 64, 16, 4, 4, W::bf16, L::expert_major, 2, U, 0.0, true},
         Case{4, 64, 16, 4, 4, W::bf16, L::rank_major, 1, U, 0.0, true},
         Case{3, 64, 16, 6, 2, W::bf16, L::expert_major, 1, U, 0.0, false},
+        Case{2, 64, 0, 4, 2, W::bf16, L::expert_major, 16, U, 0.0, true},  // a buffer for zero tokens
         // larger, realistic ratios (top-8 of many experts)
         Case{2, 512, 64, 256, 8, W::bf16, L::expert_major, 128, U, 0.0, true},
         Case{2, 512, 64, 256, 8, W::fp8, L::expert_major, 1, S, 0.0, true}),

@@ -31,6 +31,12 @@ class Buffer {
   // complete); the host backend returns at once. Unlike cudaDeviceSynchronize, it never waits
   // on other ranks sharing the GPU.
   void synchronize();
+  // CUDA stream semantics in the manner of DeepEP's previous_event / async_finish: later calls
+  // wait for `event` (a cudaEvent_t recorded on another stream, e.g. the compute stream), and
+  // record_event(e) records e on this buffer's stream after the calls made so far, for another
+  // stream to wait on. The host backend ignores both.
+  void wait_event(void* event);
+  void record_event(void* event);
 
   // All four are collective: every rank calls them in the same order.
   DispatchResult dispatch(const DispatchInput& in, const DispatchOptions& opt = {});

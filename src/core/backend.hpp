@@ -25,6 +25,8 @@ class Backend {
                                                  const CombineOptions& opt) = 0;
   virtual void set_stream(void*) {}
   virtual void synchronize() {}
+  virtual void wait_event(void*) {}
+  virtual void record_event(void*) {}
 
  private:
   Group group_;

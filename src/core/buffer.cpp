@@ -29,6 +29,8 @@ const BufferConfig& Buffer::config() const { return backend_->config(); }
 const Group& Buffer::group() const { return backend_->group(); }
 void Buffer::set_stream(void* stream) { backend_->set_stream(stream); }
 void Buffer::synchronize() { backend_->synchronize(); }
+void Buffer::wait_event(void* event) { backend_->wait_event(event); }
+void Buffer::record_event(void* event) { backend_->record_event(event); }
 
 DispatchResult Buffer::dispatch(const DispatchInput& in, const DispatchOptions& opt) {
   return backend_->dispatch(in, opt);

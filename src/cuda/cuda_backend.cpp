@@ -168,6 +168,16 @@ void CudaBackend::set_stream(void* stream) {
 
 void CudaBackend::synchronize() { EPX_CUDA(cudaStreamSynchronize(stream_)); }
 
+void CudaBackend::wait_event(void* event) {
+  require(event != nullptr, "Buffer::wait_event: the event is null");
+  EPX_CUDA(cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(event), 0));
+}
+
+void CudaBackend::record_event(void* event) {
+  require(event != nullptr, "Buffer::record_event: the event is null");
+  EPX_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(event), stream_));
+}
+
 CudaBackend::~CudaBackend() {
   cudaSetDevice(device_);
   cudaStreamSynchronize(stream_);

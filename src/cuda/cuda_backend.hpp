@@ -25,6 +25,8 @@ class CudaBackend final : public Backend {
                                          const CombineOptions& opt) override;
   void set_stream(void* stream) override;
   void synchronize() override;
+  void wait_event(void* event) override;
+  void record_event(void* event) override;
 
  private:
   enum CallKind : int32_t { kDispatch = 0, kCombine = 1, kDispatchBackward = 2, kCombineBackward = 3 };

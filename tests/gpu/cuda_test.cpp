@@ -87,6 +87,9 @@ INSTANTIATE_TEST_SUITE_P(
         GpuCase{N, 2, 2048, 256, 16, 4, W::bf16, L::expert_major, 1, U, 0.0, CapacityMode::capacity},
         GpuCase{N, 2, 2048, 256, 16, 4, W::bf16, L::expert_major, 1, K, 0.0, CapacityMode::blocking, 0.6},
         GpuCase{N, 2, 100, 64, 4, 2, W::bf16, L::expert_major, 1, U, 0.0},
+        GpuCase{N, 2, 2048, 8192, 64, 8, W::bf16, L::expert_major, 128, U, 0.0},
+        GpuCase{N, 2, 2048, 8192, 64, 8, W::fp8, L::rank_major, 1, K, 0.0},
+        GpuCase{N, 2, 4096, 0, 16, 4, W::bf16, L::expert_major, 16, U, 0.0},
         // EP2..EP8 on one GPU
         GpuCase{S, 2, 2048, 128, 32, 8, W::bf16, L::expert_major, 16, U, 0.0},
         GpuCase{S, 4, 2048, 128, 64, 8, W::bf16, L::expert_major, 128, U, 0.1},
