@@ -2,6 +2,8 @@
 // EP2..EP8 on the shared-GPU transport; plus device-side errors and timeouts.
 #include <cuda_runtime.h>
 
+#include <functional>
+
 #include "cuda_harness.hpp"
 
 namespace epx::test {
@@ -100,36 +102,52 @@ INSTANTIATE_TEST_SUITE_P(
         GpuCase{S, 3, 512, 40, 9, 3, W::bf16, L::expert_major, 4, U, 0.0, CapacityMode::blocking, 0.7}),
     gpu_case_name);
 
-TEST(CudaErrors, BadExpertIdIsFlaggedOnTheDeviceAndEveryRankStops) {
-  verify::ProblemSpec spec;
-  spec.cfg = small_config(256, 32, 16, 4);
-  spec.ranks = 2;
-  auto p = verify::make_problem(spec);
-  p.inputs[1].idx[4 * 3 + 2] = 99;  // token 3, slot 2
-  const CudaWorld world = CudaWorld::shared_gpu(2, 0);
-  std::vector<std::string> errors(2), after(2);
+// Runs fn(rank, group, inputs) for 2 ranks sharing GPU 0, each on its own thread. The device
+// copies of the rank's inputs exist before fn runs (allocations may synchronize the device,
+// which must not happen while a peer waits inside a call; docs/cuda.md).
+void on_shared_gpu(const verify::Problem& p,
+                   const std::function<void(int, const Group&, const DeviceArray&, const DeviceArray&)>& fn) {
+  const CudaWorld world = CudaWorld::shared_gpu(p.ranks, 0);
   std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r)
+  for (int r = 0; r < p.ranks; ++r)
     threads.emplace_back([&, r] {
       cudaSetDevice(0);
-      Buffer b(world.group(r), spec.cfg);
-      DeviceArray x(p.inputs[r].x), idx(p.inputs[r].idx), good(verify::make_problem(spec).inputs[r].idx);
-      DispatchInput in;
-      in.x = device_view(x, DType::bf16, {32, 256}, 0);
-      in.topk_idx = device_view(idx, DType::i32, {32, 4}, 0);
-      try {
-        b.dispatch(in);
-      } catch (const Error& e) {
-        errors[r] = e.what();
-      }
-      in.topk_idx = device_view(good, DType::i32, {32, 4}, 0);
-      try {
-        b.dispatch(in);  // the buffer still works
-      } catch (const Error& e) {
-        after[r] = e.what();
-      }
+      DeviceArray x(p.inputs[r].x), idx(p.inputs[r].idx);
+      fn(r, world.group(r), x, idx);
     });
   for (auto& t : threads) t.join();
+}
+
+verify::Problem two_ranks(const BufferConfig& cfg) {
+  verify::ProblemSpec spec;
+  spec.cfg = cfg;
+  spec.ranks = 2;
+  return verify::make_problem(spec);
+}
+
+TEST(CudaErrors, BadExpertIdIsFlaggedOnTheDeviceAndEveryRankStops) {
+  const auto good = two_ranks(small_config(256, 32, 16, 4));
+  auto bad = good;
+  bad.inputs[1].idx[4 * 3 + 2] = 99;  // token 3, slot 2
+  std::vector<std::string> errors(2), after(2);
+  on_shared_gpu(bad, [&](int r, const Group& g, const DeviceArray& x, const DeviceArray& idx) {
+    DeviceArray good_idx(good.inputs[r].idx);
+    Buffer b(g, good.cfg);
+    DispatchInput in;
+    in.x = device_view(x, DType::bf16, {32, 256}, 0);
+    in.topk_idx = device_view(idx, DType::i32, {32, 4}, 0);
+    try {
+      b.dispatch(in);
+    } catch (const Error& e) {
+      errors[r] = e.what();
+    }
+    in.topk_idx = device_view(good_idx, DType::i32, {32, 4}, 0);
+    try {
+      b.dispatch(in);  // the buffer still works
+    } catch (const Error& e) {
+      after[r] = e.what();
+    }
+  });
   EXPECT_THAT(errors[1], testing::HasSubstr("topk_idx[3, 2] = 99 is out of range"));
   EXPECT_THAT(errors[0], testing::HasSubstr("rank 1 rejected its input"));
   EXPECT_THAT(errors[0], testing::HasSubstr("topk_idx[3, 2] = 99"));
@@ -138,28 +156,19 @@ TEST(CudaErrors, BadExpertIdIsFlaggedOnTheDeviceAndEveryRankStops) {
 }
 
 TEST(CudaErrors, HostRejectionReachesPeersWithItsMessage) {
-  verify::ProblemSpec spec;
-  spec.cfg = small_config(256, 32, 16, 4);
-  spec.ranks = 2;
-  auto p = verify::make_problem(spec);
-  const CudaWorld world = CudaWorld::shared_gpu(2, 0);
+  const auto p = two_ranks(small_config(256, 32, 16, 4));
   std::vector<std::string> errors(2);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r)
-    threads.emplace_back([&, r] {
-      cudaSetDevice(0);
-      Buffer b(world.group(r), spec.cfg);
-      DeviceArray x(p.inputs[r].x), idx(p.inputs[r].idx);
-      DispatchInput in;
-      in.x = device_view(x, DType::bf16, {32, r == 1 ? 128 : 256}, 0);  // rank 1: wrong hidden
-      in.topk_idx = device_view(idx, DType::i32, {32, 4}, 0);
-      try {
-        b.dispatch(in);
-      } catch (const Error& e) {
-        errors[r] = e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
+  on_shared_gpu(p, [&](int r, const Group& g, const DeviceArray& x, const DeviceArray& idx) {
+    Buffer b(g, p.cfg);
+    DispatchInput in;
+    in.x = device_view(x, DType::bf16, {32, r == 1 ? 128 : 256}, 0);  // rank 1: wrong hidden
+    in.topk_idx = device_view(idx, DType::i32, {32, 4}, 0);
+    try {
+      b.dispatch(in);
+    } catch (const Error& e) {
+      errors[r] = e.what();
+    }
+  });
   EXPECT_THAT(errors[1], testing::HasSubstr("dispatch: x: expected shape"));
   EXPECT_THAT(errors[0], testing::HasSubstr("rank 1 rejected its input, so the group stops: dispatch: x: expected shape"));
 }
@@ -167,34 +176,22 @@ TEST(CudaErrors, HostRejectionReachesPeersWithItsMessage) {
 TEST(CudaErrors, AMissingPeerTimesOutInsteadOfHanging) {
   auto cfg = small_config(256, 32, 16, 4);
   cfg.timeout_ms = 500;
-  verify::ProblemSpec spec;
-  spec.cfg = cfg;
-  spec.ranks = 2;
-  auto p = verify::make_problem(spec);
-  const CudaWorld world = CudaWorld::shared_gpu(2, 0);
+  const auto p = two_ranks(cfg);
   std::vector<std::string> errors(2);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r)
-    threads.emplace_back([&, r] {
-      cudaSetDevice(0);
-      Buffer b(world.group(r), cfg);
-      if (r == 1) return;  // rank 1 is "killed" after creating its buffer
-      DeviceArray x(p.inputs[r].x), idx(p.inputs[r].idx);
-      DispatchInput in;
-      in.x = device_view(x, DType::bf16, {32, 256}, 0);
-      in.topk_idx = device_view(idx, DType::i32, {32, 4}, 0);
+  on_shared_gpu(p, [&](int r, const Group& g, const DeviceArray& x, const DeviceArray& idx) {
+    Buffer b(g, cfg);
+    if (r == 1) return;  // rank 1 is "killed" after creating its buffer
+    DispatchInput in;
+    in.x = device_view(x, DType::bf16, {32, 256}, 0);
+    in.topk_idx = device_view(idx, DType::i32, {32, 4}, 0);
+    for (int call = 0; call < 2; ++call) {
       try {
         b.dispatch(in);
       } catch (const Error& e) {
-        errors[r] = e.what();
+        errors[r] += std::string(e.what()) + "\n";
       }
-      try {
-        b.dispatch(in);
-      } catch (const Error& e) {
-        errors[r] += "\n" + std::string(e.what());
-      }
-    });
-  for (auto& t : threads) t.join();
+    }
+  });
   EXPECT_THAT(errors[0], testing::HasSubstr("dispatch #0 (plan exchange): rank 0 waited 500 ms for rank(s) 1"));
   EXPECT_THAT(errors[0], testing::HasSubstr("the group already failed"));
 }

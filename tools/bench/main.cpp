@@ -39,6 +39,19 @@ struct RankOutputs {
 
 bool wants(const Options& o, const std::string& op) { return std::find(o.ops.begin(), o.ops.end(), op) != o.ops.end(); }
 
+// Runs call() warmup + iters times, each start aligned across ranks by `start`; keeps the timed ones.
+template <typename Call>
+void time_calls(const Options& o, std::barrier<>& start, Staging& io, std::vector<double>& times, Call&& call) {
+  for (int i = 0; i < o.warmup + o.iters; ++i) {
+    start.arrive_and_wait();
+    io.start();
+    call();
+    io.stop();
+    const double us = io.elapsed_us();
+    if (i >= o.warmup) times.push_back(us);
+  }
+}
+
 // The ranks of the run: host threads of a HostWorld, or GPUs of a CudaWorld (one per GPU).
 struct Ranks {
   std::function<Group(int)> group;
@@ -82,16 +95,7 @@ std::vector<RankOutputs> run_config(const Options& o, const Ranks& ranks, const 
     const Group g = ranks.group(r);
     Staging io(ranks.device(g));
     RankOutputs& out = outs[r];
-    auto timed = [&](const std::string& op, auto&& call) {
-      for (int i = 0; i < o.warmup + o.iters; ++i) {
-        start.arrive_and_wait();
-        io.start();
-        call();
-        io.stop();
-        const double us = io.elapsed_us();
-        if (i >= o.warmup) out.times_us[op].push_back(us);
-      }
-    };
+    auto timed = [&](const std::string& op, auto&& call) { time_calls(o, start, io, out.times_us[op], call); };
     Buffer buffer(g, p.cfg);
     buffer.set_stream(io.stream());
     const verify::RankInput& in = p.inputs[r];
@@ -287,16 +291,7 @@ std::vector<Record> run_low_latency(const Options& o, const Ranks& ranks, const 
         ci.y = io.view(ys[r], DType::bf16, {l_count, slots, h});
         ci.topk_weights = io.view(p.inputs[r].weights, DType::f32, {p.inputs[r].tokens, k_count});
         LowLatencyBuffer buffer(g, cfg);
-        auto timed = [&](std::vector<double>& times, auto&& call) {
-          for (int i = 0; i < o.warmup + o.iters; ++i) {
-            start.arrive_and_wait();
-            io.start();
-            call();
-            io.stop();
-            const double us = io.elapsed_us();
-            if (i >= o.warmup) times.push_back(us);
-          }
-        };
+        auto timed = [&](std::vector<double>& times, auto&& call) { time_calls(o, start, io, times, call); };
         timed(t_dispatch[r], [&] { got[r] = buffer.dispatch(in); });
         timed(t_combine[r], [&] { outs[r] = buffer.combine(ci, got[r].handle); });
       } catch (const std::exception& e) {
