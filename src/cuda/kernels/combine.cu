@@ -71,11 +71,7 @@ __global__ void __launch_bounds__(kWarps * 32) combine_send_kernel(PeerWindows w
       }
     }
   }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();
-    signal_all(w, m, kSignalReverse);
-  }
+  block_done_signal(w, m, kSignalReverse);
 }
 
 // Warp per source token: rows returned by each rank, in rank order, then the shared expert.
@@ -158,11 +154,7 @@ __global__ void __launch_bounds__(kWarps * 32) expand_grad_kernel(PeerWindows w,
       }
     }
   }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();
-    signal_all(w, m, kSignalReverse);
-  }
+  block_done_signal(w, m, kSignalReverse);
 }
 
 }  // namespace

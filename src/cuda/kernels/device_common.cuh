@@ -42,6 +42,17 @@ __device__ inline void signal_all(const PeerWindows& w, const WindowMap& m, int 
   }
 }
 
+// End of a block's share of a transfer: once all its threads' writes are done, fence them
+// system-wide and signal every rank. Every block does this, even in a failed call, so every
+// rank's counters stay in step.
+__device__ inline void block_done_signal(const PeerWindows& w, const WindowMap& m, int kind) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    signal_all(w, m, kind);
+  }
+}
+
 // Waits until every rank's signal `kind` here reached `target`; on timeout reports the first
 // missing rank and returns false.
 __device__ inline bool wait_all(const PeerWindows& w, const WindowMap& m, int kind, uint64_t target,

@@ -117,11 +117,7 @@ __global__ void __launch_bounds__(kWarps * 32) send_tokens_kernel(PeerWindows w,
       }
     }
   }
-  __syncthreads();
-  if (threadIdx.x == 0) {  // always signal, so every rank's counters stay in step
-    __threadfence_system();
-    signal_all(w, m, kSignalForward);
-  }
+  block_done_signal(w, m, kSignalForward);
 }
 
 // Where received row i (rank-major order) sits in this rank's forward area.

@@ -73,11 +73,7 @@ __global__ void post_plan_kernel(PeerWindows w, WindowMap m, Shape s, PlanHeader
       for (int64_t e = threadIdx.x; e < s.experts; e += blockDim.x)
         reinterpret_cast<int64_t*>(slot + sizeof(PlanHeader))[e] = counts[e];
   }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();
-    signal_all(w, m, kSignalPlan);
-  }
+  block_done_signal(w, m, kSignalPlan);
 }
 
 __global__ void wait_kernel(PeerWindows w, WindowMap m, int kind, uint64_t target, uint64_t timeout_ns, DeviceStatus* st) {
