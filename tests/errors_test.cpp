@@ -179,6 +179,26 @@ TEST(Errors, MissingPeerTimesOutNamingTheOpAndTheRank) {
   EXPECT_FALSE(errors[1].empty());
 }
 
+TEST(Errors, TimeoutFromTheEnvironmentWhenTheConfigHasNone) {
+  auto cfg = cfg16();
+  cfg.timeout_ms = 0;
+  setenv("EPX_TIMEOUT_MS", "200", 1);
+  auto errors = verify::run_ranks(2, [&](const Group& g) {
+    Buffer b(g, cfg);
+    if (g.rank() == 1) return;
+    verify::ProblemSpec spec;
+    spec.cfg = cfg;
+    spec.ranks = 2;
+    b.dispatch(verify::make_problem(spec).inputs[0].view(128, 2));
+  });
+  EXPECT_THAT(errors[0], HasSubstr("waited 200 ms for rank(s) 1"));
+  setenv("EPX_TIMEOUT_MS", "soon", 1);
+  HostWorld world(1);
+  EXPECT_THAT([&] { Buffer b(world.group(0), cfg); },
+              testing::ThrowsMessage<Error>(HasSubstr("EPX_TIMEOUT_MS must be a positive number of milliseconds, got 'soon'")));
+  unsetenv("EPX_TIMEOUT_MS");
+}
+
 TEST(Errors, HandleFromAnotherBufferAndWrongCombineInput) {
   verify::ProblemSpec spec;
   spec.cfg = cfg16();

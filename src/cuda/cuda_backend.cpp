@@ -6,6 +6,7 @@
 #include <functional>
 
 #include "core/routing.hpp"
+#include "core/timeout.hpp"
 #include "core/validate.hpp"
 #include "core/validate_ops.hpp"
 #include "cuda/cuda_check.hpp"
@@ -137,7 +138,8 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
       rank_(group.rank()),
       ranks_(group.size()),
       local_experts_(config.num_experts / group.size()),
-      wire_(wire_row(config.wire, config.hidden)) {
+      wire_(wire_row(config.wire, config.hidden)),
+      timeout_(resolve_timeout(config.timeout_ms)) {
   auto* state = dynamic_cast<CudaGroupState*>(group.state().get());
   require(state != nullptr, "buffer: group is not a CUDA group");
   require(ranks_ <= kMaxRanks, "buffer: the CUDA backend supports at most ", kMaxRanks, " ranks, got ", ranks_);
@@ -157,8 +159,7 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   owned_stream_ = std::shared_ptr<CUstream_st>(own, [](cudaStream_t st) { cudaStreamDestroy(st); });
   stream_ = own;
   EPX_CUDA(cudaDeviceSynchronize());
-  const int64_t timeout = config.timeout_ms > 0 ? config.timeout_ms : 60000;
-  window_ = state->allocate(rank_, static_cast<size_t>(map_.total), std::chrono::milliseconds(timeout));
+  window_ = state->allocate(rank_, static_cast<size_t>(map_.total), timeout_);
 }
 
 void CudaBackend::set_stream(void* stream) {
@@ -189,8 +190,7 @@ CudaBackend::~CudaBackend() {
 
 kernels::Ctx CudaBackend::ctx() const {
   const BufferConfig& c = config();
-  const int64_t timeout_ms = c.timeout_ms > 0 ? c.timeout_ms : 60000;
-  kernels::Ctx x{window_->peers(), map_, {}, status_, static_cast<uint64_t>(timeout_ms) * 1000000ull,
+  kernels::Ctx x{window_->peers(), map_, {}, status_, static_cast<uint64_t>(timeout_.count()) * 1000000ull,
                  static_cast<int>(c.num_sms > 0 ? c.num_sms : kDefaultBlocks), stream_};
   x.shape = {rank_, ranks_, c.hidden, c.topk, c.num_experts, local_experts_, c.max_tokens_per_rank};
   return x;
@@ -239,8 +239,8 @@ void CudaBackend::raise(const DeviceStatus& st, const Call& call) {
     case kStatusTimeout: {
       static const char* steps[] = {"plan exchange", "transfer", "return transfer"};
       broken_ = true;
-      broken_reason_ = cat(call.name, " (", steps[st.a % 3], "): rank ", rank_, " waited ",
-                           config().timeout_ms > 0 ? config().timeout_ms : 60000, " ms for rank(s) ", st.rank,
+      broken_reason_ = cat(call.name, " (", steps[st.a % 3], "): rank ", rank_, " waited ", timeout_.count(),
+                           " ms for rank(s) ", st.rank,
                            ", which never arrived (crashed, hung, or called collective operations in a different order)");
       throw Error(ErrorCode::timeout, broken_reason_);
     }

@@ -1,6 +1,7 @@
 // The CUDA backend: the same three steps as the CPU backend (plan exchange, transfer,
 // layout), as kernels on one stream, over a symmetric window every rank can write into.
 #pragma once
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -61,6 +62,7 @@ class CudaBackend final : public Backend {
   int rank_, ranks_, device_;
   int64_t local_experts_;
   WireRow wire_;
+  std::chrono::milliseconds timeout_;  // every wait on a peer
   WindowMap map_{};
   std::unique_ptr<SymmetricWindow> window_;
   DeviceStatus* status_ = nullptr;       // device

@@ -8,6 +8,7 @@
 #include "core/check.hpp"
 #include "core/low_latency_backend.hpp"
 #include "core/reduce.hpp"
+#include "core/timeout.hpp"
 #include "core/validate.hpp"
 #include "core/wire.hpp"
 #include "epx/codec.hpp"
@@ -53,7 +54,7 @@ class HostLowLatency final : public LowLatencyBackend {
         local_(c.num_experts / group.size()),
         slots_(group.size() * c.max_tokens_per_rank),
         wire_(wire_row(c.wire, c.hidden)),
-        timeout_(c.timeout_ms > 0 ? c.timeout_ms : 60000) {
+        timeout_(resolve_timeout(c.timeout_ms)) {
     auto* state = dynamic_cast<HostGroupState*>(group.state().get());
     require(state != nullptr, "low-latency buffer: group is not a host group");
     shared_ = state->join_next<LowLatencyShared>(rank_, "LowLatencyBuffer");
@@ -216,7 +217,7 @@ class HostLowLatency final : public LowLatencyBackend {
     TensorView weights;
   };
 
-  void sync(const std::string& what) { shared_->barrier.arrive_and_wait(rank_, std::chrono::milliseconds(timeout_), what); }
+  void sync(const std::string& what) { shared_->barrier.arrive_and_wait(rank_, timeout_, what); }
 
   void publish(int set, const std::string& name, const std::string& error, bool dispatch) {
     Mailbox& m = dispatch ? shared_->areas[rank_].dispatch[set].mailbox : shared_->areas[rank_].combine[set].mailbox;
@@ -323,7 +324,7 @@ class HostLowLatency final : public LowLatencyBackend {
   int rank_, ranks_;
   int64_t local_, slots_;
   WireRow wire_;
-  int64_t timeout_;
+  std::chrono::milliseconds timeout_;
   std::shared_ptr<LowLatencyShared> shared_;
   int64_t dispatch_calls_ = 0, combine_calls_ = 0;
   std::shared_ptr<LowLatencyHandleState> dispatch_pending_;
