@@ -57,7 +57,7 @@ inline std::vector<RankRun> run_problem(const verify::Problem& p, const RunOptio
     const int64_t per_row = o.dispatch.layout == Layout::expert_major ? 1 : k_count;
     run.grad_recv_weights.resize(rows * per_row);
     for (size_t i = 0; i < run.grad_recv_weights.size(); ++i) run.grad_recv_weights[i] = 0.25f * static_cast<float>(i % 13) - 1.0f;
-    TensorView gw = per_row == 1 ? TensorView::of(run.grad_recv_weights.data(), DType::f32, {rows})
+    TensorView gw = o.dispatch.layout == Layout::expert_major ? TensorView::of(run.grad_recv_weights.data(), DType::f32, {rows})
                                  : TensorView::of(run.grad_recv_weights.data(), DType::f32, {rows, k_count});
     run.dispatch_grad = buffer.dispatch_backward({bf16_view(run.grad_recv_x, rows, h), gw}, run.dispatched.handle);
     run.grad_out = verify::random_bf16(tokens * h, 400 + r);

@@ -107,7 +107,7 @@ inline std::vector<RankRun> run_problem_cuda(const CudaWorld& world, const verif
         run.grad_recv_x.resize(rows * h);
         const int64_t per_row = o.dispatch.layout == Layout::expert_major ? 1 : k_count;
         run.grad_recv_weights.resize(rows * per_row);
-        TensorView gw = per_row == 1 ? device_view(gwr, DType::f32, {rows}, dev) : device_view(gwr, DType::f32, {rows, k_count}, dev);
+        TensorView gw = o.dispatch.layout == Layout::expert_major ? device_view(gwr, DType::f32, {rows}, dev) : device_view(gwr, DType::f32, {rows, k_count}, dev);
         DispatchBackwardResult db = buffer.dispatch_backward({device_view(gx, DType::bf16, {rows, h}, dev), gw}, d.handle);
         buffer.synchronize();
         run.dispatch_grad.grad_x = epx::to_host(db.grad_x);
