@@ -10,6 +10,7 @@
 #include <functional>
 #include <thread>
 
+#include "bench/baselines.hpp"
 #include "bench/json.hpp"
 #include "bench/options.hpp"
 #include "bench/staging.hpp"
@@ -209,6 +210,17 @@ std::pair<double, double> bytes_per_rank(const std::vector<RankOutputs>& outs, d
   return {logical / static_cast<double>(outs.size()), wire / static_cast<double>(outs.size())};
 }
 
+// bytes[s][d] rank s sent to rank d in a dispatch (rows from rank_offsets x row bytes).
+std::vector<std::vector<double>> traffic_matrix(const std::vector<RankOutputs>& outs, double row_bytes) {
+  const size_t n = outs.size();
+  std::vector<std::vector<double>> bytes(n, std::vector<double>(n, 0.0));
+  for (size_t d = 0; d < n; ++d) {
+    const int64_t* off = outs[d].dispatched.rank_offsets.data<int64_t>();
+    for (size_t s = 0; s < n; ++s) bytes[s][d] = static_cast<double>(off[s + 1] - off[s]) * row_bytes;
+  }
+  return bytes;
+}
+
 double wire_row_bytes(WireFormat w, int64_t h) {
   switch (w) {
     case WireFormat::bf16: return 2.0 * h;
@@ -339,7 +351,8 @@ void print_table(const std::vector<Record>& records) {
   for (const Record& r : records)
     std::printf("%-18s %-10s %-13s %11.1f %11.1f %11.1f %10.2f %10.2f %s\n", r.op.c_str(), r.dtype.c_str(),
                 r.layout.c_str(), r.time_us, r.min_us, r.max_us, r.logical_gbps, r.wire_gbps,
-                r.verified ? "yes" : ("NO: " + r.verify_error).c_str());
+                r.verified ? "yes" : r.op == "peer_copy" || r.op == "nccl_alltoall" ? "(baseline)"
+                                                                                     : ("NO: " + r.verify_error).c_str());
 }
 
 int run(const Options& o) {
@@ -364,6 +377,7 @@ int run(const Options& o) {
   const Ranks ranks = make_ranks(o);
 
   std::vector<Record> records;
+  std::vector<std::vector<double>> bytes_to;  // the bf16 dispatch's traffic, for the NCCL baseline
   const size_t configs = o.layouts.size() * o.wires.size();
   size_t done = 0;
   const bool any_ht = wants(o, "dispatch") || wants(o, "combine") || wants(o, "dispatch_backward") ||
@@ -377,6 +391,7 @@ int run(const Options& o) {
       // combine and the backward passes take bf16 whatever the dispatch wire; run them once.
       const bool with_combine = wire == o.wires.front();
       const auto outs = run_config(o, ranks, p, layout, with_combine);
+      if (bytes_to.empty() && wire == WireFormat::bf16) bytes_to = traffic_matrix(outs, 2.0 * p.cfg.hidden);
       if (wants(o, "dispatch")) records.push_back(make_record(o, ranks, p, "dispatch", wire, layout, outs));
       if (!with_combine) continue;
       for (const char* op : {"combine", "dispatch_backward", "combine_backward"})
@@ -393,8 +408,12 @@ int run(const Options& o) {
       }
     }
   }
+  if (!bytes_to.empty())
+    for (Record& r : measure_baselines(o, bytes_to)) records.push_back(std::move(r));
   print_table(records);
-  const bool all_ok = std::all_of(records.begin(), records.end(), [](const Record& r) { return r.verified; });
+  const bool all_ok = std::all_of(records.begin(), records.end(), [](const Record& r) {
+    return r.verified || r.op == "peer_copy" || r.op == "nccl_alltoall";
+  });
   if (!o.json.empty()) {
     if (!write_json(o.json, records)) {
       std::fprintf(stderr, "epx-bench: cannot write %s\n", o.json.c_str());

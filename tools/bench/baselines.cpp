@@ -1,0 +1,177 @@
+#include "bench/baselines.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <thread>
+
+#ifdef EPX_HAS_CUDA
+#include <cuda_runtime.h>
+#include <nccl.h>
+#endif
+
+namespace epx::bench {
+
+#ifdef EPX_HAS_CUDA
+namespace {
+
+#define BENCH_CHECK(call)                                                               \
+  do {                                                                                  \
+    if ((call) != 0) throw std::runtime_error(std::string("baseline: ") + #call + " failed"); \
+  } while (0)
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+
+Record record(const Options& o, const char* op, double us, double bytes, int ranks) {
+  Record r;
+  r.op = op;
+  r.dtype = "bf16";
+  r.layout = "none";
+  r.ranks = ranks;
+  r.tokens = o.tokens;
+  r.hidden = o.hidden;
+  r.topk = o.topk;
+  r.experts = o.experts;
+  r.backend = "cuda";
+  r.time_us = us;
+  r.iters = o.iters;
+  r.logical_bytes = bytes;
+  r.logical_gbps = bytes / (us * 1e3);
+  r.wire_gbps = r.logical_gbps;
+  r.verified = false;  // a reference point, nothing to verify
+  r.git_commit = EPX_GIT_COMMIT;
+  return r;
+}
+
+// GPU0 -> GPU1 and GPU1 -> GPU0 at once, 256 MiB each way, copy engines; GB/s per direction.
+Record peer_copy(const Options& o) {
+  const size_t bytes = size_t{256} << 20;
+  void* buf[2][2] = {};
+  cudaStream_t stream[2];
+  cudaEvent_t start[2], stop[2];
+  for (int d = 0; d < 2; ++d) {
+    BENCH_CHECK(cudaSetDevice(d));
+    cudaDeviceEnablePeerAccess(1 - d, 0);
+    cudaGetLastError();  // already enabled is fine
+    BENCH_CHECK(cudaMalloc(&buf[d][0], bytes));
+    BENCH_CHECK(cudaMalloc(&buf[d][1], bytes));
+    BENCH_CHECK(cudaStreamCreateWithFlags(&stream[d], cudaStreamNonBlocking));
+    BENCH_CHECK(cudaEventCreate(&start[d]));
+    BENCH_CHECK(cudaEventCreate(&stop[d]));
+  }
+  std::vector<double> times;
+  for (int i = 0; i < o.warmup + o.iters; ++i) {
+    for (int d = 0; d < 2; ++d) {
+      BENCH_CHECK(cudaSetDevice(d));
+      BENCH_CHECK(cudaEventRecord(start[d], stream[d]));
+      BENCH_CHECK(cudaMemcpyPeerAsync(buf[1 - d][1], 1 - d, buf[d][0], d, bytes, stream[d]));
+      BENCH_CHECK(cudaEventRecord(stop[d], stream[d]));
+    }
+    double slowest = 0;
+    for (int d = 0; d < 2; ++d) {
+      float ms = 0;
+      BENCH_CHECK(cudaEventSynchronize(stop[d]));
+      BENCH_CHECK(cudaEventElapsedTime(&ms, start[d], stop[d]));
+      slowest = std::max(slowest, 1000.0 * ms);
+    }
+    if (i >= o.warmup) times.push_back(slowest);
+  }
+  for (int d = 0; d < 2; ++d) {
+    cudaSetDevice(d);
+    cudaFree(buf[d][0]);
+    cudaFree(buf[d][1]);
+    cudaStreamDestroy(stream[d]);
+    cudaEventDestroy(start[d]);
+    cudaEventDestroy(stop[d]);
+  }
+  return record(o, "peer_copy", median(times), static_cast<double>(bytes), 2);
+}
+
+// ncclSend/ncclRecv of bytes_to[s][d] between every pair (self included), one comm per GPU.
+Record nccl_alltoall(const Options& o, const std::vector<std::vector<double>>& bytes_to) {
+  const int n = static_cast<int>(bytes_to.size());
+  std::vector<ncclComm_t> comms(n);
+  std::vector<int> devs(n);
+  for (int d = 0; d < n; ++d) devs[d] = d;
+  BENCH_CHECK(ncclCommInitAll(comms.data(), n, devs.data()));
+  std::vector<void*> send(n), recv(n);
+  std::vector<cudaStream_t> streams(n);
+  std::vector<cudaEvent_t> start(n), stop(n);
+  double max_bytes = 0;
+  for (const auto& row : bytes_to)
+    for (double b : row) max_bytes = std::max(max_bytes, b);
+  const size_t chunk = static_cast<size_t>(max_bytes) + 16;
+  for (int d = 0; d < n; ++d) {
+    BENCH_CHECK(cudaSetDevice(d));
+    BENCH_CHECK(cudaMalloc(&send[d], chunk * n));
+    BENCH_CHECK(cudaMalloc(&recv[d], chunk * n));
+    BENCH_CHECK(cudaStreamCreateWithFlags(&streams[d], cudaStreamNonBlocking));
+    BENCH_CHECK(cudaEventCreate(&start[d]));
+    BENCH_CHECK(cudaEventCreate(&stop[d]));
+  }
+  std::vector<double> times;
+  for (int i = 0; i < o.warmup + o.iters; ++i) {
+    for (int d = 0; d < n; ++d) {
+      BENCH_CHECK(cudaSetDevice(d));
+      BENCH_CHECK(cudaEventRecord(start[d], streams[d]));
+    }
+    BENCH_CHECK(ncclGroupStart());
+    for (int s = 0; s < n; ++s)
+      for (int d = 0; d < n; ++d) {
+        const size_t b = static_cast<size_t>(bytes_to[s][d]);
+        BENCH_CHECK(ncclSend(static_cast<char*>(send[s]) + d * chunk, b, ncclChar, d, comms[s], streams[s]));
+        BENCH_CHECK(ncclRecv(static_cast<char*>(recv[d]) + s * chunk, b, ncclChar, s, comms[d], streams[d]));
+      }
+    BENCH_CHECK(ncclGroupEnd());
+    double slowest = 0;
+    for (int d = 0; d < n; ++d) {
+      BENCH_CHECK(cudaSetDevice(d));
+      BENCH_CHECK(cudaEventRecord(stop[d], streams[d]));
+    }
+    for (int d = 0; d < n; ++d) {
+      float ms = 0;
+      BENCH_CHECK(cudaEventSynchronize(stop[d]));
+      BENCH_CHECK(cudaEventElapsedTime(&ms, start[d], stop[d]));
+      slowest = std::max(slowest, 1000.0 * ms);
+    }
+    if (i >= o.warmup) times.push_back(slowest);
+  }
+  double received = 0;  // per rank, as DeepEP counts it (own tokens included)
+  for (int d = 0; d < n; ++d)
+    for (int s = 0; s < n; ++s) received += bytes_to[s][d];
+  for (int d = 0; d < n; ++d) {
+    cudaSetDevice(d);
+    cudaFree(send[d]);
+    cudaFree(recv[d]);
+    cudaStreamDestroy(streams[d]);
+    cudaEventDestroy(start[d]);
+    cudaEventDestroy(stop[d]);
+    ncclCommDestroy(comms[d]);
+  }
+  return record(o, "nccl_alltoall", median(times), received / n, n);
+}
+
+}  // namespace
+#endif
+
+std::vector<Record> measure_baselines(const Options& o, const std::vector<std::vector<double>>& bytes_to) {
+  std::vector<Record> out;
+#ifdef EPX_HAS_CUDA
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 2 || o.backend != "cuda") return out;
+  try {
+    out.push_back(peer_copy(o));
+    out.push_back(nccl_alltoall(o, bytes_to));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "epx-bench: %s (baselines skipped)\n", e.what());
+  }
+#else
+  (void)o;
+  (void)bytes_to;
+#endif
+  return out;
+}
+
+}  // namespace epx::bench

@@ -1,0 +1,16 @@
+// Reference points measured in the same run as epx (CUDA only): what the link gives to a plain
+// peer copy, and what NCCL's all-to-all takes to move the same bytes as a dispatch.
+#pragma once
+#include <vector>
+
+#include "bench/json.hpp"
+#include "bench/options.hpp"
+
+namespace epx::bench {
+
+// bytes_to[s][d]: bytes rank s sends to rank d in the all-to-all (the dispatch's bf16 traffic).
+// Returns records "peer_copy" (both directions at once, copy engines) and "nccl_alltoall";
+// none when the build has no CUDA or fewer than 2 GPUs.
+std::vector<Record> measure_baselines(const Options& o, const std::vector<std::vector<double>>& bytes_to);
+
+}  // namespace epx::bench
