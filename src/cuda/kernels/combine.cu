@@ -125,8 +125,9 @@ __global__ void __launch_bounds__(kWarps * 32) expand_grad_kernel(PeerWindows w,
   for (int64_t i = blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32; i < rows;
        i += static_cast<int64_t>(gridDim.x) * kWarps) {
     const int src = r.src_rank[i];
-    const int64_t at = w.rank * s.max_tokens + source_position(r, i);
-    const uint16_t* g = at_window<const uint16_t>(w, w.rank, m.fwd_payload + (src * s.max_tokens + source_position(r, i)) * m.payload_stride);
+    const int64_t pos = source_position(r, i);  // this row's place in the stream from src
+    const int64_t at = w.rank * s.max_tokens + pos;
+    const uint16_t* g = at_window<const uint16_t>(w, w.rank, m.fwd_payload + (src * s.max_tokens + pos) * m.payload_stride);
     float* slot_dst = at_window<float>(w, src, m.rev_slots + at * s.topk * 4);
     for (int64_t k = 0; k < s.topk; ++k) {
       const int64_t row = r.slot_row[i * s.topk + k];
