@@ -1,7 +1,9 @@
 // Host side of the CUDA backend: checks, the kernel sequence of each call, outputs, errors.
 #include "cuda/cuda_backend.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 
@@ -30,14 +32,19 @@ WindowMap make_window_map(const BufferConfig& c, int ranks, const WireRow& wire)
     return here;
   };
   m.signals = take(8 * kSignalKinds * ranks);
-  m.plan_stride = round16(static_cast<int64_t>(sizeof(PlanHeader)) + 8 * c.num_experts);
-  m.plans = take(2 * ranks * m.plan_stride);
+  m.plan_stride = round16(static_cast<int64_t>(sizeof(PlanHeader)) + 8 * (c.num_experts + ranks));
+  m.plans = take(2 * 2 * ranks * m.plan_stride);
+  m.max_chunks = (c.max_tokens_per_rank + kChunkTokens - 1) / kChunkTokens;
+  m.fwd_chunk_flag = take(4 * ranks * m.max_chunks);
+  m.fwd_chunk_range = take(static_cast<int64_t>(sizeof(ChunkRange)) * ranks * m.max_chunks);
+  m.rev_chunk_flag = take(4 * ranks * m.max_chunks);
   m.fwd_rows = take(8 * ranks);
   m.payload_stride = round16(std::max(wire.bytes(), 2 * c.hidden));
   m.fwd_payload = take(rows * m.payload_stride);
   m.fwd_token = take(4 * rows);
   m.fwd_slot_expert = take(4 * rows * c.topk);
   m.fwd_slot_weight = take(4 * rows * c.topk);
+  m.fwd_slot_index = take(4 * rows * c.topk);
   m.rev_rows = take(2 * rows * c.hidden);
   m.rev_slots = take(4 * rows * c.topk);
   m.total = at;
@@ -49,13 +56,13 @@ struct DeviceHandle {
   std::shared_ptr<void> memory;
   int32_t* slot_expert;   // [T*K]
   float* slot_weight;     // [T*K]
-  int32_t* send_pos;      // [T*R]
-  int64_t* tokens_to_rank;  // [R]
-  int64_t* counts;        // [E]
+  int64_t* counts;        // [E] before dropping (the drop rule's plan)
   int64_t* expert_prefix;  // [E]
   int64_t* drop_capacity;  // [1]
   int64_t* dropped;        // [1]
+  kernels::ChunkPositions pos;  // pos.send_pos: each token's stream position at each rank, or -1
   kernels::RecvArrays recv;
+  const int64_t* tokens_to_rank(int64_t experts) const { return pos.totals + experts; }
 };
 
 // Carves typed arrays out of one block: first pass measures, second assigns.
@@ -75,12 +82,16 @@ class Carver {
   int64_t used_ = 0;
 };
 
-void carve_handle(DeviceHandle& h, Carver& c, int64_t tokens, const BufferConfig& cfg, int ranks) {
+void carve_handle(DeviceHandle& h, Carver& c, int64_t tokens, const BufferConfig& cfg, int ranks, int64_t max_chunks) {
   const int64_t k = cfg.topk, rows = ranks * cfg.max_tokens_per_rank, l_count = cfg.num_experts / ranks;
+  const int64_t chunks = (tokens + kChunkTokens - 1) / kChunkTokens, width = cfg.num_experts + ranks;
   h.slot_expert = c.take<int32_t>(tokens * k);
   h.slot_weight = c.take<float>(tokens * k);
-  h.send_pos = c.take<int32_t>(tokens * ranks);
-  h.tokens_to_rank = c.take<int64_t>(ranks);
+  h.pos.chunk_count = c.take<int32_t>(chunks * width);
+  h.pos.chunk_base = c.take<int32_t>(chunks * width);
+  h.pos.totals = c.take<int64_t>(width);
+  h.pos.send_pos = c.take<int32_t>(tokens * ranks);
+  h.pos.slot_pos = c.take<int32_t>(tokens * k);
   h.counts = c.take<int64_t>(cfg.num_experts);
   h.expert_prefix = c.take<int64_t>(cfg.num_experts);
   h.drop_capacity = c.take<int64_t>(1);
@@ -89,6 +100,9 @@ void carve_handle(DeviceHandle& h, Carver& c, int64_t tokens, const BufferConfig
   h.recv.rank_offsets = c.take<int64_t>(ranks + 1);
   h.recv.tokens_per_expert = c.take<int64_t>(l_count);
   h.recv.expert_offsets = c.take<int64_t>(l_count + 1);
+  h.recv.expert_base = c.take<int64_t>(ranks * l_count);
+  h.recv.chunks_from = c.take<int32_t>(ranks);
+  h.recv.chunk_range = c.take<ChunkRange>(ranks * max_chunks);
   h.recv.src_rank = c.take<int32_t>(rows);
   h.recv.src_token = c.take<int32_t>(rows);
   h.recv.slot_expert = c.take<int32_t>(rows * k);
@@ -145,6 +159,17 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   require(ranks_ <= kMaxRanks, "buffer: the CUDA backend supports at most ", kMaxRanks, " ranks, got ", ranks_);
   device_ = state->device(rank_);
   EPX_CUDA(cudaSetDevice(device_));
+  int sms = 0;
+  EPX_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
+  blocks_ = static_cast<int>(config.num_sms > 0 ? config.num_sms : kDefaultBlocks);
+  // Senders and receivers run at the same time and receivers wait for peers' senders: every
+  // block must be resident at once, and each role needs one.
+  require(blocks_ >= 2 && blocks_ <= sms, "buffer: num_sms must be in [2, ", sms, "] on cuda:", device_,
+          " (at least one block sends and one receives; all must fit on the GPU at once), got ", blocks_);
+  send_blocks_ = std::clamp(blocks_ * 2 / 3, 1, blocks_ - 1);
+  if (const char* v = std::getenv("EPX_SEND_BLOCKS"))  // tuning experiments (docs/performance.md)
+    send_blocks_ = std::clamp(std::atoi(v), 1, blocks_ - 1);
+  poison_outputs_ = std::getenv("EPX_POISON_OUTPUTS") != nullptr;
   map_ = make_window_map(config, ranks_, wire_);
   // Everything that may synchronize the device comes before the collective window allocation:
   // once a rank returns from it, peers may already wait inside a call, and on a GPU shared by
@@ -154,10 +179,26 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   EPX_CUDA(cudaMemset(status_, 0, sizeof(DeviceStatus)));
   EPX_CUDA(cudaHostAlloc(&host_status_, sizeof(DeviceStatus), cudaHostAllocMapped));
   std::memset(host_status_, 0, sizeof(DeviceStatus));
+  EPX_CUDA(cudaHostAlloc(&host_info_, 4 * sizeof(int64_t), cudaHostAllocDefault));
   cudaStream_t own = nullptr;
   EPX_CUDA(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking));
   owned_stream_ = std::shared_ptr<CUstream_st>(own, [](cudaStream_t st) { cudaStreamDestroy(st); });
   stream_ = own;
+  EPX_CUDA(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
+  EPX_CUDA(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+  EPX_CUDA(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
+  // Outputs come from the buffer's own pool, which keeps its memory between calls (the default
+  // pool hands it back to the driver at every synchronization).
+  cudaMemPoolProps props{};
+  props.allocType = cudaMemAllocationTypePinned;
+  props.location.type = cudaMemLocationTypeDevice;
+  props.location.id = device_;
+  cudaMemPool_t pool = nullptr;
+  EPX_CUDA(cudaMemPoolCreate(&pool, &props));
+  uint64_t keep = UINT64_MAX;
+  EPX_CUDA(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+  // The pool goes when the buffer and every tensor allocated from it are gone.
+  pool_ = std::shared_ptr<CUmemPoolHandle_st>(pool, [](cudaMemPool_t p) { cudaMemPoolDestroy(p); });
   EPX_CUDA(cudaDeviceSynchronize());
   window_ = state->allocate(rank_, static_cast<size_t>(map_.total), timeout_);
 }
@@ -182,16 +223,21 @@ void CudaBackend::record_event(void* event) {
 CudaBackend::~CudaBackend() {
   cudaSetDevice(device_);
   cudaStreamSynchronize(stream_);
+  cudaStreamSynchronize(side_stream_);
   window_.reset();
   cudaFree(status_);
   cudaFree(scratch_);
   cudaFreeHost(host_status_);
+  cudaFreeHost(host_info_);
+  cudaEventDestroy(fork_);
+  cudaEventDestroy(join_);
+  cudaStreamDestroy(side_stream_);
 }
 
-kernels::Ctx CudaBackend::ctx() const {
+kernels::Ctx CudaBackend::ctx(cudaStream_t stream) const {
   const BufferConfig& c = config();
-  kernels::Ctx x{window_->peers(), map_, {}, status_, static_cast<uint64_t>(timeout_.count()) * 1000000ull,
-                 static_cast<int>(c.num_sms > 0 ? c.num_sms : kDefaultBlocks), stream_};
+  kernels::Ctx x{window_->peers(), map_, {}, status_, static_cast<uint64_t>(timeout_.count()) * 1000000ull, blocks_,
+                 stream ? stream : stream_};
   x.shape = {rank_, ranks_, c.hidden, c.topk, c.num_experts, local_experts_, c.max_tokens_per_rank};
   return x;
 }
@@ -222,7 +268,8 @@ void CudaBackend::raise(const DeviceStatus& st, const Call& call) {
     case kStatusPeerRejected: {
       std::string reason;
       if (st.a == kStatusHostRejected) {
-        const char* msg = window_->local() + map_.plans + (call.parity() * ranks_ + st.rank) * map_.plan_stride +
+        // A host rejection is posted in the call's first plan exchange (phase 0).
+        const char* msg = window_->local() + map_.plans + (call.plan_slot(0) * ranks_ + st.rank) * map_.plan_stride +
                           offsetof(PlanHeader, message);
         char text[sizeof(PlanHeader::message)] = {};
         EPX_CUDA(cudaMemcpy(text, msg, sizeof text - 1, cudaMemcpyDeviceToHost));
@@ -259,8 +306,7 @@ void CudaBackend::sync_and_check(const Call& call) {
   raise(st, call);
 }
 
-void CudaBackend::exchange_plan(const Call& call, const std::string& error, int64_t tokens, int64_t signature,
-                                const int64_t* counts, int64_t* expert_prefix, int64_t* drop_capacity) {
+PlanHeader CudaBackend::plan_header(const Call& call, const std::string& error, int64_t tokens, int64_t signature) const {
   PlanHeader h;
   std::memset(&h, 0, sizeof h);
   h.call_kind = call.kind;
@@ -269,13 +315,27 @@ void CudaBackend::exchange_plan(const Call& call, const std::string& error, int6
   h.tokens = tokens;
   h.signature = signature;
   std::strncpy(h.message, error.c_str(), sizeof h.message - 1);
+  return h;
+}
+
+void CudaBackend::reject(const Call& call, int phases, const std::string& error, int64_t tokens, int64_t signature) {
+  const PlanHeader h = plan_header(call, error, tokens, signature);
+  for (int phase = 0; phase < phases; ++phase) {  // peers wait for every exchange of the call
+    kernels::post_plan(ctx(), h, nullptr, 0, call.plan_slot(phase));
+    targets_[kSignalPlan] += 1;
+  }
+  throw Error(ErrorCode::invalid_argument, error);
+}
+
+void CudaBackend::exchange_plan(const Call& call, int phase, int64_t tokens, int64_t signature, const int64_t* counts,
+                                int64_t count_len, int64_t* expert_prefix, int64_t* drop_capacity) {
+  const PlanHeader h = plan_header(call, "", tokens, signature);
   const kernels::Ctx c = ctx();
-  kernels::post_plan(c, h, counts, call.parity());
+  kernels::post_plan(c, h, counts, count_len, call.plan_slot(phase));
   targets_[kSignalPlan] += 1;
-  if (!error.empty()) throw Error(ErrorCode::invalid_argument, error);
   kernels::wait_signals(c, kSignalPlan, targets_[kSignalPlan]);
-  h.error = kStatusOk;  // what every rank's plan must match
-  kernels::check_plans(c, h, call.parity(), counts != nullptr, counts ? config().capacity_factor : 0.0, expert_prefix,
+  kernels::check_plans(c, h, call.plan_slot(phase), expert_prefix != nullptr,
+                       expert_prefix ? config().capacity_factor : 0.0, expert_prefix,
                        drop_capacity ? drop_capacity : scratch_);
 }
 
@@ -288,15 +348,17 @@ void CudaBackend::wait(int kind) {
 std::function<void(void*)> CudaBackend::stream_deleter() const {
   cudaStream_t s = stream_;
   std::shared_ptr<CUstream_st> keep = s == owned_stream_.get() ? owned_stream_ : nullptr;
-  return [s, keep](void* p) { cudaFreeAsync(p, s); };
+  std::shared_ptr<CUmemPoolHandle_st> pool = pool_;
+  return [s, keep, pool](void* p) { cudaFreeAsync(p, s); };
 }
 
-Tensor CudaBackend::device_tensor(DType dtype, std::initializer_list<int64_t> shape, bool zero) {
+Tensor CudaBackend::device_tensor(DType dtype, std::initializer_list<int64_t> shape, cudaStream_t stream) {
   TensorView v = TensorView::of(nullptr, dtype, shape, DeviceKind::cuda, device_);
   const size_t bytes = static_cast<size_t>(std::max<int64_t>(1, v.numel() * dtype_size(dtype)));
+  if (!stream) stream = stream_;
   void* p = nullptr;
-  EPX_CUDA(cudaMallocAsync(&p, bytes, stream_));
-  if (zero) EPX_CUDA(cudaMemsetAsync(p, 0, bytes, stream_));
+  EPX_CUDA(cudaMallocFromPoolAsync(&p, bytes, pool_.get(), stream));
+  if (poison_outputs_) EPX_CUDA(cudaMemsetAsync(p, 0xa5, bytes, stream));  // tests: unwritten bytes show
   v.data = p;
   return Tensor(std::shared_ptr<void>(p, stream_deleter()), v);
 }
@@ -356,29 +418,43 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   } catch (const Error& e) {
     error = e.what();
   }
+  const int64_t signature = signature_of({static_cast<int64_t>(opt.layout)});
+  if (!error.empty()) reject(call, c.capacity_factor > 0.0 ? 2 : 1, error, tokens, signature);
 
-  // The handle's arrays, sized for this call.
+  // The handle's arrays, sized for this call, zeroed (the chunk counts are sums).
   auto dh = std::make_shared<DeviceHandle>();
   Carver measure(nullptr);
-  carve_handle(*dh, measure, tokens, c, ranks_);
+  carve_handle(*dh, measure, tokens, c, ranks_, map_.max_chunks);
   void* block = nullptr;
-  EPX_CUDA(cudaMallocAsync(&block, static_cast<size_t>(measure.used()), stream_));
+  EPX_CUDA(cudaMallocFromPoolAsync(&block, static_cast<size_t>(measure.used()), pool_.get(), stream_));
   EPX_CUDA(cudaMemsetAsync(block, 0, static_cast<size_t>(measure.used()), stream_));
   dh->memory = std::shared_ptr<void>(block, stream_deleter());
   Carver carve(static_cast<char*>(block));
-  carve_handle(*dh, carve, tokens, c, ranks_);
+  carve_handle(*dh, carve, tokens, c, ranks_, map_.max_chunks);
 
+  // Sender's half of the layout; with dropping, a first plan exchange fixes what is kept.
   const kernels::Ctx x = ctx();
-  if (error.empty()) kernels::canonicalize_routing(x, routing, tokens, dh->slot_expert, dh->slot_weight, dh->counts);
-  const int64_t signature = signature_of({static_cast<int64_t>(opt.layout)});
-  exchange_plan(call, error, tokens, signature, dh->counts, dh->expert_prefix, dh->drop_capacity);
-  if (c.capacity_factor > 0.0)
+  const int64_t width = c.num_experts + ranks_;
+  kernels::canonicalize_routing(x, routing, tokens, dh->slot_expert, dh->slot_weight, dh->counts);
+  int phase = 0;
+  if (c.capacity_factor > 0.0) {
+    exchange_plan(call, phase++, tokens, signature, dh->counts, c.num_experts, dh->expert_prefix, dh->drop_capacity);
     kernels::drop_slots(x, tokens, dh->slot_expert, dh->slot_weight, dh->expert_prefix, dh->drop_capacity, dh->dropped);
-  kernels::send_positions(x, tokens, dh->slot_expert, dh->send_pos, dh->tokens_to_rank);
-  kernels::send_tokens(x, rows, tokens, dh->slot_expert, dh->slot_weight, dh->send_pos, dh->tokens_to_rank);
-  wait(kSignalForward);
+  }
+  kernels::chunk_positions(x, tokens, dh->slot_expert, dh->pos);
+  exchange_plan(call, phase, tokens, signature, dh->pos.totals, width);
+
+  // Senders start now on the call's stream; the receiver's layout, the output allocation (after
+  // one host read of the sizes in blocking mode) and the receiver follow on the side stream.
+  EPX_CUDA(cudaEventRecord(fork_, stream_));
+  EPX_CUDA(cudaStreamWaitEvent(side_stream_, fork_, 0));
+  const uint32_t epoch = call.epoch();
+  kernels::dispatch_send(x, send_blocks_, rows, tokens, kernels::SendPlan{dh->slot_expert, dh->slot_weight, dh->pos},
+                         epoch);
+  const kernels::Ctx side = ctx(side_stream_);
   const bool capacity_mode = c.mode == CapacityMode::capacity;
-  kernels::receive_layout(x, dh->recv, opt.layout, c.expert_alignment, capacity_mode ? c.capacity_rows : 0);
+  kernels::receive_layout(side, call.plan_slot(phase), dh->recv, opt.layout, c.expert_alignment,
+                          capacity_mode ? c.capacity_rows : 0);
 
   auto h = std::make_shared<HandleState>();
   h->owner = this;
@@ -392,47 +468,46 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   h->recv.layout = opt.layout;
   DispatchResult out;
   int64_t capacity = c.capacity_rows;
-  if (!capacity_mode) {  // blocking: the one host read of the sizes
-    int64_t info[4] = {}, dropped = 0;
-    EPX_CUDA(cudaMemcpyAsync(info, dh->recv.info, sizeof info, cudaMemcpyDeviceToHost, stream_));
-    EPX_CUDA(cudaMemcpyAsync(&dropped, dh->dropped, sizeof dropped, cudaMemcpyDeviceToHost, stream_));
-    sync_and_check(call);
-    capacity = info[2];
-    out.num_rows = info[1];
-    out.overflow = info[3] != 0;
-    out.dropped_slots = dropped;
-    h->recv.tokens = info[0];
-    h->recv.num_rows = info[1];
+  if (!capacity_mode) {  // blocking: the one host read of the sizes, while the senders run
+    EPX_CUDA(cudaMemcpyAsync(host_info_, dh->recv.info, 4 * sizeof(int64_t), cudaMemcpyDeviceToHost, side_stream_));
+    EPX_CUDA(cudaStreamSynchronize(side_stream_));
+    capacity = host_info_[2];
+    out.num_rows = host_info_[1];
+    out.overflow = host_info_[3] != 0;
+    h->recv.tokens = host_info_[0];
+    h->recv.num_rows = host_info_[1];
   } else {
     out.num_rows = -1;
     h->recv.num_rows = -1;
   }
   h->recv.capacity = capacity;
 
-  // Outputs: zero-filled so padding rows are zero; recv_src of padding is -1.
-  if (wire_.format == WireFormat::bf16) out.recv_x = device_tensor(DType::bf16, {capacity, c.hidden});
-  else if (wire_.format == WireFormat::nvfp4) out.recv_x = device_tensor(DType::e2m1x2, {capacity, c.hidden / 2});
-  else out.recv_x = device_tensor(DType::fp8_e4m3, {capacity, c.hidden});
+  // Outputs, on the side stream; the receiver writes every row (padding and empty rows too).
+  auto output = [&](DType dtype, std::initializer_list<int64_t> shape) { return device_tensor(dtype, shape, side_stream_); };
+  if (wire_.format == WireFormat::bf16) out.recv_x = output(DType::bf16, {capacity, c.hidden});
+  else if (wire_.format == WireFormat::nvfp4) out.recv_x = output(DType::e2m1x2, {capacity, c.hidden / 2});
+  else out.recv_x = output(DType::fp8_e4m3, {capacity, c.hidden});
   if (wire_.scale_bytes)
-    out.recv_scales = wire_.format == WireFormat::nvfp4 ? device_tensor(DType::fp8_e4m3, {capacity, c.hidden / kNvfp4Block})
-                                                        : device_tensor(DType::f32, {capacity, c.hidden / kFp8Block});
-  if (wire_.global_bytes) out.recv_global_scale = device_tensor(DType::f32, {capacity});
-  out.recv_src = device_tensor(DType::i32, {capacity, 2}, false);
-  EPX_CUDA(cudaMemsetAsync(out.recv_src.data<void>(), 0xff, static_cast<size_t>(capacity * 8), stream_));
+    out.recv_scales = wire_.format == WireFormat::nvfp4 ? output(DType::fp8_e4m3, {capacity, c.hidden / kNvfp4Block})
+                                                        : output(DType::f32, {capacity, c.hidden / kFp8Block});
+  if (wire_.global_bytes) out.recv_global_scale = output(DType::f32, {capacity});
+  out.recv_src = output(DType::i32, {capacity, 2});
   kernels::RecvOutputs ro{out.recv_x.data<char>(), out.recv_scales.defined() ? out.recv_scales.data<char>() : nullptr,
                           out.recv_global_scale.defined() ? out.recv_global_scale.data<char>() : nullptr,
                           wire_.x_bytes, wire_.scale_bytes, wire_.global_bytes, out.recv_src.data<int32_t>(),
                           nullptr, nullptr, nullptr};
   if (opt.layout == Layout::expert_major) {
-    out.recv_weights = device_tensor(DType::f32, {capacity});
+    out.recv_weights = output(DType::f32, {capacity});
     ro.weights = out.recv_weights.data<float>();
   } else {
-    out.recv_topk_idx = device_tensor(DType::i32, {capacity, c.topk});
-    out.recv_topk_weights = device_tensor(DType::f32, {capacity, c.topk});
+    out.recv_topk_idx = output(DType::i32, {capacity, c.topk});
+    out.recv_topk_weights = output(DType::f32, {capacity, c.topk});
     ro.topk_idx = out.recv_topk_idx.data<int32_t>();
     ro.topk_weights = out.recv_topk_weights.data<float>();
   }
-  kernels::expand_rows(x, dh->recv, ro, opt.layout);
+  kernels::dispatch_receive(side, blocks_ - send_blocks_, dh->recv, ro, opt.layout, epoch);
+  EPX_CUDA(cudaEventRecord(join_, side_stream_));
+  EPX_CUDA(cudaStreamWaitEvent(stream_, join_, 0));
 
   // Small outputs: views into the handle's arrays (they live as long as the handle's memory).
   auto view = [&](int64_t* p, int64_t n) {
@@ -444,7 +519,13 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   out.recv_info = view(dh->recv.info, 4);
   h->device = dh;
   out.handle = Handle(std::move(h));
-  kernels::publish_status(x, host_status_);
+  if (!capacity_mode) {
+    EPX_CUDA(cudaMemcpyAsync(host_info_, dh->dropped, sizeof(int64_t), cudaMemcpyDeviceToHost, stream_));
+    sync_and_check(call);
+    out.dropped_slots = host_info_[0];
+  } else {
+    kernels::publish_status(x, host_status_);
+  }
   return out;
 }
 
@@ -461,19 +542,19 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
     error = e.what();
   }
   const int64_t layout = h ? static_cast<int64_t>(h->layout) : -1;
-  exchange_plan(call, error, h ? h->tokens : 0, signature_of({opt.weighted, layout}), nullptr);
-  const kernels::Ctx x = ctx();
+  const int64_t signature = signature_of({opt.weighted, layout});
+  if (!error.empty()) reject(call, 1, error, h ? h->tokens : 0, signature);
+  exchange_plan(call, 0, h->tokens, signature, nullptr, 0);
   const DeviceHandle& dh = device_of(*h);
-  kernels::combine_send(x, dh.recv, h->layout, in.y.ptr<const uint16_t>(), in.y.strides[0], opt.weighted, nullptr, 0);
-  wait(kSignalReverse);
   CombineResult out;
-  out.out = device_tensor(DType::bf16, {h->tokens, c.hidden}, false);
-  kernels::combine_reduce(x, h->tokens, dh.send_pos, dh.slot_expert,
-                          in.shared_out.defined() ? in.shared_out.ptr<const uint16_t>() : nullptr,
-                          in.shared_out.defined() ? in.shared_out.strides[0] : 0, out.out.data<uint16_t>(), nullptr);
+  out.out = device_tensor(DType::bf16, {h->tokens, c.hidden});
+  kernels::CombineArgs a{in.y.ptr<const uint16_t>(), in.y.strides[0], opt.weighted, nullptr, 0,
+                         in.shared_out.defined() ? in.shared_out.ptr<const uint16_t>() : nullptr,
+                         in.shared_out.defined() ? in.shared_out.strides[0] : 0, out.out.data<uint16_t>(), nullptr};
+  kernels::combine(ctx(), send_blocks_, dh.recv, h->layout, h->tokens, dh.pos.send_pos, dh.slot_expert, a, call.epoch());
   out.overflow = h->recv.num_rows > h->recv.capacity;
   if (c.mode == CapacityMode::blocking) sync_and_check(call);
-  else kernels::publish_status(x, host_status_);
+  else kernels::publish_status(ctx(), host_status_);
   return out;
 }
 
@@ -489,21 +570,20 @@ DispatchBackwardResult CudaBackend::dispatch_backward(const DispatchBackwardInpu
     error = e.what();
   }
   const bool with_weights = in.grad_recv_weights.defined();
-  const int64_t signature = signature_of({with_weights});
-  exchange_plan(call, error, h ? h->tokens : 0, signature, nullptr);
-  const kernels::Ctx x = ctx();
+  if (!error.empty()) reject(call, 1, error, h ? h->tokens : 0, signature_of({with_weights}));
+  exchange_plan(call, 0, h->tokens, signature_of({with_weights}), nullptr, 0);
   const DeviceHandle& dh = device_of(*h);
-  const TensorView& gw = in.grad_recv_weights;
-  kernels::combine_send(x, dh.recv, h->layout, in.grad_recv_x.ptr<const uint16_t>(), in.grad_recv_x.strides[0], false,
-                        with_weights ? gw.ptr<const float>() : nullptr, with_weights ? gw.strides[0] : 0);
-  wait(kSignalReverse);
   DispatchBackwardResult out;
-  out.grad_x = device_tensor(DType::bf16, {h->tokens, c.hidden}, false);
-  if (with_weights) out.grad_topk_weights = device_tensor(DType::f32, {h->tokens, c.topk}, false);
-  kernels::combine_reduce(x, h->tokens, dh.send_pos, dh.slot_expert, nullptr, 0, out.grad_x.data<uint16_t>(),
-                          with_weights ? out.grad_topk_weights.data<float>() : nullptr);
+  out.grad_x = device_tensor(DType::bf16, {h->tokens, c.hidden});
+  if (with_weights) out.grad_topk_weights = device_tensor(DType::f32, {h->tokens, c.topk});
+  const TensorView& gw = in.grad_recv_weights;
+  kernels::CombineArgs a{in.grad_recv_x.ptr<const uint16_t>(), in.grad_recv_x.strides[0], false,
+                         with_weights ? gw.ptr<const float>() : nullptr, with_weights ? gw.strides[0] : 0,
+                         nullptr, 0, out.grad_x.data<uint16_t>(),
+                         with_weights ? out.grad_topk_weights.data<float>() : nullptr};
+  kernels::combine(ctx(), send_blocks_, dh.recv, h->layout, h->tokens, dh.pos.send_pos, dh.slot_expert, a, call.epoch());
   if (c.mode == CapacityMode::blocking) sync_and_check(call);
-  else kernels::publish_status(x, host_status_);
+  else kernels::publish_status(ctx(), host_status_);
   return out;
 }
 
@@ -519,26 +599,24 @@ CombineBackwardResult CudaBackend::combine_backward(const CombineBackwardInput& 
   } catch (const Error& e) {
     error = e.what();
   }
-  const int64_t signature = signature_of({opt.weighted});
-  exchange_plan(call, error, h ? h->tokens : 0, signature, nullptr);
+  if (!error.empty()) reject(call, 1, error, h ? h->tokens : 0, signature_of({opt.weighted}));
+  exchange_plan(call, 0, h->tokens, signature_of({opt.weighted}), nullptr, 0);
   const kernels::Ctx x = ctx();
   const DeviceHandle& dh = device_of(*h);
   kernels::SendRows rows;
   rows.x = static_cast<const char*>(in.grad_out.data);
   rows.x_stride_bytes = in.grad_out.strides[0] * 2;
-  rows.wire = WireFormat::bf16;
-  rows.with_meta = false;
-  kernels::send_tokens(x, rows, h->tokens, dh.slot_expert, dh.slot_weight, dh.send_pos, dh.tokens_to_rank);
+  kernels::send_tokens(x, rows, h->tokens, dh.pos.send_pos, dh.tokens_to_rank(c.num_experts));
   wait(kSignalForward);
   CombineBackwardResult out;
   out.grad_y = device_tensor(DType::bf16, {h->recv.capacity, c.hidden});
+  EPX_CUDA(cudaMemsetAsync(out.grad_y.data<void>(), 0, static_cast<size_t>(out.grad_y.numel()) * 2, stream_));  // padding rows
   kernels::expand_grad(x, dh.recv, h->layout, opt.weighted, opt.weighted ? in.y.ptr<const uint16_t>() : nullptr,
                        opt.weighted ? in.y.strides[0] : 0, out.grad_y.data<uint16_t>());
   wait(kSignalReverse);
   if (opt.weighted) {
-    out.grad_topk_weights = device_tensor(DType::f32, {h->tokens, c.topk}, false);
-    kernels::combine_reduce(x, h->tokens, dh.send_pos, dh.slot_expert, nullptr, 0, nullptr,
-                            out.grad_topk_weights.data<float>());
+    out.grad_topk_weights = device_tensor(DType::f32, {h->tokens, c.topk});
+    kernels::gather_slot_values(x, h->tokens, dh.pos.send_pos, dh.slot_expert, out.grad_topk_weights.data<float>());
   }
   if (c.mode == CapacityMode::blocking) sync_and_check(call);
   else kernels::publish_status(x, host_status_);

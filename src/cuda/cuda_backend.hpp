@@ -35,16 +35,24 @@ class CudaBackend final : public Backend {
     CallKind kind;
     int64_t index;
     std::string name;  // "dispatch #3"
-    int parity() const { return static_cast<int>(index % 2); }
+    // Plans are double-buffered by call parity (a fast rank's next plan never overwrites one a
+    // slower rank still reads), with two phases per call (dispatch with dropping uses both).
+    int plan_slot(int phase) const { return static_cast<int>(index % 2) * 2 + phase; }
+    // Chunk flags carry the call's epoch; every rank numbers its calls alike.
+    uint32_t epoch() const { return static_cast<uint32_t>(index + 1); }
   };
 
   Call begin_call(CallKind kind);
-  kernels::Ctx ctx() const;
-  // Posts the plan; on a host-side input error (`error` not empty) posts the rejection so
-  // peers stop too, then throws. Otherwise waits for every rank and checks their plans; with
-  // counts (dispatch) also fills the lower ranks' per-expert prefix and the drop capacity.
-  void exchange_plan(const Call& call, const std::string& error, int64_t tokens, int64_t signature,
-                     const int64_t* counts, int64_t* expert_prefix = nullptr, int64_t* drop_capacity = nullptr);
+  kernels::Ctx ctx(cudaStream_t stream = nullptr) const;  // on the call's stream unless given
+  PlanHeader plan_header(const Call& call, const std::string& error, int64_t tokens, int64_t signature) const;
+  // A host-side input error: posts the rejection in each of the call's `phases` plan exchanges
+  // (peers wait for every one of them, then stop with this message), then throws it.
+  [[noreturn]] void reject(const Call& call, int phases, const std::string& error, int64_t tokens, int64_t signature);
+  // Posts the plan (with count_len counts) in this call's phase, waits for every rank and
+  // checks their plans; with expert_prefix (dispatch with dropping) also fills the lower
+  // ranks' per-expert prefix and the drop capacity.
+  void exchange_plan(const Call& call, int phase, int64_t tokens, int64_t signature, const int64_t* counts,
+                     int64_t count_len, int64_t* expert_prefix = nullptr, int64_t* drop_capacity = nullptr);
   // Waits for the forward / reverse transfer of this call.
   void wait(int kind);
   // Reads the device status (synchronizing the stream) and throws what it says.
@@ -55,11 +63,15 @@ class CudaBackend final : public Backend {
 
   // Frees stream-ordered on the current stream, keeping the buffer's own stream alive.
   std::function<void(void*)> stream_deleter() const;
-  Tensor device_tensor(DType dtype, std::initializer_list<int64_t> shape, bool zero = true);
+  // From the buffer's pool, stream-ordered on `stream` (the call's stream if null).
+  Tensor device_tensor(DType dtype, std::initializer_list<int64_t> shape, cudaStream_t stream = nullptr);
   const HandleState& state_of(const Handle& h, const Call& call) const;
   void check_device_tensor(const TensorView& t, std::string_view what) const;
 
   int rank_, ranks_, device_;
+  int blocks_ = 0;       // the SM budget: blocks of the data-moving kernels
+  int send_blocks_ = 0;  // of those, the ones that send (the rest receive or reduce)
+  bool poison_outputs_ = false;  // EPX_POISON_OUTPUTS: fill outputs with 0xa5 first (tests)
   int64_t local_experts_;
   WireRow wire_;
   std::chrono::milliseconds timeout_;  // every wait on a peer
@@ -67,11 +79,15 @@ class CudaBackend final : public Backend {
   std::unique_ptr<SymmetricWindow> window_;
   DeviceStatus* status_ = nullptr;       // device
   DeviceStatus* host_status_ = nullptr;  // host-mapped copy, published at the end of every call
+  int64_t* host_info_ = nullptr;         // pinned: sizes read back in blocking mode
   int64_t* scratch_ = nullptr;           // device: the drop capacity calls other than dispatch ignore
   // The stream of every call: the buffer's own non-blocking stream (kept alive by every tensor
   // allocated on it, so outputs may outlive the buffer) or one the caller set.
   std::shared_ptr<CUstream_st> owned_stream_;
   cudaStream_t stream_ = nullptr;
+  cudaStream_t side_stream_ = nullptr;  // dispatch's receiver, beside the senders on stream_
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
+  std::shared_ptr<CUmemPoolHandle_st> pool_;  // outputs and handles; kept alive by every tensor from it
   uint64_t targets_[kSignalKinds] = {};  // what each signal counter reaches after this call
   int64_t calls_ = 0;
   bool broken_ = false;

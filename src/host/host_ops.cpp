@@ -133,6 +133,7 @@ DispatchResult HostBackend::dispatch(const DispatchInput& in, const DispatchOpti
       out.recv_weights = Tensor::zeros_host(DType::f32, {r.capacity});
     } else {
       out.recv_topk_idx = Tensor::zeros_host(DType::i32, {r.capacity, k_count});
+      std::fill_n(out.recv_topk_idx.data<int32_t>(), r.capacity * k_count, -1);  // rows past num_rows: empty
       out.recv_topk_weights = Tensor::zeros_host(DType::f32, {r.capacity, k_count});
     }
     auto store = [&](int64_t row, int64_t i, const uint8_t* payload) {

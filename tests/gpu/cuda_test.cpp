@@ -2,6 +2,7 @@
 // EP2..EP8 on the shared-GPU transport; plus device-side errors and timeouts.
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <functional>
 
 #include "cuda_harness.hpp"
@@ -13,6 +14,9 @@ int gpu_count() {
   int n = 0;
   return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
 }
+
+// Outputs start as 0xa5 bytes, so a row the kernels never write shows up in the comparison.
+const bool kPoisonOutputs = [] { return setenv("EPX_POISON_OUTPUTS", "1", 1) == 0; }();
 
 enum class Transport { nccl, shared_gpu };
 
@@ -27,6 +31,8 @@ struct GpuCase {
   double unused;
   CapacityMode mode = CapacityMode::blocking;
   double capacity_factor = 0.0;
+  bool prequantized = false;  // x given as fp8 codes + scales
+  int64_t sms = 0;            // num_sms; 0: 16 over NCCL, 4 on the shared GPU (every rank's blocks fit at once)
 };
 
 std::string gpu_case_name(const testing::TestParamInfo<GpuCase>& info) {
@@ -36,7 +42,8 @@ std::string gpu_case_name(const testing::TestParamInfo<GpuCase>& info) {
          std::to_string(c.topk) + "_" + std::string(wire_name(c.wire)) + "_" + std::string(layout_name(c.layout)) +
          "_A" + std::to_string(c.alignment) + (c.routing == verify::Routing::skewed ? "_skewed" : "") +
          (c.unused > 0 ? "_holes" : "") + (c.mode == CapacityMode::capacity ? "_capacity" : "") +
-         (c.capacity_factor > 0 ? "_drop" : "");
+         (c.capacity_factor > 0 ? "_drop" : "") + (c.prequantized ? "_prequantized" : "") +
+         (c.sms > 0 ? "_sms" + std::to_string(c.sms) : "");
 }
 
 void PrintTo(const GpuCase& c, std::ostream* os) { *os << gpu_case_name(testing::TestParamInfo<GpuCase>(c, 0)); }
@@ -51,7 +58,8 @@ TEST_P(CudaVsReference, BitForBit) {
   spec.cfg.mode = c.mode;
   spec.cfg.capacity_factor = c.capacity_factor;
   if (c.mode == CapacityMode::capacity) spec.cfg.capacity_rows = c.tokens * c.topk / 2 + 8;  // overflows sometimes
-  spec.cfg.num_sms = 16;
+  spec.cfg.num_sms = c.sms > 0 ? c.sms : c.transport == Transport::nccl ? 16 : 4;
+  spec.prequantized = c.prequantized;
   spec.ranks = c.ranks;
   for (int r = 0; r < c.ranks; ++r) spec.tokens.push_back(r == 1 ? 0 : c.tokens - (5 * r) % (c.tokens + 1));
   spec.routing = c.routing;
@@ -92,6 +100,11 @@ INSTANTIATE_TEST_SUITE_P(
         GpuCase{N, 2, 2048, 8192, 64, 8, W::bf16, L::expert_major, 128, U, 0.0},
         GpuCase{N, 2, 2048, 8192, 64, 8, W::fp8, L::rank_major, 1, K, 0.0},
         GpuCase{N, 2, 4096, 0, 16, 4, W::bf16, L::expert_major, 16, U, 0.0},
+        GpuCase{N, 2, 2048, 256, 16, 4, W::bf16, L::rank_major, 1, U, 0.0, CapacityMode::capacity},
+        GpuCase{N, 2, 100, 64, 4, 2, W::bf16, L::rank_major, 1, U, 0.0},
+        GpuCase{N, 2, 384, 100, 16, 4, W::fp8, L::rank_major, 1, U, 0.0},
+        GpuCase{N, 2, 1024, 256, 32, 8, W::fp8, L::expert_major, 1, U, 0.0, CapacityMode::blocking, 0.0, true},
+        GpuCase{N, 2, 2048, 1000, 64, 8, W::bf16, L::expert_major, 1, K, 0.1, CapacityMode::blocking, 0.0, false, 2},
         // EP2..EP8 on one GPU
         GpuCase{S, 2, 2048, 128, 32, 8, W::bf16, L::expert_major, 16, U, 0.0},
         GpuCase{S, 4, 2048, 128, 64, 8, W::bf16, L::expert_major, 128, U, 0.1},

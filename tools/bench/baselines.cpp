@@ -24,7 +24,8 @@ double median(std::vector<double> v) {
   return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
 }
 
-Record record(const Options& o, const char* op, double us, double bytes, int ranks) {
+Record record(const Options& o, const char* op, const std::vector<double>& times, double bytes, double wire_bytes,
+              int ranks) {
   Record r;
   r.op = op;
   r.dtype = "bf16";
@@ -35,11 +36,14 @@ Record record(const Options& o, const char* op, double us, double bytes, int ran
   r.topk = o.topk;
   r.experts = o.experts;
   r.backend = "cuda";
-  r.time_us = us;
+  r.time_us = median(times);
+  r.min_us = *std::min_element(times.begin(), times.end());
+  r.max_us = *std::max_element(times.begin(), times.end());
+  r.sms = 0;  // copy engines (peer copy) or NCCL's own choice
   r.iters = o.iters;
   r.logical_bytes = bytes;
-  r.logical_gbps = bytes / (us * 1e3);
-  r.wire_gbps = r.logical_gbps;
+  r.logical_gbps = bytes / (r.time_us * 1e3);
+  r.wire_gbps = wire_bytes / (r.time_us * 1e3);
   r.verified = false;  // a reference point, nothing to verify
   r.git_commit = EPX_GIT_COMMIT;
   return r;
@@ -86,7 +90,7 @@ Record peer_copy(const Options& o) {
     cudaEventDestroy(start[d]);
     cudaEventDestroy(stop[d]);
   }
-  return record(o, "peer_copy", median(times), static_cast<double>(bytes), 2);
+  return record(o, "peer_copy", times, static_cast<double>(bytes), static_cast<double>(bytes), 2);
 }
 
 // ncclSend/ncclRecv of bytes_to[s][d] between every pair (self included), one comm per GPU.
@@ -138,9 +142,12 @@ Record nccl_alltoall(const Options& o, const std::vector<std::vector<double>>& b
     }
     if (i >= o.warmup) times.push_back(slowest);
   }
-  double received = 0;  // per rank, as DeepEP counts it (own tokens included)
+  double received = 0, crossed = 0;  // per rank: as DeepEP counts it (own tokens included), and from other ranks
   for (int d = 0; d < n; ++d)
-    for (int s = 0; s < n; ++s) received += bytes_to[s][d];
+    for (int s = 0; s < n; ++s) {
+      received += bytes_to[s][d];
+      if (s != d) crossed += bytes_to[s][d];
+    }
   for (int d = 0; d < n; ++d) {
     cudaSetDevice(d);
     cudaFree(send[d]);
@@ -150,7 +157,7 @@ Record nccl_alltoall(const Options& o, const std::vector<std::vector<double>>& b
     cudaEventDestroy(stop[d]);
     ncclCommDestroy(comms[d]);
   }
-  return record(o, "nccl_alltoall", median(times), received / n, n);
+  return record(o, "nccl_alltoall", times, received / n, crossed / n, n);
 }
 
 }  // namespace

@@ -42,6 +42,7 @@ bool write_json(const std::string& path, const std::vector<Record>& records) {
       << ", \"routing\": " << quoted(r.routing) << ", \"sms\": " << r.sms << ", \"time_us\": " << number(r.time_us)
       << ", \"min_us\": " << number(r.min_us) << ", \"max_us\": " << number(r.max_us) << ", \"iters\": " << r.iters
       << ", \"logical_gbps\": " << number(r.logical_gbps) << ", \"wire_gbps\": " << number(r.wire_gbps)
+      << ", \"link_fraction\": " << number(r.link_fraction)
       << ", \"logical_bytes\": " << number(r.logical_bytes) << ", \"verified\": " << (r.verified ? "true" : "false");
     if (!r.verify_error.empty()) f << ", \"verify_error\": " << quoted(r.verify_error);
     f << ", \"backend\": " << quoted(r.backend) << ", \"gpu\": " << (r.gpu.empty() ? "null" : quoted(r.gpu))

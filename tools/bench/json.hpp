@@ -24,6 +24,7 @@ struct Record {
   int iters = 0;
   double logical_gbps = 0;  // DeepEP accounting: bytes received per rank / time
   double wire_gbps = 0;     // bytes that crossed to another rank, per rank / time
+  double link_fraction = 0; // wire_gbps / the peer-copy GB/s measured in the same run (0: not measured)
   double logical_bytes = 0;
   bool verified = false;
   std::string verify_error;

@@ -345,12 +345,13 @@ std::vector<Record> run_low_latency(const Options& o, const Ranks& ranks, const 
 }
 
 void print_table(const std::vector<Record>& records) {
-  std::printf("%-18s %-10s %-13s %11s %11s %11s %10s %10s %s\n", "op", "dtype", "layout", "median_us", "min_us", "max_us",
-              "logical", "wire", "verified");
-  std::printf("%-18s %-10s %-13s %11s %11s %11s %10s %10s\n", "", "", "", "", "", "", "GB/s", "GB/s");
+  std::printf("%-18s %-10s %-13s %4s %11s %11s %11s %10s %10s %6s %s\n", "op", "dtype", "layout", "sms", "median_us",
+              "min_us", "max_us", "logical", "wire", "link", "verified");
+  std::printf("%-18s %-10s %-13s %4s %11s %11s %11s %10s %10s %6s\n", "", "", "", "", "", "", "", "GB/s", "GB/s", "frac");
   for (const Record& r : records)
-    std::printf("%-18s %-10s %-13s %11.1f %11.1f %11.1f %10.2f %10.2f %s\n", r.op.c_str(), r.dtype.c_str(),
-                r.layout.c_str(), r.time_us, r.min_us, r.max_us, r.logical_gbps, r.wire_gbps,
+    std::printf("%-18s %-10s %-13s %4lld %11.1f %11.1f %11.1f %10.2f %10.2f %6.2f %s\n", r.op.c_str(), r.dtype.c_str(),
+                r.layout.c_str(), static_cast<long long>(r.sms), r.time_us, r.min_us, r.max_us, r.logical_gbps,
+                r.wire_gbps, r.link_fraction,
                 r.verified ? "yes" : r.op == "peer_copy" || r.op == "nccl_alltoall" ? "(baseline)"
                                                                                      : ("NO: " + r.verify_error).c_str());
 }
@@ -410,6 +411,10 @@ int run(const Options& o) {
   }
   if (!bytes_to.empty())
     for (Record& r : measure_baselines(o, bytes_to)) records.push_back(std::move(r));
+  // Every record's wire rate as a fraction of what a plain peer copy got in this run.
+  for (const Record& base : records)
+    if (base.op == "peer_copy")
+      for (Record& r : records) r.link_fraction = r.wire_gbps / base.wire_gbps;
   print_table(records);
   const bool all_ok = std::all_of(records.begin(), records.end(), [](const Record& r) {
     return r.verified || r.op == "peer_copy" || r.op == "nccl_alltoall";

@@ -240,6 +240,33 @@ std::string check_dispatch(const Problem& p, const std::vector<std::vector<int32
         return err;
     }
   }
+  // Capacity mode: rows past num_rows hold no token (zero bytes, source -1, no slots).
+  const Encoded empty = padding_row(p);
+  const std::vector<int32_t> no_slots(k_count, -1);
+  const std::vector<float> no_weights(k_count, 0.0f);
+  for (int64_t i = n; i < cap; ++i) {
+    const std::string where = at + "empty row " + std::to_string(i);
+    if (!(err = check_bytes_row(got.recv_x, got.recv_x.size(0), i, empty.x, where + " recv_x")).empty()) return err;
+    if (!(err = check_bytes_row(got.recv_scales, got.recv_x.size(0), i, empty.scales, where + " recv_scales")).empty())
+      return err;
+    if (!(err = check_bytes_row(got.recv_global_scale, got.recv_x.size(0), i, empty.global, where + " recv_global_scale"))
+             .empty())
+      return err;
+    const int32_t src[2] = {-1, -1};
+    if (!(err = compare_bits(got.recv_src.data<int32_t>() + 2 * i, src, 2, 4, where + " recv_src")).empty()) return err;
+    if (layout == Layout::expert_major) {
+      const float zero = 0.0f;
+      if (!(err = compare_bits(got.recv_weights.data<float>() + i, &zero, 1, 4, where + " recv_weights")).empty())
+        return err;
+    } else {
+      if (!(err = compare_bits(got.recv_topk_idx.data<int32_t>() + i * k_count, no_slots.data(), k_count, 4,
+                               where + " recv_topk_idx")).empty())
+        return err;
+      if (!(err = compare_bits(got.recv_topk_weights.data<float>() + i * k_count, no_weights.data(), k_count, 4,
+                               where + " recv_topk_weights")).empty())
+        return err;
+    }
+  }
   return {};
 }
 

@@ -1,183 +1,185 @@
-// Combine and the backward passes: partial sums on the expert rank, one bf16 row per
-// (token, rank) back to the source, the final sum there; sums in the order of
-// docs/semantics.md so results equal the CPU backend's bit for bit.
-#include "cuda/kernels/device_common.cuh"
+// Combine and dispatch_backward: each expert rank sums a received token's rows (slot order)
+// into one bf16 row and writes it back into the source's window, a chunk at a time, flagging
+// each chunk; the source's reduce warps, in the same kernel on other SMs, add a token's rows in
+// rank order (then the shared expert) as soon as its chunk is back from every rank. Sums follow
+// docs/semantics.md, so results equal the CPU backend's bit for bit.
 #include "cuda/kernels/launch.hpp"
+#include "cuda/kernels/row_copy.cuh"
 
 namespace epx::detail::kernels {
 
 namespace {
 
-constexpr int kWarps = 8;
-constexpr int kChunk = 8;  // channels per lane step: 16 bytes of bf16
+constexpr int kSendWarps = 16;  // of a returning block; one more warp flags finished chunks
+constexpr int kThreads = (kSendWarps + 1) * 32;
+constexpr int kSumUnroll = 4;   // 16-byte vectors per lane in flight per term
 
-__device__ void load_chunk(const uint16_t* row, int64_t h, int64_t hidden, float* v) {
-  if (h + kChunk <= hidden && (reinterpret_cast<uintptr_t>(row + h) % 16) == 0) {
-    const int4 raw = *reinterpret_cast<const int4*>(row + h);
-    const uint16_t* b = reinterpret_cast<const uint16_t*>(&raw);
-    for (int i = 0; i < kChunk; ++i) v[i] = bf16_to_float(b[i]);
+// out = bf16(sum over terms i = 0..n-1 in order), fp32 accumulation from 0: acc = fma(w_i, v, acc)
+// when weighted, else acc + v. term(i, row, weight) returns false for an absent term. Wide
+// (16-byte) accesses when every row is 16-byte aligned and hidden % 8 == 0.
+template <typename Term>
+__device__ void sum_rows(int n, Term term, bool weighted, uint16_t* out, int64_t hidden, bool wide, int lane) {
+  if (!wide) {
+    for (int64_t h = lane; h < hidden; h += 32) {
+      float acc = 0.0f;
+      for (int i = 0; i < n; ++i) {
+        const uint16_t* row;
+        float weight;
+        if (!term(i, row, weight)) continue;
+        const float v = bf16_to_float(row[h]);
+        acc = weighted ? __fmaf_rn(weight, v, acc) : __fadd_rn(acc, v);
+      }
+      out[h] = float_to_bf16(acc);
+    }
     return;
   }
-  for (int i = 0; i < kChunk; ++i) v[i] = h + i < hidden ? bf16_to_float(row[h + i]) : 0.0f;
-}
-
-__device__ void store_chunk(uint16_t* row, int64_t h, int64_t hidden, const float* v) {
-  for (int i = 0; i < kChunk && h + i < hidden; ++i) row[h + i] = float_to_bf16(v[i]);
-}
-
-__device__ int64_t source_position(const RecvArrays& r, int64_t i) { return i - r.rank_offsets[r.src_rank[i]]; }
-
-// Warp per received row: partial sum over its slots in slot order, to the source's reverse area.
-__global__ void __launch_bounds__(kWarps * 32) combine_send_kernel(PeerWindows w, WindowMap m, Shape s, RecvArrays r,
-                                                                  Layout layout, const uint16_t* y, int64_t y_stride,
-                                                                  bool weighted, const float* slot_values,
-                                                                  int64_t slot_values_stride, DeviceStatus* st) {
-  const int lane = threadIdx.x % 32;
-  const int64_t rows = failed(st) ? 0 : r.info[0], capacity = r.info[2];
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32; i < rows;
-       i += static_cast<int64_t>(gridDim.x) * kWarps) {
-    const int src = r.src_rank[i];
-    const int64_t at = w.rank * s.max_tokens + source_position(r, i);
-    if (y) {
-      uint16_t* dst = at_window<uint16_t>(w, src, m.rev_rows + at * s.hidden * 2);
-      for (int64_t h = lane * kChunk; h < s.hidden; h += 32 * kChunk) {
-        float acc[kChunk] = {};
-        float v[kChunk];
-        if (layout == Layout::rank_major) {
-          if (i < capacity) {
-            load_chunk(y + i * y_stride, h, s.hidden, v);
-            for (int c = 0; c < kChunk; ++c) acc[c] = acc[c] + v[c];
-          }
-        } else {
-          for (int64_t k = 0; k < s.topk; ++k) {
-            const int64_t row = r.slot_row[i * s.topk + k];
-            if (row < 0 || row >= capacity) continue;
-            load_chunk(y + row * y_stride, h, s.hidden, v);
-            const float wk = r.slot_weight[i * s.topk + k];
-            for (int c = 0; c < kChunk; ++c) acc[c] = weighted ? __fmaf_rn(wk, v[c], acc[c]) : __fadd_rn(acc[c], v[c]);
-          }
+  const int64_t vectors = hidden / 8;
+  for (int64_t base = 0; base < vectors; base += 32 * kSumUnroll) {
+    float acc[kSumUnroll][8] = {};
+    for (int i = 0; i < n; ++i) {
+      const uint16_t* row;
+      float weight;
+      if (!term(i, row, weight)) continue;
+      int4 raw[kSumUnroll];
+#pragma unroll
+      for (int u = 0; u < kSumUnroll; ++u) {
+        const int64_t v = base + u * 32 + lane;
+        if (v < vectors) raw[u] = reinterpret_cast<const int4*>(row)[v];
+      }
+#pragma unroll
+      for (int u = 0; u < kSumUnroll; ++u) {
+        const uint16_t* b = reinterpret_cast<const uint16_t*>(&raw[u]);
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+          const float v = bf16_to_float(b[c]);
+          acc[u][c] = weighted ? __fmaf_rn(weight, v, acc[u][c]) : __fadd_rn(acc[u][c], v);
         }
-        store_chunk(dst, h, s.hidden, acc);
       }
     }
-    if (slot_values) {
-      float* dst = at_window<float>(w, src, m.rev_slots + at * s.topk * 4);
-      for (int64_t k = lane; k < s.topk; k += 32) {
-        const int64_t row = r.slot_row[i * s.topk + k];
-        float v = 0.0f;
-        if (row >= 0 && row < capacity)
-          v = layout == Layout::rank_major ? slot_values[row * slot_values_stride + k] : slot_values[row * slot_values_stride];
-        dst[k] = v;
-      }
+#pragma unroll
+    for (int u = 0; u < kSumUnroll; ++u) {
+      const int64_t v = base + u * 32 + lane;
+      if (v >= vectors) continue;
+      uint16_t b[8];
+      for (int c = 0; c < 8; ++c) b[c] = float_to_bf16(acc[u][c]);
+      reinterpret_cast<int4*>(out)[v] = *reinterpret_cast<const int4*>(b);
     }
   }
-  block_done_signal(w, m, kSignalReverse);
 }
 
-// Warp per source token: rows returned by each rank, in rank order, then the shared expert.
-__global__ void __launch_bounds__(kWarps * 32) combine_reduce_kernel(PeerWindows w, WindowMap m, Shape s, int64_t tokens,
-                                                                    const int32_t* send_pos, const int32_t* slot_expert,
-                                                                    const uint16_t* shared, int64_t shared_stride,
-                                                                    uint16_t* out, float* slot_out, const DeviceStatus* st) {
-  if (failed(st)) return;
-  const int lane = threadIdx.x % 32;
-  const uint16_t* rev = at_window<const uint16_t>(w, w.rank, m.rev_rows);
-  const float* rev_slots = at_window<const float>(w, w.rank, m.rev_slots);
-  for (int64_t t = blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32; t < tokens;
-       t += static_cast<int64_t>(gridDim.x) * kWarps) {
-    if (out) {
-      for (int64_t h = lane * kChunk; h < s.hidden; h += 32 * kChunk) {
-        float acc[kChunk] = {};
-        float v[kChunk];
-        for (int d = 0; d < w.ranks; ++d) {
-          const int32_t pos = send_pos[t * w.ranks + d];
-          if (pos < 0) continue;
-          load_chunk(rev + (d * s.max_tokens + pos) * s.hidden, h, s.hidden, v);
-          for (int c = 0; c < kChunk; ++c) acc[c] = __fadd_rn(acc[c], v[c]);
-        }
-        if (shared) {
-          load_chunk(shared + t * shared_stride, h, s.hidden, v);
-          for (int c = 0; c < kChunk; ++c) acc[c] = __fadd_rn(acc[c], v[c]);
-        }
-        store_chunk(out + t * s.hidden, h, s.hidden, acc);
-      }
+// Expert side, one warp: received row `pos` of `source`'s stream back into its window.
+__device__ void return_row(const PeerWindows& w, const WindowMap& m, const Shape& s, const RecvArrays& r, Layout layout,
+                           const CombineArgs& a, bool wide, int source, int64_t pos, int lane) {
+  const int64_t i = r.rank_offsets[source] + pos, at = w.rank * s.max_tokens + pos, capacity = r.info[2];
+  if (a.y) {
+    uint16_t* dst = at_window<uint16_t>(w, source, m.rev_rows + at * s.hidden * 2);
+    if (layout == Layout::rank_major) {
+      sum_rows(1, [&](int, const uint16_t*& row, float& weight) {
+        row = a.y + i * a.y_stride;
+        weight = 1.0f;
+        return i < capacity;
+      }, false, dst, s.hidden, wide, lane);
+    } else {
+      sum_rows(static_cast<int>(s.topk), [&](int k, const uint16_t*& row, float& weight) {
+        const int64_t out_row = r.slot_row[i * s.topk + k];
+        row = a.y + out_row * a.y_stride;
+        weight = r.slot_weight[i * s.topk + k];
+        return out_row >= 0 && out_row < capacity;
+      }, a.weighted, dst, s.hidden, wide, lane);
     }
-    if (slot_out)
-      for (int64_t k = lane; k < s.topk; k += 32) {
-        const int32_t e = slot_expert[t * s.topk + k];
-        float v = 0.0f;
-        if (e >= 0) {
-          const int d = static_cast<int>(e / s.local_experts);
-          v = rev_slots[(d * s.max_tokens + send_pos[t * w.ranks + d]) * s.topk + k];
-        }
-        slot_out[t * s.topk + k] = v;
-      }
   }
-}
-
-// combine_backward on the expert rank: warp per received row; grad_y rows from the forwarded
-// grad_out, and (weighted) the weight gradient of each slot as the specified lane-order dot.
-__global__ void __launch_bounds__(kWarps * 32) expand_grad_kernel(PeerWindows w, WindowMap m, Shape s, RecvArrays r,
-                                                                 Layout layout, bool weighted, const uint16_t* y,
-                                                                 int64_t y_stride, uint16_t* grad_y, DeviceStatus* st) {
-  const int lane = threadIdx.x % 32;
-  const int64_t rows = failed(st) ? 0 : r.info[0], capacity = r.info[2];
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32; i < rows;
-       i += static_cast<int64_t>(gridDim.x) * kWarps) {
-    const int src = r.src_rank[i];
-    const int64_t pos = source_position(r, i);  // this row's place in the stream from src
-    const int64_t at = w.rank * s.max_tokens + pos;
-    const uint16_t* g = at_window<const uint16_t>(w, w.rank, m.fwd_payload + (src * s.max_tokens + pos) * m.payload_stride);
-    float* slot_dst = at_window<float>(w, src, m.rev_slots + at * s.topk * 4);
-    for (int64_t k = 0; k < s.topk; ++k) {
+  if (a.slot_values) {
+    float* dst = at_window<float>(w, source, m.rev_slots + at * s.topk * 4);
+    for (int64_t k = lane; k < s.topk; k += 32) {
       const int64_t row = r.slot_row[i * s.topk + k];
-      const bool valid = row >= 0 && row < capacity;
-      if (valid) {  // rank-major: every local slot shares row i and writes the same grad_out
-        const float wk = r.slot_weight[i * s.topk + k];
-        float dot = 0.0f;
-        for (int64_t h = lane * kChunk; h < s.hidden; h += 32 * kChunk) {
-          float gv[kChunk], out[kChunk];
-          load_chunk(g, h, s.hidden, gv);
-          if (weighted) {
-            float yv[kChunk];
-            load_chunk(y + row * y_stride, h, s.hidden, yv);
-            for (int c = 0; c < kChunk && h + c < s.hidden; ++c) dot = __fmaf_rn(gv[c], yv[c], dot);
-            for (int c = 0; c < kChunk; ++c) out[c] = __fmul_rn(wk, gv[c]);
-          } else {
-            for (int c = 0; c < kChunk; ++c) out[c] = gv[c];
-          }
-          store_chunk(grad_y + row * s.hidden, h, s.hidden, out);
-        }
-        for (int o = 16; o >= 1; o /= 2) dot = __fadd_rn(dot, __shfl_xor_sync(0xffffffffu, dot, o));
-        if (lane == 0 && weighted) slot_dst[k] = dot;
-      } else if (lane == 0 && weighted) {
-        slot_dst[k] = 0.0f;
-      }
+      float v = 0.0f;
+      if (row >= 0 && row < capacity)
+        v = layout == Layout::rank_major ? a.slot_values[row * a.slot_values_stride + k] : a.slot_values[row * a.slot_values_stride];
+      dst[k] = v;
     }
   }
-  block_done_signal(w, m, kSignalReverse);
+}
+
+// Source side, one warp: token t from every rank's returned row (rank order), then shared.
+__device__ void reduce_token(const PeerWindows& w, const WindowMap& m, const Shape& s, const int32_t* send_pos,
+                             const int32_t* slot_expert, const CombineArgs& a, bool wide, int64_t t, int lane) {
+  const uint16_t* rev = at_window<const uint16_t>(w, w.rank, m.rev_rows);
+  if (a.out)
+    sum_rows(w.ranks + 1, [&](int d, const uint16_t*& row, float& weight) {
+      weight = 1.0f;
+      if (d == w.ranks) {
+        row = a.shared + t * a.shared_stride;
+        return a.shared != nullptr;
+      }
+      const int32_t pos = send_pos[t * w.ranks + d];
+      row = rev + (d * s.max_tokens + pos) * s.hidden;
+      return pos >= 0;
+    }, false, a.out + t * s.hidden, s.hidden, wide, lane);
+  if (a.slot_out) {
+    const float* rev_slots = at_window<const float>(w, w.rank, m.rev_slots);
+    for (int64_t k = lane; k < s.topk; k += 32) {
+      const int32_t e = slot_expert[t * s.topk + k];
+      float v = 0.0f;
+      if (e >= 0) {
+        const int d = static_cast<int>(e / s.local_experts);
+        v = rev_slots[(d * s.max_tokens + send_pos[t * w.ranks + d]) * s.topk + k];
+      }
+      a.slot_out[t * s.topk + k] = v;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) combine_kernel(PeerWindows w, WindowMap m, Shape s, RecvArrays r,
+                                                           Layout layout, int64_t tokens, const int32_t* send_pos,
+                                                           const int32_t* slot_expert, CombineArgs a, int send_blocks,
+                                                           uint32_t epoch, uint64_t timeout_ns, DeviceStatus* st) {
+  __shared__ bool skip;
+  if (threadIdx.x == 0) skip = failed(st);  // a failed call moves nothing (every rank knows it failed)
+  __syncthreads();
+  if (skip) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  auto rows_aligned = [&](const void* p, int64_t stride_elems) {
+    return aligned16(p) && stride_elems % 8 == 0;
+  };
+  const bool wide = s.hidden % 8 == 0 && (!a.y || rows_aligned(a.y, a.y_stride)) &&
+                    (!a.shared || rows_aligned(a.shared, a.shared_stride)) && (!a.out || aligned16(a.out));
+  if (static_cast<int>(blockIdx.x) < send_blocks) {
+    int64_t chunks = 0;
+    for (int p = 0; p < w.ranks; ++p) chunks = max(chunks, static_cast<int64_t>(r.chunks_from[p]));
+    for (int64_t item = blockIdx.x; item < chunks * w.ranks; item += send_blocks) {
+      const int64_t c = item / w.ranks;
+      const int source = static_cast<int>(item % w.ranks);
+      if (c >= r.chunks_from[source]) continue;
+      const ChunkRange range = r.chunk_range[source * m.max_chunks + c];
+      if (warp < kSendWarps)
+        for (int64_t j = warp; j < range.count; j += kSendWarps)
+          return_row(w, m, s, r, layout, a, wide, source, range.start + j, lane);
+      __syncthreads();
+      if (warp == kSendWarps && lane == 0) {
+        __threadfence_system();
+        set_flag(at_window<uint32_t>(w, source, m.rev_chunk_flag) + w.rank * m.max_chunks + c, epoch);
+      }
+    }
+    return;
+  }
+  const int64_t reducer = (blockIdx.x - send_blocks) * static_cast<int64_t>(kThreads / 32) + warp;
+  const int64_t reducers = static_cast<int64_t>(gridDim.x - send_blocks) * (kThreads / 32);
+  for (int64_t t = reducer; t < tokens; t += reducers) {
+    const int64_t c = t / kChunkTokens;
+    for (int d = 0; d < w.ranks; ++d)  // every rank returns every chunk, empty ones too
+      if (!warp_wait_flag(at_window<uint32_t>(w, w.rank, m.rev_chunk_flag) + d * m.max_chunks + c, epoch, timeout_ns,
+                          st, d, kSignalReverse, lane))
+        return;
+    reduce_token(w, m, s, send_pos, slot_expert, a, wide, t, lane);
+  }
 }
 
 }  // namespace
 
-void combine_send(const Ctx& ctx, const RecvArrays& r, Layout layout, const uint16_t* y, int64_t y_stride, bool weighted,
-                  const float* slot_values, int64_t slot_values_stride) {
-  combine_send_kernel<<<ctx.blocks, kWarps * 32, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, layout, y, y_stride,
-                                                                   weighted, slot_values, slot_values_stride, ctx.status);
-}
-
-void combine_reduce(const Ctx& ctx, int64_t tokens, const int32_t* send_pos, const int32_t* slot_expert,
-                    const uint16_t* shared, int64_t shared_stride, uint16_t* out, float* slot_out) {
-  if (tokens == 0) return;
-  combine_reduce_kernel<<<ctx.blocks, kWarps * 32, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, tokens, send_pos,
-                                                                     slot_expert, shared, shared_stride, out, slot_out,
-                                                                     ctx.status);
-}
-
-void expand_grad(const Ctx& ctx, const RecvArrays& r, Layout layout, bool weighted, const uint16_t* y, int64_t y_stride,
-                 uint16_t* grad_y) {
-  expand_grad_kernel<<<ctx.blocks, kWarps * 32, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, layout, weighted, y,
-                                                                  y_stride, grad_y, ctx.status);
+void combine(const Ctx& ctx, int send_blocks, const RecvArrays& r, Layout layout, int64_t tokens,
+             const int32_t* send_pos, const int32_t* slot_expert, const CombineArgs& a, uint32_t epoch) {
+  combine_kernel<<<ctx.blocks, kThreads, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, layout, tokens, send_pos,
+                                                          slot_expert, a, send_blocks, epoch, ctx.timeout_ns, ctx.status);
 }
 
 }  // namespace epx::detail::kernels

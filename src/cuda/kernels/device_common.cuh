@@ -72,6 +72,39 @@ __device__ inline bool wait_all(const PeerWindows& w, const WindowMap& m, int ki
   return true;
 }
 
+// Chunk flags: a u32 in the receiver's window that the sender sets to the call's epoch (call
+// number + 1, the same on every rank) once the chunk's rows are there. Epochs only grow, so
+// flags are never reset and a flag left by an earlier or failed call never passes a wait.
+__device__ inline void set_flag(uint32_t* flag, uint32_t epoch) {
+  cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(*flag).store(epoch, cuda::memory_order_release);
+}
+
+// Lane 0 spins until *flag reaches epoch; then the warp may read what the flag covers.
+// Returns false (the whole warp) on a failed call or after timeout_ns, reporting which peer
+// never came.
+__device__ inline bool warp_wait_flag(uint32_t* flag, uint32_t epoch, uint64_t timeout_ns, DeviceStatus* st, int peer,
+                                      int kind, int lane) {
+  int ok = 1;
+  if (lane == 0) {
+    cuda::atomic_ref<uint32_t, cuda::thread_scope_system> f(*flag);
+    const uint64_t start = globaltimer_ns();
+    while (f.load(cuda::memory_order_acquire) < epoch) {
+      if (failed(st)) {
+        ok = 0;
+        break;
+      }
+      if (globaltimer_ns() - start > timeout_ns) {
+        report(st, kStatusTimeout, peer, kind, epoch, f.load(cuda::memory_order_relaxed));
+        ok = 0;
+        break;
+      }
+    }
+  }
+  ok = __shfl_sync(0xffffffffu, ok, 0);
+  __syncwarp();
+  return ok != 0;
+}
+
 // Copies `bytes` with the threads of a warp: 16-byte moves when both ends allow it.
 __device__ inline void warp_copy(char* dst, const char* src, int64_t bytes, int lane) {
   const bool wide = ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) % 16) == 0;

@@ -40,17 +40,32 @@ struct PlanHeader {
   char message[256];  // a host-side rejection, in words
 };
 
+// Dispatch moves tokens in chunks of this many consecutive source tokens: the unit of the
+// positions scan, of the per-chunk ready flags, and of the receivers' and reducers' work.
+constexpr int kChunkTokens = 16;
+
+// Where a chunk's rows sit in the stream from one source to one destination.
+struct ChunkRange {
+  int32_t start;  // first position in the stream
+  int32_t count;  // rows
+};
+
 // Byte offsets inside every rank's window (the same on all ranks).
 struct WindowMap {
   int64_t signals;       // uint64 [kSignalKinds][R]
-  int64_t plans;         // [2 parities][R] plan_stride bytes
+  int64_t plans;         // [2 parities][2 phases][R] plan_stride bytes: header + int64 [E + R]
   int64_t plan_stride;
+  int64_t max_chunks;    // chunks of max_tokens
+  int64_t fwd_chunk_flag;   // uint32 [R][max_chunks]: call epoch once chunk c from source s is here
+  int64_t fwd_chunk_range;  // ChunkRange [R][max_chunks]
+  int64_t rev_chunk_flag;   // uint32 [R][max_chunks]: call epoch once rank d returned chunk c
   int64_t fwd_rows;      // int64 [R]: rows each source sent in the last forward transfer
   int64_t fwd_payload;   // [R * max_tokens] rows of payload_stride bytes
   int64_t payload_stride;
   int64_t fwd_token;     // int32 [R * max_tokens]
   int64_t fwd_slot_expert;  // int32 [R * max_tokens * K]
   int64_t fwd_slot_weight;  // f32 [R * max_tokens * K]
+  int64_t fwd_slot_index;   // int32 [R * max_tokens * K]: the pair's index among the source's pairs of that expert
   int64_t rev_rows;      // bf16 [R * max_tokens * H]
   int64_t rev_slots;     // f32 [R * max_tokens * K]
   int64_t total;

@@ -35,21 +35,28 @@ struct RoutingInput {
 void canonicalize_routing(const Ctx& ctx, const RoutingInput& in, int64_t tokens, int32_t* slot_expert,
                           float* slot_weight, int64_t* counts);
 
-// Posts this rank's plan (header + counts[E], or no counts) to every rank and signals it.
-// The header's error fields are taken from ctx.status.
-void post_plan(const Ctx& ctx, const PlanHeader& header, const int64_t* counts, int parity);
+// Posts this rank's plan (header + `count_len` int64 counts, or none) into plan slot `slot` of
+// every rank and signals it. The header's error fields are taken from ctx.status.
+void post_plan(const Ctx& ctx, const PlanHeader& header, const int64_t* counts, int64_t count_len, int slot);
 // Waits for signal `kind` of every rank to reach `target`.
 void wait_signals(const Ctx& ctx, int kind, uint64_t target);
-// Checks every rank's plan: same call, no rejected input. Fills drop_capacity (when
+// Checks every rank's plan in `slot`: same call, no rejected input. Fills drop_capacity (when
 // capacity_factor > 0, else -1) and per-expert prefix counts of lower ranks [E].
-void check_plans(const Ctx& ctx, const PlanHeader& mine, int parity, bool with_counts, double capacity_factor,
+void check_plans(const Ctx& ctx, const PlanHeader& mine, int slot, bool with_counts, double capacity_factor,
                  int64_t* expert_prefix, int64_t* drop_capacity);
 // The drop rule on this rank's slots; adds the dropped count to *dropped.
 void drop_slots(const Ctx& ctx, int64_t tokens, int32_t* slot_expert, float* slot_weight, const int64_t* expert_prefix,
                 const int64_t* drop_capacity, int64_t* dropped);
-// send_pos [T*R] and tokens_to_rank [R].
-void send_positions(const Ctx& ctx, int64_t tokens, const int32_t* slot_expert, int32_t* send_pos,
-                    int64_t* tokens_to_rank);
+
+// The sender's half of the layout, per chunk of kChunkTokens tokens. Columns: E experts, then R ranks.
+struct ChunkPositions {
+  int32_t* chunk_count;  // [C, E+R] pairs of each expert / tokens to each rank in the chunk (zeroed before)
+  int32_t* chunk_base;   // [C, E+R] exclusive scan over chunks
+  int64_t* totals;       // [E+R] this rank's pairs per expert, then tokens per destination rank
+  int32_t* send_pos;     // [T, R] place in the chunk (count_chunks), the stream position (send), or -1
+  int32_t* slot_pos;     // [T, K] the pair's place among the chunk's pairs of its expert
+};
+void chunk_positions(const Ctx& ctx, int64_t tokens, const int32_t* slot_expert, const ChunkPositions& p);
 
 // The token rows a forward transfer sends.
 struct SendRows {
@@ -62,23 +69,40 @@ struct SendRows {
   bool with_meta = true;  // token index, slots and weights travel too (dispatch)
 };
 
-// Forward transfer: every token once to every rank holding one of its slots, then signals.
-void send_tokens(const Ctx& ctx, const SendRows& rows, int64_t tokens, const int32_t* slot_expert,
-                 const float* slot_weight, const int32_t* send_pos, const int64_t* tokens_to_rank);
+// combine_backward's forward transfer: every bf16 row once to every rank holding one of its
+// slots (at its dispatch stream position send_pos), then signals kSignalForward.
+void send_tokens(const Ctx& ctx, const SendRows& rows, int64_t tokens, const int32_t* send_pos,
+                 const int64_t* tokens_to_rank);
 
-// Receive side of dispatch, into the handle's receive arrays.
+// Receive side of dispatch, in the handle.
 struct RecvArrays {
   int64_t* info;            // [0] rows received M, [1] num_rows, [2] capacity, [3] overflow
   int64_t* rank_offsets;    // [R+1]
   int64_t* tokens_per_expert;  // [L]
   int64_t* expert_offsets;  // [L+1]
-  int32_t* src_rank;        // [R*max_tokens]
+  int64_t* expert_base;     // [R, L]: rows of expert l from lower ranks
+  int32_t* chunks_from;     // [R]: chunks each source sent
+  ChunkRange* chunk_range;  // [R, max_chunks]: rows of each source chunk (for the reverse transfer)
+  int32_t* src_rank;        // [R*max_tokens] per received row (rank-major order)
   int32_t* src_token;
-  int32_t* slot_expert;     // [R*max_tokens*K] local expert
+  int32_t* slot_expert;     // [R*max_tokens*K] local expert or -1
   float* slot_weight;
-  int64_t* slot_row;        // expert-major row, or rank-major row; -1
+  int64_t* slot_row;        // output row of the pair (expert-major), the row itself (rank-major), or -1
 };
-void receive_layout(const Ctx& ctx, const RecvArrays& r, Layout layout, int64_t alignment, int64_t capacity_rows);
+// From the dispatch plans (slot `slot`): offsets, counts and sizes of this rank's receive layout.
+void receive_layout(const Ctx& ctx, int slot, const RecvArrays& r, Layout layout, int64_t alignment,
+                    int64_t capacity_rows);
+
+// The dispatch's transfer, split in two kernels that run at the same time on different
+// streams: the sender (ctx.stream, `blocks` blocks) moves rows into every destination's window
+// and flags each chunk; the receiver (its own stream) expands flagged chunks into the outputs.
+struct SendPlan {
+  const int32_t* slot_expert;
+  const float* slot_weight;
+  ChunkPositions pos;
+};
+void dispatch_send(const Ctx& ctx, int blocks, const SendRows& rows, int64_t tokens, const SendPlan& plan,
+                   uint32_t epoch);
 
 struct RecvOutputs {
   char* x;          // [capacity, x_bytes]
@@ -90,15 +114,29 @@ struct RecvOutputs {
   int32_t* topk_idx;  // rank-major [capacity, K]
   float* topk_weights;
 };
-void expand_rows(const Ctx& ctx, const RecvArrays& r, const RecvOutputs& out, Layout layout);
+void dispatch_receive(const Ctx& ctx, int blocks, const RecvArrays& r, const RecvOutputs& out, Layout layout,
+                      uint32_t epoch);
 
-// Reverse transfer for combine (and dispatch_backward): partial sums of y (+ per-slot values
-// gathered from slot_values when not null: expert-major [N], rank-major [N, K]).
-void combine_send(const Ctx& ctx, const RecvArrays& r, Layout layout, const uint16_t* y, int64_t y_stride, bool weighted,
-                  const float* slot_values, int64_t slot_values_stride);
-// Source side: out[t] = sum over ranks in order (+ shared); per-slot values into slot_out [T*K].
-void combine_reduce(const Ctx& ctx, int64_t tokens, const int32_t* send_pos, const int32_t* slot_expert,
-                    const uint16_t* shared, int64_t shared_stride, uint16_t* out, float* slot_out);
+// Combine and dispatch_backward in one kernel: `send_blocks` blocks return each received chunk
+// (partial sums of y in slot order; per-slot values from slot_values when not null: expert-major
+// [N], rank-major [N, K]) to its source and flag it; the others reduce this rank's tokens once
+// every rank's chunk is back (ranks in order, then shared; per-slot values into slot_out [T*K]).
+struct CombineArgs {
+  const uint16_t* y;
+  int64_t y_stride;
+  bool weighted;
+  const float* slot_values;
+  int64_t slot_values_stride;
+  const uint16_t* shared;
+  int64_t shared_stride;
+  uint16_t* out;
+  float* slot_out;
+};
+void combine(const Ctx& ctx, int send_blocks, const RecvArrays& r, Layout layout, int64_t tokens,
+             const int32_t* send_pos, const int32_t* slot_expert, const CombineArgs& a, uint32_t epoch);
+// Source side of combine_backward: per-slot values returned by the expert ranks into slot_out [T*K].
+void gather_slot_values(const Ctx& ctx, int64_t tokens, const int32_t* send_pos, const int32_t* slot_expert,
+                        float* slot_out);
 
 // combine_backward on the expert rank: grad_y rows from the forwarded grad_out; with weighted,
 // the weight gradients go back to the sources (reverse transfer of slot values only).

@@ -55,8 +55,8 @@ __global__ void canonicalize_kernel(Shape s, RoutingInput in, int64_t tokens, in
 }
 
 // One block: write header (+ counts) into every rank's plan slot for this rank, then signal.
-__global__ void post_plan_kernel(PeerWindows w, WindowMap m, Shape s, PlanHeader header, const int64_t* counts,
-                                 int parity, DeviceStatus* st) {
+__global__ void post_plan_kernel(PeerWindows w, WindowMap m, PlanHeader header, const int64_t* counts,
+                                 int64_t count_len, int slot, DeviceStatus* st) {
   if (threadIdx.x == 0) {
     const int32_t code = *reinterpret_cast<volatile int32_t*>(&st->code);
     if (code != 0 && header.error == 0) {  // this rank's own input error, found on the device
@@ -67,11 +67,10 @@ __global__ void post_plan_kernel(PeerWindows w, WindowMap m, Shape s, PlanHeader
     }
   }
   for (int p = 0; p < w.ranks; ++p) {
-    char* slot = at_window<char>(w, p, m.plans + (parity * w.ranks + w.rank) * m.plan_stride);
-    if (threadIdx.x == 0) *reinterpret_cast<PlanHeader*>(slot) = header;
-    if (counts)
-      for (int64_t e = threadIdx.x; e < s.experts; e += blockDim.x)
-        reinterpret_cast<int64_t*>(slot + sizeof(PlanHeader))[e] = counts[e];
+    char* plan = at_window<char>(w, p, m.plans + (slot * w.ranks + w.rank) * m.plan_stride);
+    if (threadIdx.x == 0) *reinterpret_cast<PlanHeader*>(plan) = header;
+    for (int64_t i = threadIdx.x; i < count_len; i += blockDim.x)
+      reinterpret_cast<int64_t*>(plan + sizeof(PlanHeader))[i] = counts[i];
   }
   block_done_signal(w, m, kSignalPlan);
 }
@@ -80,12 +79,12 @@ __global__ void wait_kernel(PeerWindows w, WindowMap m, int kind, uint64_t targe
   if (threadIdx.x == 0) wait_all(w, m, kind, target, timeout_ns, st);
 }
 
-__global__ void check_plans_kernel(PeerWindows w, WindowMap m, Shape s, PlanHeader mine, int parity, bool with_counts,
+__global__ void check_plans_kernel(PeerWindows w, WindowMap m, Shape s, PlanHeader mine, int slot, bool with_counts,
                                    double capacity_factor, int64_t* expert_prefix, int64_t* drop_capacity,
                                    DeviceStatus* st) {
   if (failed(st)) return;  // a timeout, or this rank's own error: already reported
   auto plan = [&](int p) {
-    return at_window<const char>(w, w.rank, m.plans + (parity * w.ranks + p) * m.plan_stride);
+    return at_window<const char>(w, w.rank, m.plans + (slot * w.ranks + p) * m.plan_stride);
   };
   if (threadIdx.x == 0) {
     int64_t total_tokens = 0;
@@ -130,26 +129,6 @@ __global__ void drop_kernel(Shape s, int64_t tokens, int32_t* slot_expert, float
   if (threadIdx.x == 0 && n > kept) atomicAdd(reinterpret_cast<unsigned long long*>(dropped), static_cast<unsigned long long>(n - kept));
 }
 
-// Block d: position of every token sent to rank d, in token order.
-__global__ void send_positions_kernel(Shape s, int64_t tokens, const int32_t* slot_expert, int32_t* send_pos,
-                                      int64_t* tokens_to_rank, const DeviceStatus* st) {
-  const int d = blockIdx.x;
-  auto to_d = [&](int64_t t) {
-    for (int64_t k = 0; k < s.topk; ++k) {
-      const int32_t e = slot_expert[t * s.topk + k];
-      if (e >= 0 && e / s.local_experts == d) return true;
-    }
-    return false;
-  };
-  for (int64_t t = threadIdx.x; t < tokens; t += blockDim.x) send_pos[t * s.ranks + d] = -1;
-  __syncthreads();
-  const int64_t n = failed(st) ? 0
-                               : block_scan_flags(tokens, to_d, [&](int64_t t, int64_t pos) {
-                                   send_pos[t * s.ranks + d] = static_cast<int32_t>(pos);
-                                 });
-  if (threadIdx.x == 0) tokens_to_rank[d] = n;
-}
-
 __global__ void publish_status_kernel(const DeviceStatus* st, DeviceStatus* host) {
   volatile DeviceStatus* h = host;
   h->rank = st->rank;
@@ -172,17 +151,18 @@ void canonicalize_routing(const Ctx& ctx, const RoutingInput& in, int64_t tokens
                                                                         counts, ctx.status);
 }
 
-void post_plan(const Ctx& ctx, const PlanHeader& header, const int64_t* counts, int parity) {
-  post_plan_kernel<<<1, 256, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, header, counts, parity, ctx.status);
+void post_plan(const Ctx& ctx, const PlanHeader& header, const int64_t* counts, int64_t count_len, int slot) {
+  post_plan_kernel<<<1, 256, 0, ctx.stream>>>(ctx.peers, ctx.map, header, counts, counts ? count_len : 0, slot,
+                                              ctx.status);
 }
 
 void wait_signals(const Ctx& ctx, int kind, uint64_t target) {
   wait_kernel<<<1, 32, 0, ctx.stream>>>(ctx.peers, ctx.map, kind, target, ctx.timeout_ns, ctx.status);
 }
 
-void check_plans(const Ctx& ctx, const PlanHeader& mine, int parity, bool with_counts, double capacity_factor,
+void check_plans(const Ctx& ctx, const PlanHeader& mine, int slot, bool with_counts, double capacity_factor,
                  int64_t* expert_prefix, int64_t* drop_capacity) {
-  check_plans_kernel<<<1, 256, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, mine, parity, with_counts,
+  check_plans_kernel<<<1, 256, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, mine, slot, with_counts,
                                                 capacity_factor, expert_prefix, drop_capacity, ctx.status);
 }
 
@@ -190,12 +170,6 @@ void drop_slots(const Ctx& ctx, int64_t tokens, int32_t* slot_expert, float* slo
                 const int64_t* drop_capacity, int64_t* dropped) {
   drop_kernel<<<static_cast<unsigned>(ctx.shape.experts), kScanThreads, 0, ctx.stream>>>(
       ctx.shape, tokens, slot_expert, slot_weight, expert_prefix, drop_capacity, dropped, ctx.status);
-}
-
-void send_positions(const Ctx& ctx, int64_t tokens, const int32_t* slot_expert, int32_t* send_pos,
-                    int64_t* tokens_to_rank) {
-  send_positions_kernel<<<ctx.shape.ranks, kScanThreads, 0, ctx.stream>>>(ctx.shape, tokens, slot_expert, send_pos,
-                                                                          tokens_to_rank, ctx.status);
 }
 
 void publish_status(const Ctx& ctx, DeviceStatus* host_status) {

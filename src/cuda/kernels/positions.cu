@@ -1,0 +1,79 @@
+// Where every token and every (token, slot) pair of this rank goes, before the transfer: the
+// sender's half of the layout. Tokens are cut into chunks of kChunkTokens; a chunk's counts
+// are scanned across chunks, so a position is (the chunk's base) + (its place in the chunk),
+// both in token order, which keeps the layout deterministic.
+#include "cuda/kernels/device_common.cuh"
+#include "cuda/kernels/launch.hpp"
+
+namespace epx::detail::kernels {
+
+namespace {
+
+constexpr int kWarps = 8;
+
+// Warp per chunk. Lanes 0..15 own its tokens for the destination ranks (ballots); all lanes
+// share its (token, slot) pairs for the experts.
+__global__ void __launch_bounds__(kWarps * 32) count_chunks_kernel(Shape s, int64_t tokens, const int32_t* slot_expert,
+                                                                  ChunkPositions p, const DeviceStatus* st) {
+  if (failed(st)) return;
+  const int lane = threadIdx.x % 32;
+  const int64_t chunks = (tokens + kChunkTokens - 1) / kChunkTokens, width = s.experts + s.ranks;
+  for (int64_t c = blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32; c < chunks;
+       c += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const int64_t first = c * kChunkTokens, t = first + lane;
+    const bool mine = lane < kChunkTokens && t < tokens;
+    uint32_t dests = 0;
+    if (mine)
+      for (int64_t k = 0; k < s.topk; ++k) {
+        const int32_t e = slot_expert[t * s.topk + k];
+        if (e >= 0) dests |= 1u << (e / s.local_experts);
+      }
+    for (int d = 0; d < s.ranks; ++d) {
+      const uint32_t to_d = __ballot_sync(0xffffffffu, (dests >> d) & 1u);
+      if (mine) p.send_pos[t * s.ranks + d] = (dests >> d) & 1u ? __popc(to_d & ((1u << lane) - 1u)) : -1;
+      if (lane == 0) p.chunk_count[c * width + s.experts + d] = __popc(to_d);
+    }
+    const int64_t end = min(first + kChunkTokens, tokens);
+    for (int64_t item = first * s.topk + lane; item < end * s.topk; item += 32) {
+      const int32_t e = slot_expert[item];
+      if (e < 0) continue;
+      int32_t before = 0;  // pairs of expert e in earlier tokens of the chunk (a token holds e once)
+      for (int64_t j = first * s.topk; j < item / s.topk * s.topk; ++j) before += slot_expert[j] == e;
+      p.slot_pos[item] = before;
+      atomicAdd(&p.chunk_count[c * width + e], 1);
+    }
+  }
+}
+
+// Warp per column (expert, then destination rank): exclusive scan of the chunk counts.
+__global__ void __launch_bounds__(kWarps * 32) scan_chunks_kernel(Shape s, int64_t tokens, ChunkPositions p,
+                                                                 const DeviceStatus* st) {
+  const int lane = threadIdx.x % 32;
+  const int64_t chunks = failed(st) ? 0 : (tokens + kChunkTokens - 1) / kChunkTokens, width = s.experts + s.ranks;
+  for (int64_t col = blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32; col < width;
+       col += static_cast<int64_t>(gridDim.x) * kWarps) {
+    int64_t running = 0;
+    for (int64_t base = 0; base < chunks; base += 32) {
+      const int64_t c = base + lane;
+      const int32_t v = c < chunks ? p.chunk_count[c * width + col] : 0;
+      int32_t inclusive = v;
+      for (int o = 1; o < 32; o *= 2) {
+        const int32_t up = __shfl_up_sync(0xffffffffu, inclusive, o);
+        if (lane >= o) inclusive += up;
+      }
+      if (c < chunks) p.chunk_base[c * width + col] = static_cast<int32_t>(running) + inclusive - v;
+      running += __shfl_sync(0xffffffffu, inclusive, 31);
+    }
+    if (lane == 0) p.totals[col] = running;
+  }
+}
+
+}  // namespace
+
+void chunk_positions(const Ctx& ctx, int64_t tokens, const int32_t* slot_expert, const ChunkPositions& p) {
+  if (tokens > 0)
+    count_chunks_kernel<<<ctx.blocks, kWarps * 32, 0, ctx.stream>>>(ctx.shape, tokens, slot_expert, p, ctx.status);
+  scan_chunks_kernel<<<ctx.blocks, kWarps * 32, 0, ctx.stream>>>(ctx.shape, tokens, p, ctx.status);
+}
+
+}  // namespace epx::detail::kernels

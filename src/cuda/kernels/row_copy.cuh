@@ -1,0 +1,133 @@
+// Moving one row with one warp to several places at once (a peer's window, output rows):
+// read once, written to each destination. Rows are read in steps of kUnroll 16-byte loads
+// per lane so a warp keeps 4 KiB in flight, enough for NVLink and HBM latency to be hidden by
+// a few warps per SM.
+#pragma once
+#include "cuda/kernels/device_common.cuh"
+
+namespace epx::detail {
+
+constexpr int kUnroll = 8;
+
+__device__ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// kConstant: the source never changes while the kernel runs (user input), so the read-only
+// path may cache it. Rows written by peers during the kernel are read with plain loads.
+template <bool kConstant>
+__device__ inline int4 load16(const int4* p) {
+  if constexpr (kConstant) return __ldg(p);
+  return *p;
+}
+
+// bytes from src to each of dst[0..n); 16-byte moves when every address allows it.
+template <bool kConstant = false>
+__device__ void copy_row(const char* src, char* const* dst, int n, int64_t bytes, int lane) {
+  bool wide = aligned16(src) && bytes % 16 == 0;
+  for (int d = 0; d < n; ++d) wide &= aligned16(dst[d]);
+  if (!wide) {
+    for (int64_t i = lane; i < bytes; i += 32) {
+      const char v = src[i];
+      for (int d = 0; d < n; ++d) dst[d][i] = v;
+    }
+    return;
+  }
+  const int4* from = reinterpret_cast<const int4*>(src);
+  const int64_t vectors = bytes / 16;
+  for (int64_t base = 0; base < vectors; base += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * 32 + lane;
+      if (i < vectors) v[u] = load16<kConstant>(from + i);
+    }
+    for (int d = 0; d < n; ++d) {
+      int4* to = reinterpret_cast<int4*>(dst[d]);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = base + u * 32 + lane;
+        if (i < vectors) to[i] = v[u];
+      }
+    }
+  }
+}
+
+// Zero bytes at each of dst[0..n).
+__device__ inline void zero_row(char* const* dst, int n, int64_t bytes, int lane) {
+  for (int d = 0; d < n; ++d) {
+    if (aligned16(dst[d]) && bytes % 16 == 0)
+      for (int64_t i = lane; i < bytes / 16; i += 32) reinterpret_cast<int4*>(dst[d])[i] = int4{0, 0, 0, 0};
+    else
+      for (int64_t i = lane; i < bytes; i += 32) dst[d][i] = 0;
+  }
+}
+
+// fp8 wire row (codes [H], then f32 scales [H/128]) of a bf16 row, to each of dst[0..n).
+// A lane owns 16 channels of a 512-channel step; the 8 lanes of a 128-channel block agree on
+// its scale with 3 shuffles. Same arithmetic as the codec's row quantizer.
+__device__ inline void quantize_fp8_row(const uint16_t* x, int64_t hidden, bool ue8m0, char* const* dst, int n, int lane) {
+  const bool wide = aligned16(x);
+  for (int64_t base = 0; base < hidden; base += 32 * 16) {
+    const int64_t h = base + lane * 16;
+    const bool on = h < hidden;  // hidden % 128 == 0: a block's 8 lanes are all on or all off
+    float v[16];
+    float amax = 0.0f;
+    if (on) {
+      if (wide) {
+        int4 raw[2] = {__ldg(reinterpret_cast<const int4*>(x + h)), __ldg(reinterpret_cast<const int4*>(x + h) + 1)};
+        const uint16_t* b = reinterpret_cast<const uint16_t*>(raw);
+        for (int i = 0; i < 16; ++i) v[i] = bf16_to_float(b[i]);
+      } else {
+        for (int i = 0; i < 16; ++i) v[i] = bf16_to_float(x[h + i]);
+      }
+      for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    }
+    for (int o = 1; o < 8; o *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (!on) continue;
+    const float scale = fp8_scale(amax, ue8m0);
+    const float inv = 1.0f / scale;
+    uint32_t packed[4] = {};
+    for (int i = 0; i < 16; ++i) packed[i / 4] |= static_cast<uint32_t>(float_to_e4m3(v[i] * inv)) << (8 * (i % 4));
+    const int4 codes = make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]), static_cast<int>(packed[2]),
+                                 static_cast<int>(packed[3]));
+    for (int d = 0; d < n; ++d) {
+      *reinterpret_cast<int4*>(dst[d] + h) = codes;
+      if (lane % 8 == 0) reinterpret_cast<float*>(dst[d] + hidden)[h / kFp8Block] = scale;
+    }
+  }
+}
+
+// nvfp4 wire row (codes [H/2], e4m3 block scales [H/16], f32 1/g) to each of dst[0..n): a lane
+// owns whole 16-channel blocks.
+__device__ inline void quantize_nvfp4_row(const uint16_t* x, int64_t hidden, float given_scale, char* const* dst, int n,
+                                          int lane) {
+  float g = given_scale;
+  if (!(g > 0.0f)) {
+    float m = 0.0f;
+    for (int64_t h = lane; h < hidden; h += 32) m = fmaxf(m, fabsf(bf16_to_float(x[h])));
+    g = nvfp4_token_global_scale(warp_max(m));
+  }
+  for (int64_t b = lane; b < hidden / kNvfp4Block; b += 32) {
+    float v[kNvfp4Block];
+    float bmax = 0.0f;
+    for (int i = 0; i < kNvfp4Block; ++i) {
+      v[i] = bf16_to_float(x[b * kNvfp4Block + i]);
+      bmax = fmaxf(bmax, fabsf(v[i]));
+    }
+    const uint8_t s = nvfp4_block_scale(bmax, g);
+    const float f = nvfp4_encode_factor(s, g);
+    uint8_t packed[kNvfp4Block / 2];
+    for (int i = 0; i < kNvfp4Block; i += 2)
+      packed[i / 2] = static_cast<uint8_t>(float_to_e2m1(v[i] * f) | (float_to_e2m1(v[i + 1] * f) << 4));
+    for (int d = 0; d < n; ++d) {
+      for (int i = 0; i < kNvfp4Block / 2; ++i) dst[d][b * (kNvfp4Block / 2) + i] = static_cast<char>(packed[i]);
+      dst[d][hidden / 2 + b] = static_cast<char>(s);
+    }
+  }
+  if (lane == 0) {
+    const float inv = 1.0f / g;
+    for (int d = 0; d < n; ++d)
+      for (int i = 0; i < 4; ++i) dst[d][hidden / 2 + hidden / kNvfp4Block + i] = reinterpret_cast<const char*>(&inv)[i];
+  }
+}
+
+}  // namespace epx::detail
