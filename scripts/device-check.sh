@@ -4,7 +4,7 @@
 # sanitizer serializes kernels, so ranks waiting on each other could not progress), epx-bench.
 # Logs and JSON go to $OUT; a short summary is printed last.
 #   usage: [EPX_GIT_COMMIT=$(git rev-parse --short=12 HEAD)] [GTEST_FILTER=...] [BENCH_ARGS=...] \
-#          bash scripts/device-check.sh [tests|sanitize|bench|all]...   (default: all)
+#          bash scripts/device-check.sh [tests|sanitize|bench|sweep|all]...   (default: all but sweep)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
@@ -34,7 +34,7 @@ if ! cmake -S . -B build-gpu "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DEPX_
 fi
 note "built against NCCL in $NCCL_DIR"
 
-want() { [[ " $steps " == *" all "* || " $steps " == *" $1 "* ]]; }
+want() { [[ ( " $steps " == *" all "* && $1 != sweep ) || " $steps " == *" $1 "* ]]; }
 
 if want tests; then
   # A lost flag or signal fails a test in 10 s instead of the 60 s default.
@@ -59,6 +59,11 @@ if want bench; then
   rc=$?
   cat "$OUT/bench.log" | tail -25
   note "epx-bench rc=$rc"
+fi
+if want sweep; then
+  bash scripts/perf-sweep.sh > /dev/null 2>&1
+  grep -E "^==|^dispatch|^combine|profile" "$OUT/sweep.log" | cut -c1-150
+  note "sweep done ($(grep -c '^==' "$OUT/sweep.log") settings)"
 fi
 echo
 echo "SUMMARY:"

@@ -433,6 +433,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   carve_handle(*dh, carve, tokens, c, ranks_, map_.max_chunks);
 
   // Sender's half of the layout; with dropping, a first plan exchange fixes what is kept.
+  timer_.mark(0, stream_);
   const kernels::Ctx x = ctx();
   const int64_t width = c.num_experts + ranks_;
   kernels::canonicalize_routing(x, routing, tokens, dh->slot_expert, dh->slot_weight, dh->counts);
@@ -446,15 +447,18 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
 
   // Senders start now on the call's stream; the receiver's layout, the output allocation (after
   // one host read of the sizes in blocking mode) and the receiver follow on the side stream.
+  timer_.mark(1, stream_);
   EPX_CUDA(cudaEventRecord(fork_, stream_));
   EPX_CUDA(cudaStreamWaitEvent(side_stream_, fork_, 0));
   const uint32_t epoch = call.epoch();
   kernels::dispatch_send(x, send_blocks_, rows, tokens, kernels::SendPlan{dh->slot_expert, dh->slot_weight, dh->pos},
                          epoch);
+  timer_.mark(2, stream_);
   const kernels::Ctx side = ctx(side_stream_);
   const bool capacity_mode = c.mode == CapacityMode::capacity;
   kernels::receive_layout(side, call.plan_slot(phase), dh->recv, opt.layout, c.expert_alignment,
                           capacity_mode ? c.capacity_rows : 0);
+  timer_.mark(3, side_stream_);
 
   auto h = std::make_shared<HandleState>();
   h->owner = this;
@@ -505,7 +509,9 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     ro.topk_idx = out.recv_topk_idx.data<int32_t>();
     ro.topk_weights = out.recv_topk_weights.data<float>();
   }
+  timer_.mark(4, side_stream_);
   kernels::dispatch_receive(side, blocks_ - send_blocks_, dh->recv, ro, opt.layout, epoch);
+  timer_.mark(5, side_stream_);
   EPX_CUDA(cudaEventRecord(join_, side_stream_));
   EPX_CUDA(cudaStreamWaitEvent(stream_, join_, 0));
 
@@ -523,6 +529,15 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     EPX_CUDA(cudaMemcpyAsync(host_info_, dh->dropped, sizeof(int64_t), cudaMemcpyDeviceToHost, stream_));
     sync_and_check(call);
     out.dropped_slots = host_info_[0];
+    if (timer_.on()) {
+      timer_.add("dispatch: routing+plan", 0, 1);
+      timer_.add("dispatch: send kernel", 1, 2);
+      timer_.add("dispatch: layout", 1, 3);
+      timer_.add("dispatch: host read+alloc", 3, 4);
+      timer_.add("dispatch: receive kernel", 4, 5);
+      timer_.add("dispatch: plan to received", 1, 5);
+      timer_.add("dispatch: all", 0, 5);
+    }
   } else {
     kernels::publish_status(x, host_status_);
   }
@@ -544,15 +559,22 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
   const int64_t layout = h ? static_cast<int64_t>(h->layout) : -1;
   const int64_t signature = signature_of({opt.weighted, layout});
   if (!error.empty()) reject(call, 1, error, h ? h->tokens : 0, signature);
+  timer_.mark(0, stream_);
   exchange_plan(call, 0, h->tokens, signature, nullptr, 0);
+  timer_.mark(1, stream_);
   const DeviceHandle& dh = device_of(*h);
   CombineResult out;
   out.out = device_tensor(DType::bf16, {h->tokens, c.hidden});
   kernels::CombineArgs a{in.y.ptr<const uint16_t>(), in.y.strides[0], opt.weighted, nullptr, 0,
                          in.shared_out.defined() ? in.shared_out.ptr<const uint16_t>() : nullptr,
                          in.shared_out.defined() ? in.shared_out.strides[0] : 0, out.out.data<uint16_t>(), nullptr};
+  timer_.mark(2, stream_);
   kernels::combine(ctx(), send_blocks_, dh.recv, h->layout, h->tokens, dh.pos.send_pos, dh.slot_expert, a, call.epoch());
+  timer_.mark(3, stream_);
   out.overflow = h->recv.num_rows > h->recv.capacity;
+  timer_.add("combine: plan", 0, 1);
+  timer_.add("combine: kernel", 2, 3);
+  timer_.add("combine: all", 0, 3);
   if (c.mode == CapacityMode::blocking) sync_and_check(call);
   else kernels::publish_status(ctx(), host_status_);
   return out;

@@ -11,6 +11,7 @@
 #include "core/wire.hpp"
 #include "cuda/cuda_group.hpp"
 #include "cuda/kernels/launch.hpp"
+#include "cuda/phase_timer.hpp"
 
 namespace epx::detail {
 
@@ -88,6 +89,7 @@ class CudaBackend final : public Backend {
   cudaStream_t side_stream_ = nullptr;  // dispatch's receiver, beside the senders on stream_
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
   std::shared_ptr<CUmemPoolHandle_st> pool_;  // outputs and handles; kept alive by every tensor from it
+  PhaseTimer timer_;  // EPX_PROFILE
   uint64_t targets_[kSignalKinds] = {};  // what each signal counter reaches after this call
   int64_t calls_ = 0;
   bool broken_ = false;

@@ -126,59 +126,78 @@ __device__ void fill_empty_rows(const Shape& s, const RecvArrays& r, const RecvO
   for (int64_t row = r.info[1] + warp; row < capacity; row += warps) empty(row);
 }
 
-// One warp: received row `pos` of the stream from `source` into the handle and its output rows.
+// The payload (and its scales) into n output rows at once.
+__device__ void place_payload(const char* payload, const RecvOutputs& out, const int64_t* rows, int n, int lane) {
+  char* dst[kRowGroup];
+  for (int j = 0; j < n; ++j) dst[j] = out.x + rows[j] * out.x_bytes;
+  copy_row(payload, dst, n, out.x_bytes, lane);
+  if (out.scales) {
+    for (int j = 0; j < n; ++j) dst[j] = out.scales + rows[j] * out.scale_bytes;
+    copy_row(payload + out.x_bytes, dst, n, out.scale_bytes, lane);
+  }
+  if (out.global) {
+    for (int j = 0; j < n; ++j) dst[j] = out.global + rows[j] * 4;
+    copy_row(payload + out.x_bytes + out.scale_bytes, dst, n, 4, lane);
+  }
+}
+
+// One warp: received row `pos` of the stream from `source` into the handle and its output
+// rows. Lane k holds slot k (in blocks of 32 slots); the rows to fill travel by ballot and shuffle.
 __device__ void receive_row(const PeerWindows& w, const WindowMap& m, const Shape& s, const RecvArrays& r,
                             const RecvOutputs& out, Layout layout, int source, int64_t pos, int lane) {
   const int64_t f = stream_slot(w, s, source, pos), i = r.rank_offsets[source] + pos, capacity = r.info[2];
   const char* payload = at_window<const char>(w, w.rank, m.fwd_payload + f * m.payload_stride);
   const int32_t token = at_window<const int32_t>(w, w.rank, m.fwd_token)[f];
+  const bool rank_major = layout == Layout::rank_major;
   if (lane == 0) {
     r.src_rank[i] = source;
     r.src_token[i] = token;
-  }
-  for (int64_t k = lane; k < s.topk; k += 32) {
-    const int32_t l = at_window<const int32_t>(w, w.rank, m.fwd_slot_expert)[f * s.topk + k];
-    int64_t row = -1;
-    if (l >= 0)
-      row = layout == Layout::rank_major ? i
-                                         : r.expert_offsets[l] + r.expert_base[source * s.local_experts + l] +
-                                               at_window<const int32_t>(w, w.rank, m.fwd_slot_index)[f * s.topk + k];
-    r.slot_expert[i * s.topk + k] = l;
-    r.slot_weight[i * s.topk + k] = at_window<const float>(w, w.rank, m.fwd_slot_weight)[f * s.topk + k];
-    r.slot_row[i * s.topk + k] = row;
-  }
-  __syncwarp();
-  int64_t k = 0;
-  bool placed = false;  // rank-major: the row once, whatever the number of local slots
-  while (k < s.topk) {
-    char* dx[kRowGroup];
-    char* ds[kRowGroup];
-    char* dg[kRowGroup];
-    int n = 0;
-    for (; k < s.topk && n < kRowGroup; ++k) {
-      const int64_t row = r.slot_row[i * s.topk + k];
-      if (row < 0 || row >= capacity || placed) continue;
-      placed = layout == Layout::rank_major;
-      dx[n] = out.x + row * out.x_bytes;
-      ds[n] = out.scales + row * out.scale_bytes;
-      dg[n] = out.global + row * 4;
-      ++n;
-      if (lane == 0) {
-        out.src[2 * row] = source;
-        out.src[2 * row + 1] = token;
-        if (layout == Layout::expert_major) out.weights[row] = r.slot_weight[i * s.topk + k];
-      }
-      if (layout == Layout::rank_major)
-        for (int64_t j = lane; j < s.topk; j += 32) {
-          out.topk_idx[row * s.topk + j] = r.slot_expert[i * s.topk + j];
-          out.topk_weights[row * s.topk + j] = r.slot_weight[i * s.topk + j];
-        }
+    if (rank_major && i < capacity) {
+      out.src[2 * i] = source;
+      out.src[2 * i + 1] = token;
     }
-    if (n == 0) break;
-    copy_row(payload, dx, n, out.x_bytes, lane);
-    if (out.scales) copy_row(payload + out.x_bytes, ds, n, out.scale_bytes, lane);
-    if (out.global) copy_row(payload + out.x_bytes + out.scale_bytes, dg, n, 4, lane);
   }
+  for (int64_t k0 = 0; k0 < s.topk; k0 += 32) {
+    const int64_t k = k0 + lane;
+    int32_t l = -1;
+    float weight = 0.0f;
+    int64_t row = -1;
+    if (k < s.topk) {
+      const int64_t slot = f * s.topk + k;
+      l = at_window<const int32_t>(w, w.rank, m.fwd_slot_expert)[slot];
+      weight = at_window<const float>(w, w.rank, m.fwd_slot_weight)[slot];
+      if (l >= 0)
+        row = rank_major ? i
+                         : r.expert_offsets[l] + r.expert_base[source * s.local_experts + l] +
+                               at_window<const int32_t>(w, w.rank, m.fwd_slot_index)[slot];
+      r.slot_expert[i * s.topk + k] = l;
+      r.slot_weight[i * s.topk + k] = weight;
+      r.slot_row[i * s.topk + k] = row;
+      if (rank_major && i < capacity) {
+        out.topk_idx[i * s.topk + k] = l;
+        out.topk_weights[i * s.topk + k] = weight;
+      }
+    }
+    if (rank_major) continue;
+    uint32_t todo = __ballot_sync(0xffffffffu, row >= 0 && row < capacity);
+    while (todo) {
+      int64_t rows[kRowGroup];
+      int n = 0;
+      for (; todo && n < kRowGroup; todo &= todo - 1) {
+        const int b = __ffs(static_cast<int>(todo)) - 1;
+        rows[n] = __shfl_sync(0xffffffffu, row, b);
+        const float wb = __shfl_sync(0xffffffffu, weight, b);
+        if (lane == 0) {
+          out.src[2 * rows[n]] = source;
+          out.src[2 * rows[n] + 1] = token;
+          out.weights[rows[n]] = wb;
+        }
+        ++n;
+      }
+      place_payload(payload, out, rows, n, lane);
+    }
+  }
+  if (rank_major && i < capacity) place_payload(payload, out, &i, 1, lane);
 }
 
 // Warps take rows (chunk, source, row in chunk) in chunk order, so they follow the senders;

@@ -1,0 +1,51 @@
+// EPX_PROFILE=1: CUDA events between the steps of each call, averaged per step and printed to
+// stderr when the buffer goes. A measuring aid for docs/performance.md; off (no events) by default.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <string>
+
+namespace epx::detail {
+
+class PhaseTimer {
+ public:
+  static constexpr int kMarks = 8;
+  PhaseTimer() : on_(std::getenv("EPX_PROFILE") != nullptr) {
+    if (on_)
+      for (cudaEvent_t& e : marks_) cudaEventCreate(&e);
+  }
+  PhaseTimer(const PhaseTimer&) = delete;
+  PhaseTimer& operator=(const PhaseTimer&) = delete;
+  ~PhaseTimer() {
+    if (!on_) return;
+    for (const auto& [name, total] : totals_)
+      std::fprintf(stderr, "epx profile: %-28s %9.1f us (mean of %d)\n", name.c_str(), total.first / total.second,
+                   total.second);
+    for (cudaEvent_t e : marks_) cudaEventDestroy(e);
+  }
+  bool on() const { return on_; }
+  // Records mark i on stream s.
+  void mark(int i, cudaStream_t s) {
+    if (on_) cudaEventRecord(marks_[i], s);
+  }
+  // Adds the time from mark a to mark b to `name` (waits for mark b).
+  void add(const std::string& name, int a, int b) {
+    if (!on_) return;
+    float ms = 0;
+    cudaEventSynchronize(marks_[b]);
+    if (cudaEventElapsedTime(&ms, marks_[a], marks_[b]) != cudaSuccess) return;
+    auto& t = totals_[name];
+    t.first += 1000.0 * ms;
+    t.second += 1;
+  }
+
+ private:
+  bool on_;
+  cudaEvent_t marks_[kMarks] = {};
+  std::map<std::string, std::pair<double, int>> totals_;
+};
+
+}  // namespace epx::detail
