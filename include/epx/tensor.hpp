@@ -48,6 +48,7 @@ class Tensor {
   static Tensor zeros_host(DType dtype, std::initializer_list<int64_t> shape);
 
   const TensorView& view() const { return view_; }
+  const std::shared_ptr<void>& storage() const { return storage_; }  // what keeps the memory alive
   bool defined() const { return view_.defined(); }
   int64_t size(int dim) const { return view_.shape[dim]; }
   int64_t numel() const { return view_.numel(); }

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <chrono>
 #include <functional>
 
 #include "core/routing.hpp"
@@ -35,8 +36,7 @@ WindowMap make_window_map(const BufferConfig& c, int ranks, const WireRow& wire)
   m.plan_stride = round16(static_cast<int64_t>(sizeof(PlanHeader)) + 8 * (c.num_experts + ranks));
   m.plans = take(2 * 2 * ranks * m.plan_stride);
   m.max_chunks = (c.max_tokens_per_rank + kChunkTokens - 1) / kChunkTokens;
-  m.fwd_chunk_flag = take(4 * ranks * m.max_chunks);
-  m.fwd_chunk_range = take(static_cast<int64_t>(sizeof(ChunkRange)) * ranks * m.max_chunks);
+  m.fwd_chunk_flag = take(8 * ranks * m.max_chunks);
   m.rev_chunk_flag = take(4 * ranks * m.max_chunks);
   m.fwd_rows = take(8 * ranks);
   m.payload_stride = round16(std::max(wire.bytes(), 2 * c.hidden));
@@ -110,6 +110,13 @@ void carve_handle(DeviceHandle& h, Carver& c, int64_t tokens, const BufferConfig
   h.recv.slot_row = c.take<int64_t>(rows * k);
 }
 
+// The first `rows` rows of a tensor (same memory).
+Tensor first_rows(const Tensor& t, int64_t rows) {
+  TensorView v = t.view();
+  v.shape[0] = rows;
+  return Tensor(t.storage(), v);
+}
+
 const DeviceHandle& device_of(const HandleState& h) { return *static_cast<const DeviceHandle*>(h.device.get()); }
 
 // Stable hash of the options that must agree across ranks.
@@ -157,6 +164,8 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   auto* state = dynamic_cast<CudaGroupState*>(group.state().get());
   require(state != nullptr, "buffer: group is not a CUDA group");
   require(ranks_ <= kMaxRanks, "buffer: the CUDA backend supports at most ", kMaxRanks, " ranks, got ", ranks_);
+  require(config.max_tokens_per_rank < (int64_t{1} << (32 - kRangeCountBits)),
+          "buffer: the CUDA backend supports max_tokens_per_rank < 2^27, got ", config.max_tokens_per_rank);
   device_ = state->device(rank_);
   EPX_CUDA(cudaSetDevice(device_));
   int sms = 0;
@@ -166,9 +175,8 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   // block must be resident at once, and each role needs one.
   require(blocks_ >= 2 && blocks_ <= sms, "buffer: num_sms must be in [2, ", sms, "] on cuda:", device_,
           " (at least one block sends and one receives; all must fit on the GPU at once), got ", blocks_);
-  send_blocks_ = std::clamp(blocks_ * 2 / 3, 1, blocks_ - 1);
   if (const char* v = std::getenv("EPX_SEND_BLOCKS"))  // tuning experiments (docs/performance.md)
-    send_blocks_ = std::clamp(std::atoi(v), 1, blocks_ - 1);
+    send_blocks_override_ = std::atoi(v);
   poison_outputs_ = std::getenv("EPX_POISON_OUTPUTS") != nullptr;
   map_ = make_window_map(config, ranks_, wire_);
   // Everything that may synchronize the device comes before the collective window allocation:
@@ -179,7 +187,7 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   EPX_CUDA(cudaMemset(status_, 0, sizeof(DeviceStatus)));
   EPX_CUDA(cudaHostAlloc(&host_status_, sizeof(DeviceStatus), cudaHostAllocMapped));
   std::memset(host_status_, 0, sizeof(DeviceStatus));
-  EPX_CUDA(cudaHostAlloc(&host_info_, 4 * sizeof(int64_t), cudaHostAllocDefault));
+  EPX_CUDA(cudaHostAlloc(&host_info_, 8 * sizeof(int64_t), cudaHostAllocDefault));
   cudaStream_t own = nullptr;
   EPX_CUDA(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking));
   owned_stream_ = std::shared_ptr<CUstream_st>(own, [](cudaStream_t st) { cudaStreamDestroy(st); });
@@ -232,6 +240,16 @@ CudaBackend::~CudaBackend() {
   cudaEventDestroy(fork_);
   cudaEventDestroy(join_);
   cudaStreamDestroy(side_stream_);
+}
+
+int CudaBackend::send_blocks(bool dispatch, Layout layout) const {
+  // The split of the SM budget measured best on 2x H200 at the V3 shape (docs/performance.md):
+  // expert-major receivers write each token ~4 times, so a dispatch gives them two thirds;
+  // expert-major combine senders sum ~4 rows per token, so they get two thirds there.
+  int send = blocks_ / 2;
+  if (layout == Layout::expert_major) send = dispatch ? blocks_ / 3 : blocks_ * 2 / 3;
+  if (send_blocks_override_ > 0) send = send_blocks_override_;
+  return std::clamp(send, 1, blocks_ - 1);
 }
 
 kernels::Ctx CudaBackend::ctx(cudaStream_t stream) const {
@@ -436,7 +454,8 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   timer_.mark(0, stream_);
   const kernels::Ctx x = ctx();
   const int64_t width = c.num_experts + ranks_;
-  kernels::canonicalize_routing(x, routing, tokens, dh->slot_expert, dh->slot_weight, dh->counts);
+  kernels::canonicalize_routing(x, routing, tokens, dh->slot_expert, dh->slot_weight,
+                                c.capacity_factor > 0.0 ? dh->counts : nullptr);
   int phase = 0;
   if (c.capacity_factor > 0.0) {
     exchange_plan(call, phase++, tokens, signature, dh->counts, c.num_experts, dh->expert_prefix, dh->drop_capacity);
@@ -451,7 +470,8 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   EPX_CUDA(cudaEventRecord(fork_, stream_));
   EPX_CUDA(cudaStreamWaitEvent(side_stream_, fork_, 0));
   const uint32_t epoch = call.epoch();
-  kernels::dispatch_send(x, send_blocks_, rows, tokens, kernels::SendPlan{dh->slot_expert, dh->slot_weight, dh->pos},
+  const int senders = send_blocks(true, opt.layout);
+  kernels::dispatch_send(x, senders, rows, tokens, kernels::SendPlan{dh->slot_expert, dh->slot_weight, dh->pos},
                          epoch);
   timer_.mark(2, stream_);
   const kernels::Ctx side = ctx(side_stream_);
@@ -471,21 +491,19 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   h->has_weights = has_weights;
   h->recv.layout = opt.layout;
   DispatchResult out;
-  int64_t capacity = c.capacity_rows;
-  if (!capacity_mode) {  // blocking: the one host read of the sizes, while the senders run
+  // Output rows. Capacity mode: capacity_rows. Blocking, rank-major: at most every source's
+  // max_tokens, no larger than the window's staging, so the outputs are allocated at that bound
+  // and cut to num_rows after the call's one sync. Blocking, expert-major: the bound would be
+  // min(K, L) times larger, so the sizes are read first (one host read while the senders run).
+  const bool sizes_first = !capacity_mode && opt.layout == Layout::expert_major;
+  int64_t capacity = capacity_mode ? c.capacity_rows : ranks_ * c.max_tokens_per_rank;
+  const auto host_start = std::chrono::steady_clock::now();
+  if (sizes_first) {
     EPX_CUDA(cudaMemcpyAsync(host_info_, dh->recv.info, 4 * sizeof(int64_t), cudaMemcpyDeviceToHost, side_stream_));
     EPX_CUDA(cudaStreamSynchronize(side_stream_));
     capacity = host_info_[2];
-    out.num_rows = host_info_[1];
-    out.overflow = host_info_[3] != 0;
-    h->recv.tokens = host_info_[0];
-    h->recv.num_rows = host_info_[1];
-  } else {
-    out.num_rows = -1;
-    h->recv.num_rows = -1;
   }
-  h->recv.capacity = capacity;
-
+  const auto host_read = std::chrono::steady_clock::now();
   // Outputs, on the side stream; the receiver writes every row (padding and empty rows too).
   auto output = [&](DType dtype, std::initializer_list<int64_t> shape) { return device_tensor(dtype, shape, side_stream_); };
   if (wire_.format == WireFormat::bf16) out.recv_x = output(DType::bf16, {capacity, c.hidden});
@@ -510,7 +528,8 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     ro.topk_weights = out.recv_topk_weights.data<float>();
   }
   timer_.mark(4, side_stream_);
-  kernels::dispatch_receive(side, blocks_ - send_blocks_, dh->recv, ro, opt.layout, epoch);
+  kernels::dispatch_receive(side, blocks_ - senders, dh->recv, ro, opt.layout, epoch);
+  const auto host_launched = std::chrono::steady_clock::now();
   timer_.mark(5, side_stream_);
   EPX_CUDA(cudaEventRecord(join_, side_stream_));
   EPX_CUDA(cudaStreamWaitEvent(stream_, join_, 0));
@@ -524,22 +543,38 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   out.rank_offsets = view(dh->recv.rank_offsets, ranks_ + 1);
   out.recv_info = view(dh->recv.info, 4);
   h->device = dh;
-  out.handle = Handle(std::move(h));
-  if (!capacity_mode) {
-    EPX_CUDA(cudaMemcpyAsync(host_info_, dh->dropped, sizeof(int64_t), cudaMemcpyDeviceToHost, stream_));
-    sync_and_check(call);
-    out.dropped_slots = host_info_[0];
-    if (timer_.on()) {
-      timer_.add("dispatch: routing+plan", 0, 1);
-      timer_.add("dispatch: send kernel", 1, 2);
-      timer_.add("dispatch: layout", 1, 3);
-      timer_.add("dispatch: host read+alloc", 3, 4);
-      timer_.add("dispatch: receive kernel", 4, 5);
-      timer_.add("dispatch: plan to received", 1, 5);
-      timer_.add("dispatch: all", 0, 5);
-    }
-  } else {
+  if (capacity_mode) {
+    out.num_rows = -1;
+    h->recv.num_rows = -1;
+    h->recv.capacity = capacity;
+    out.handle = Handle(std::move(h));
     kernels::publish_status(x, host_status_);
+    return out;
+  }
+  // Blocking: the call's sync, then the sizes.
+  EPX_CUDA(cudaMemcpyAsync(host_info_, dh->recv.info, 4 * sizeof(int64_t), cudaMemcpyDeviceToHost, stream_));
+  EPX_CUDA(cudaMemcpyAsync(host_info_ + 4, dh->dropped, sizeof(int64_t), cudaMemcpyDeviceToHost, stream_));
+  sync_and_check(call);
+  out.num_rows = host_info_[1];
+  out.overflow = host_info_[3] != 0;
+  out.dropped_slots = host_info_[4];
+  h->recv.tokens = host_info_[0];
+  h->recv.num_rows = host_info_[1];
+  h->recv.capacity = host_info_[2];
+  for (Tensor* t : {&out.recv_x, &out.recv_scales, &out.recv_global_scale, &out.recv_src, &out.recv_weights,
+                    &out.recv_topk_idx, &out.recv_topk_weights})
+    if (t->defined()) *t = first_rows(*t, h->recv.capacity);
+  out.handle = Handle(std::move(h));
+  if (timer_.on()) {
+    timer_.add("dispatch: routing+plan", 0, 1);
+    timer_.add("dispatch: send kernel", 1, 2);
+    timer_.add("dispatch: layout", 1, 3);
+    timer_.add("dispatch: sizes read+alloc", 3, 4);
+    timer_.add("dispatch: receive kernel", 4, 5);
+    timer_.add("dispatch: plan to received", 1, 5);
+    timer_.add("dispatch: all", 0, 5);
+    timer_.add_host("dispatch host: sizes read", host_start, host_read);
+    timer_.add_host("dispatch host: alloc+launch", host_read, host_launched);
   }
   return out;
 }
@@ -569,7 +604,7 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
                          in.shared_out.defined() ? in.shared_out.ptr<const uint16_t>() : nullptr,
                          in.shared_out.defined() ? in.shared_out.strides[0] : 0, out.out.data<uint16_t>(), nullptr};
   timer_.mark(2, stream_);
-  kernels::combine(ctx(), send_blocks_, dh.recv, h->layout, h->tokens, dh.pos.send_pos, dh.slot_expert, a, call.epoch());
+  kernels::combine(ctx(), send_blocks(false, h->layout), dh.recv, h->layout, h->tokens, dh.pos.send_pos, dh.slot_expert, a, call.epoch());
   timer_.mark(3, stream_);
   out.overflow = h->recv.num_rows > h->recv.capacity;
   timer_.add("combine: plan", 0, 1);
@@ -603,7 +638,7 @@ DispatchBackwardResult CudaBackend::dispatch_backward(const DispatchBackwardInpu
                          with_weights ? gw.ptr<const float>() : nullptr, with_weights ? gw.strides[0] : 0,
                          nullptr, 0, out.grad_x.data<uint16_t>(),
                          with_weights ? out.grad_topk_weights.data<float>() : nullptr};
-  kernels::combine(ctx(), send_blocks_, dh.recv, h->layout, h->tokens, dh.pos.send_pos, dh.slot_expert, a, call.epoch());
+  kernels::combine(ctx(), send_blocks(false, h->layout), dh.recv, h->layout, h->tokens, dh.pos.send_pos, dh.slot_expert, a, call.epoch());
   if (c.mode == CapacityMode::blocking) sync_and_check(call);
   else kernels::publish_status(ctx(), host_status_);
   return out;

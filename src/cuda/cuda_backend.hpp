@@ -71,7 +71,9 @@ class CudaBackend final : public Backend {
 
   int rank_, ranks_, device_;
   int blocks_ = 0;       // the SM budget: blocks of the data-moving kernels
-  int send_blocks_ = 0;  // of those, the ones that send (the rest receive or reduce)
+  int send_blocks_override_ = 0;  // EPX_SEND_BLOCKS
+  // Of the blocks, those that send (the rest receive or reduce) in a dispatch or a combine.
+  int send_blocks(bool dispatch, Layout layout) const;
   bool poison_outputs_ = false;  // EPX_POISON_OUTPUTS: fill outputs with 0xa5 first (tests)
   int64_t local_experts_;
   WireRow wire_;

@@ -3,6 +3,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -30,6 +31,13 @@ class PhaseTimer {
   // Records mark i on stream s.
   void mark(int i, cudaStream_t s) {
     if (on_) cudaEventRecord(marks_[i], s);
+  }
+  // Host wall time between two points.
+  void add_host(const std::string& name, std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+    if (!on_) return;
+    auto& t = totals_[name];
+    t.first += std::chrono::duration<double, std::micro>(b - a).count();
+    t.second += 1;
   }
   // Adds the time from mark a to mark b to `name` (waits for mark b).
   void add(const std::string& name, int a, int b) {

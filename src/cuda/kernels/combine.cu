@@ -67,13 +67,40 @@ __device__ void sum_rows(int n, Term term, bool weighted, uint16_t* out, int64_t
   }
 }
 
+// dst = bf16(0 + src) for a 16-byte aligned row (hidden % 8 == 0): the bits of src except that
+// -0 becomes +0, as the fp32 sum from 0 gives; zeros when src is null (a row lost to overflow).
+__device__ void copy_bf16_plus_zero(const uint16_t* src, uint16_t* dst, int64_t hidden, int lane) {
+  const int64_t vectors = hidden / 8;
+  for (int64_t base = 0; base < vectors; base += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * 32 + lane;
+      v[u] = src && i < vectors ? reinterpret_cast<const int4*>(src)[i] : int4{0, 0, 0, 0};
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * 32 + lane;
+      if (i >= vectors) continue;
+      uint32_t* word = reinterpret_cast<uint32_t*>(&v[u]);
+      for (int j = 0; j < 4; ++j) {  // each half: 0x8000 (-0) -> 0
+        const uint32_t x = word[j];
+        word[j] = x & ~(((x & 0xffffu) == 0x8000u ? 0xffffu : 0u) | ((x >> 16) == 0x8000u ? 0xffff0000u : 0u));
+      }
+      reinterpret_cast<int4*>(dst)[i] = v[u];
+    }
+  }
+}
+
 // Expert side, one warp: received row `pos` of `source`'s stream back into its window.
 __device__ void return_row(const PeerWindows& w, const WindowMap& m, const Shape& s, const RecvArrays& r, Layout layout,
                            const CombineArgs& a, bool wide, int source, int64_t pos, int lane) {
   const int64_t i = r.rank_offsets[source] + pos, at = w.rank * s.max_tokens + pos, capacity = r.info[2];
   if (a.y) {
     uint16_t* dst = at_window<uint16_t>(w, source, m.rev_rows + at * s.hidden * 2);
-    if (layout == Layout::rank_major) {
+    if (layout == Layout::rank_major && wide) {  // one term: 0 + y, a copy that turns -0 into +0
+      copy_bf16_plus_zero(i < capacity ? a.y + i * a.y_stride : nullptr, dst, s.hidden, lane);
+    } else if (layout == Layout::rank_major) {
       sum_rows(1, [&](int, const uint16_t*& row, float& weight) {
         row = a.y + i * a.y_stride;
         weight = 1.0f;
@@ -157,7 +184,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PeerWindows w, Window
       __syncthreads();
       if (warp == kSendWarps && lane == 0) {
         __threadfence_system();
-        set_flag(at_window<uint32_t>(w, source, m.rev_chunk_flag) + w.rank * m.max_chunks + c, epoch);
+        set_flag(at_window<uint32_t>(w, source, m.rev_chunk_flag) + w.rank * m.max_chunks + c, epoch);  // no data: epoch only
       }
     }
     return;
@@ -166,10 +193,10 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PeerWindows w, Window
   const int64_t reducers = static_cast<int64_t>(gridDim.x - send_blocks) * (kThreads / 32);
   for (int64_t t = reducer; t < tokens; t += reducers) {
     const int64_t c = t / kChunkTokens;
-    for (int d = 0; d < w.ranks; ++d)  // every rank returns every chunk, empty ones too
-      if (!warp_wait_flag(at_window<uint32_t>(w, w.rank, m.rev_chunk_flag) + d * m.max_chunks + c, epoch, timeout_ns,
-                          st, d, kSignalReverse, lane))
-        return;
+    // Every rank returns every chunk, empty ones too; lane d waits for rank d.
+    if (!warp_wait_flags(at_window<uint32_t>(w, w.rank, m.rev_chunk_flag) + c, m.max_chunks, w.ranks, 0, epoch,
+                         timeout_ns, st, kSignalReverse, lane))
+      return;
     reduce_token(w, m, s, send_pos, slot_expert, a, wide, t, lane);
   }
 }

@@ -72,35 +72,46 @@ __device__ inline bool wait_all(const PeerWindows& w, const WindowMap& m, int ki
   return true;
 }
 
-// Chunk flags: a u32 in the receiver's window that the sender sets to the call's epoch (call
-// number + 1, the same on every rank) once the chunk's rows are there. Epochs only grow, so
-// flags are never reset and a flag left by an earlier or failed call never passes a wait.
-__device__ inline void set_flag(uint32_t* flag, uint32_t epoch) {
-  cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(*flag).store(epoch, cuda::memory_order_release);
+// Chunk flags: a word in the receiver's window whose top 32 bits the sender sets to the call's
+// epoch (call number + 1, the same on every rank) once the chunk's rows are there; the rest
+// may carry data about the chunk. Epochs only grow, so flags are never reset and a flag left
+// by an earlier or failed call never passes a wait.
+template <typename Word>
+__device__ inline uint32_t flag_epoch(Word v) {
+  return static_cast<uint32_t>(v >> (8 * sizeof(Word) - 32));
 }
 
-// Lane 0 spins until *flag reaches epoch; then the warp may read what the flag covers.
+template <typename Word>
+__device__ inline void set_flag(Word* flag, Word value) {
+  cuda::atomic_ref<Word, cuda::thread_scope_system>(*flag).store(value, cuda::memory_order_release);
+}
+
+// Lanes 0..n-1 each spin until their flag (flags[lane * stride], the flag of peer
+// first_peer + lane) carries epoch, all at once; then the warp may read what the flags cover.
 // Returns false (the whole warp) on a failed call or after timeout_ns, reporting which peer
-// never came.
-__device__ inline bool warp_wait_flag(uint32_t* flag, uint32_t epoch, uint64_t timeout_ns, DeviceStatus* st, int peer,
-                                      int kind, int lane) {
+// never came. *seen (if given) receives lane 0's flag word.
+template <typename Word>
+__device__ inline bool warp_wait_flags(Word* flags, int64_t stride, int n, int first_peer, uint32_t epoch,
+                                       uint64_t timeout_ns, DeviceStatus* st, int kind, int lane, Word* seen = nullptr) {
   int ok = 1;
-  if (lane == 0) {
-    cuda::atomic_ref<uint32_t, cuda::thread_scope_system> f(*flag);
+  Word v = 0;
+  if (lane < n) {
+    cuda::atomic_ref<Word, cuda::thread_scope_system> f(flags[lane * stride]);
     const uint64_t start = globaltimer_ns();
-    while (f.load(cuda::memory_order_acquire) < epoch) {
+    while (flag_epoch(v = f.load(cuda::memory_order_acquire)) < epoch) {
       if (failed(st)) {
         ok = 0;
         break;
       }
       if (globaltimer_ns() - start > timeout_ns) {
-        report(st, kStatusTimeout, peer, kind, epoch, f.load(cuda::memory_order_relaxed));
+        report(st, kStatusTimeout, first_peer + lane, kind, epoch, flag_epoch(v));
         ok = 0;
         break;
       }
     }
   }
-  ok = __shfl_sync(0xffffffffu, ok, 0);
+  ok = __all_sync(0xffffffffu, ok);
+  if (seen) *seen = __shfl_sync(0xffffffffu, v, 0);
   __syncwarp();
   return ok != 0;
 }

@@ -49,6 +49,10 @@ struct ChunkRange {
   int32_t start;  // first position in the stream
   int32_t count;  // rows
 };
+// A range packed into the low 32 bits of a forward chunk flag (start < 2^27: max_tokens_per_rank
+// is checked against it).
+constexpr int kRangeCountBits = 5;
+static_assert(kChunkTokens < (1 << kRangeCountBits), "a chunk's row count must fit its bits");
 
 // Byte offsets inside every rank's window (the same on all ranks).
 struct WindowMap {
@@ -56,8 +60,8 @@ struct WindowMap {
   int64_t plans;         // [2 parities][2 phases][R] plan_stride bytes: header + int64 [E + R]
   int64_t plan_stride;
   int64_t max_chunks;    // chunks of max_tokens
-  int64_t fwd_chunk_flag;   // uint32 [R][max_chunks]: call epoch once chunk c from source s is here
-  int64_t fwd_chunk_range;  // ChunkRange [R][max_chunks]
+  int64_t fwd_chunk_flag;   // uint64 [R][max_chunks]: chunk c from source s is here: epoch << 32 | its range
+                            // (start << kRangeCountBits | count)
   int64_t rev_chunk_flag;   // uint32 [R][max_chunks]: call epoch once rank d returned chunk c
   int64_t fwd_rows;      // int64 [R]: rows each source sent in the last forward transfer
   int64_t fwd_payload;   // [R * max_tokens] rows of payload_stride bytes

@@ -11,7 +11,7 @@ namespace {
 
 constexpr int kSendWarps = 16;  // copy warps of a send block; one more warp flags finished chunks
 constexpr int kSendThreads = (kSendWarps + 1) * 32;
-constexpr int kRecvWarps = 16;
+constexpr int kRecvWarps = 24;
 constexpr int kRowGroup = 8;  // output rows one read of a received row is written to at once
 
 __device__ int64_t stream_slot(const PeerWindows& w, const Shape& s, int source, int64_t pos) {
@@ -85,12 +85,13 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(PeerWindows
         send_token(w, m, s, rows, plan, c, t, lane);
     __syncthreads();
     if (warp == kSendWarps && lane == 0) {
-      __threadfence_system();  // the chunk's rows (all warps', seen through the barrier) before its range and flag
-      for (int d = 0; d < s.ranks; ++d)
-        at_window<ChunkRange>(w, d, m.fwd_chunk_range)[w.rank * m.max_chunks + c] =
-            ChunkRange{plan.pos.chunk_base[c * width + s.experts + d], plan.pos.chunk_count[c * width + s.experts + d]};
-      __threadfence_system();
-      for (int d = 0; d < s.ranks; ++d) set_flag(at_window<uint32_t>(w, d, m.fwd_chunk_flag) + w.rank * m.max_chunks + c, epoch);
+      __threadfence_system();  // the chunk's rows (all warps', seen through the barrier) before its flags
+      for (int d = 0; d < s.ranks; ++d) {
+        const uint64_t range = static_cast<uint64_t>(plan.pos.chunk_base[c * width + s.experts + d]) << kRangeCountBits |
+                               static_cast<uint64_t>(plan.pos.chunk_count[c * width + s.experts + d]);
+        set_flag(at_window<uint64_t>(w, d, m.fwd_chunk_flag) + w.rank * m.max_chunks + c,
+                 static_cast<uint64_t>(epoch) << 32 | range);
+      }
     }
   }
 }
@@ -141,21 +142,55 @@ __device__ void place_payload(const char* payload, const RecvOutputs& out, const
   }
 }
 
-// One warp: received row `pos` of the stream from `source` into the handle and its output
-// rows. Lane k holds slot k (in blocks of 32 slots); the rows to fill travel by ballot and shuffle.
-__device__ void receive_row(const PeerWindows& w, const WindowMap& m, const Shape& s, const RecvArrays& r,
-                            const RecvOutputs& out, Layout layout, int source, int64_t pos, int lane) {
-  const int64_t f = stream_slot(w, s, source, pos), i = r.rank_offsets[source] + pos, capacity = r.info[2];
+// Rank-major, one warp: received row `pos` of `source`'s stream to output row i. Every load
+// is issued before the row is copied and every store after, so their latencies overlap the copy.
+__device__ void receive_row_rank_major(const PeerWindows& w, const WindowMap& m, const Shape& s, const RecvArrays& r,
+                                       const RecvOutputs& out, int source, int64_t pos, int lane) {
+  const int64_t f = stream_slot(w, s, source, pos), i = r.rank_offsets[source] + pos;
   const char* payload = at_window<const char>(w, w.rank, m.fwd_payload + f * m.payload_stride);
   const int32_t token = at_window<const int32_t>(w, w.rank, m.fwd_token)[f];
-  const bool rank_major = layout == Layout::rank_major;
+  constexpr int kBlocks = 2;  // topk <= 64: lane k holds slots k and 32 + k
+  int32_t l[kBlocks];
+  float weight[kBlocks];
+  for (int b = 0; b < kBlocks; ++b) {
+    const int64_t k = b * 32 + lane;
+    l[b] = k < s.topk ? at_window<const int32_t>(w, w.rank, m.fwd_slot_expert)[f * s.topk + k] : -1;
+    weight[b] = k < s.topk ? at_window<const float>(w, w.rank, m.fwd_slot_weight)[f * s.topk + k] : 0.0f;
+  }
+  const bool kept = i < r.info[2];
+  if (kept) place_payload(payload, out, &i, 1, lane);
   if (lane == 0) {
     r.src_rank[i] = source;
     r.src_token[i] = token;
-    if (rank_major && i < capacity) {
+    if (kept) {
       out.src[2 * i] = source;
       out.src[2 * i + 1] = token;
     }
+  }
+  for (int b = 0; b < kBlocks; ++b) {
+    const int64_t k = b * 32 + lane;
+    if (k >= s.topk) break;
+    r.slot_expert[i * s.topk + k] = l[b];
+    r.slot_weight[i * s.topk + k] = weight[b];
+    r.slot_row[i * s.topk + k] = l[b] >= 0 ? i : -1;
+    if (kept) {
+      out.topk_idx[i * s.topk + k] = l[b];
+      out.topk_weights[i * s.topk + k] = weight[b];
+    }
+  }
+}
+
+// Expert-major, one warp: received row `pos` of `source`'s stream into the handle and the
+// row of each of its local experts. Lane k holds slot k (in blocks of 32 slots); the rows to
+// fill travel by ballot and shuffle, kRowGroup at a time per read of the row.
+__device__ void receive_row_expert_major(const PeerWindows& w, const WindowMap& m, const Shape& s, const RecvArrays& r,
+                                         const RecvOutputs& out, int source, int64_t pos, int lane) {
+  const int64_t f = stream_slot(w, s, source, pos), i = r.rank_offsets[source] + pos, capacity = r.info[2];
+  const char* payload = at_window<const char>(w, w.rank, m.fwd_payload + f * m.payload_stride);
+  const int32_t token = at_window<const int32_t>(w, w.rank, m.fwd_token)[f];
+  if (lane == 0) {
+    r.src_rank[i] = source;
+    r.src_token[i] = token;
   }
   for (int64_t k0 = 0; k0 < s.topk; k0 += 32) {
     const int64_t k = k0 + lane;
@@ -167,18 +202,12 @@ __device__ void receive_row(const PeerWindows& w, const WindowMap& m, const Shap
       l = at_window<const int32_t>(w, w.rank, m.fwd_slot_expert)[slot];
       weight = at_window<const float>(w, w.rank, m.fwd_slot_weight)[slot];
       if (l >= 0)
-        row = rank_major ? i
-                         : r.expert_offsets[l] + r.expert_base[source * s.local_experts + l] +
-                               at_window<const int32_t>(w, w.rank, m.fwd_slot_index)[slot];
+        row = r.expert_offsets[l] + r.expert_base[source * s.local_experts + l] +
+              at_window<const int32_t>(w, w.rank, m.fwd_slot_index)[slot];
       r.slot_expert[i * s.topk + k] = l;
       r.slot_weight[i * s.topk + k] = weight;
       r.slot_row[i * s.topk + k] = row;
-      if (rank_major && i < capacity) {
-        out.topk_idx[i * s.topk + k] = l;
-        out.topk_weights[i * s.topk + k] = weight;
-      }
     }
-    if (rank_major) continue;
     uint32_t todo = __ballot_sync(0xffffffffu, row >= 0 && row < capacity);
     while (todo) {
       int64_t rows[kRowGroup];
@@ -197,7 +226,6 @@ __device__ void receive_row(const PeerWindows& w, const WindowMap& m, const Shap
       place_payload(payload, out, rows, n, lane);
     }
   }
-  if (rank_major && i < capacity) place_payload(payload, out, &i, 1, lane);
 }
 
 // Warps take rows (chunk, source, row in chunk) in chunk order, so they follow the senders;
@@ -217,12 +245,16 @@ __global__ void __launch_bounds__(kRecvWarps * 32) dispatch_receive_kernel(PeerW
     const int source = static_cast<int>(u / kChunkTokens % w.ranks);
     if (c >= r.chunks_from[source]) continue;
     const int64_t at = source * m.max_chunks + c;
-    if (!warp_wait_flag(at_window<uint32_t>(w, w.rank, m.fwd_chunk_flag) + at, epoch, timeout_ns, st, source,
-                        kSignalForward, lane))
+    uint64_t flag = 0;
+    if (!warp_wait_flags(at_window<uint64_t>(w, w.rank, m.fwd_chunk_flag) + at, 0, 1, source, epoch, timeout_ns, st,
+                         kSignalForward, lane, &flag))
       return;
-    const ChunkRange range = at_window<const ChunkRange>(w, w.rank, m.fwd_chunk_range)[at];
+    const ChunkRange range{static_cast<int32_t>((flag & 0xffffffffu) >> kRangeCountBits),
+                           static_cast<int32_t>(flag & ((1u << kRangeCountBits) - 1))};
     if (j == 0 && lane == 0) r.chunk_range[at] = range;
-    if (j < range.count) receive_row(w, m, s, r, out, layout, source, range.start + j, lane);
+    if (j >= range.count) continue;
+    if (layout == Layout::rank_major) receive_row_rank_major(w, m, s, r, out, source, range.start + j, lane);
+    else receive_row_expert_major(w, m, s, r, out, source, range.start + j, lane);
   }
 }
 

@@ -30,8 +30,8 @@ struct RoutingInput {
   int64_t probs_stride = 0;
 };
 
-// Canonical routing: slot_expert/slot_weight [T*K], counts [E] (+= per expert), errors
-// reported in ctx.status. counts must be zeroed.
+// Canonical routing: slot_expert/slot_weight [T*K], counts [E] (+= per expert; only the drop
+// rule needs them, so null skips the atomics), errors reported in ctx.status. counts must be zeroed.
 void canonicalize_routing(const Ctx& ctx, const RoutingInput& in, int64_t tokens, int32_t* slot_expert,
                           float* slot_weight, int64_t* counts);
 

@@ -49,7 +49,7 @@ __global__ void canonicalize_kernel(Shape s, RoutingInput in, int64_t tokens, in
       if (e[k] < 0) continue;
       for (int64_t j = 0; j < k; ++j)
         if (e[j] == e[k]) report(st, kStatusRepeatedExpert, s.rank, t, j, e[k]);
-      atomicAdd(reinterpret_cast<unsigned long long*>(&counts[e[k]]), 1ull);
+      if (counts) atomicAdd(reinterpret_cast<unsigned long long*>(&counts[e[k]]), 1ull);
     }
   }
 }
