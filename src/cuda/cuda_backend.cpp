@@ -182,6 +182,7 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   // Everything that may synchronize the device comes before the collective window allocation:
   // once a rank returns from it, peers may already wait inside a call, and on a GPU shared by
   // several ranks a device-synchronizing call would wait for them (and they for us).
+  kernels::preload_kernels();
   EPX_CUDA(cudaMalloc(&status_, sizeof(DeviceStatus)));
   EPX_CUDA(cudaMalloc(&scratch_, sizeof(int64_t)));
   EPX_CUDA(cudaMemset(status_, 0, sizeof(DeviceStatus)));
@@ -381,6 +382,21 @@ Tensor CudaBackend::device_tensor(DType dtype, std::initializer_list<int64_t> sh
   return Tensor(std::shared_ptr<void>(p, stream_deleter()), v);
 }
 
+CudaBackend::OutputBlock::OutputBlock(CudaBackend& backend, cudaStream_t stream) : backend_(backend), stream_(stream) {}
+
+void CudaBackend::OutputBlock::add(Tensor* target, DType dtype, std::initializer_list<int64_t> shape) {
+  parts_.push_back({target, TensorView::of(nullptr, dtype, shape, DeviceKind::cuda, backend_.device_), bytes_});
+  bytes_ += (std::max<int64_t>(1, parts_.back().view.numel() * dtype_size(dtype)) + 255) / 256 * 256;
+}
+
+void CudaBackend::OutputBlock::allocate() {
+  const Tensor block = backend_.device_tensor(DType::boolean, {bytes_}, stream_);
+  for (Part& part : parts_) {
+    part.view.data = block.data<char>() + part.offset;
+    *part.target = Tensor(block.storage(), part.view);
+  }
+}
+
 void CudaBackend::check_device_tensor(const TensorView& t, std::string_view what) const {
   if (t.defined())
     require(t.device_index == device_, what, ": tensor is on cuda:", t.device_index, " but this rank drives cuda:", device_);
@@ -394,6 +410,7 @@ const HandleState& CudaBackend::state_of(const Handle& h, const Call& call) cons
 }
 
 DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOptions& opt) {
+  const auto host_call = std::chrono::steady_clock::now();
   const Call call = begin_call(kDispatch);
   const BufferConfig& c = config();
   std::string error;
@@ -467,6 +484,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   // Senders start now on the call's stream; the receiver's layout, the output allocation (after
   // one host read of the sizes in blocking mode) and the receiver follow on the side stream.
   timer_.mark(1, stream_);
+  const auto host_planned = std::chrono::steady_clock::now();
   EPX_CUDA(cudaEventRecord(fork_, stream_));
   EPX_CUDA(cudaStreamWaitEvent(side_stream_, fork_, 0));
   const uint32_t epoch = call.epoch();
@@ -505,28 +523,29 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   }
   const auto host_read = std::chrono::steady_clock::now();
   // Outputs, on the side stream; the receiver writes every row (padding and empty rows too).
-  auto output = [&](DType dtype, std::initializer_list<int64_t> shape) { return device_tensor(dtype, shape, side_stream_); };
-  if (wire_.format == WireFormat::bf16) out.recv_x = output(DType::bf16, {capacity, c.hidden});
-  else if (wire_.format == WireFormat::nvfp4) out.recv_x = output(DType::e2m1x2, {capacity, c.hidden / 2});
-  else out.recv_x = output(DType::fp8_e4m3, {capacity, c.hidden});
-  if (wire_.scale_bytes)
-    out.recv_scales = wire_.format == WireFormat::nvfp4 ? output(DType::fp8_e4m3, {capacity, c.hidden / kNvfp4Block})
-                                                        : output(DType::f32, {capacity, c.hidden / kFp8Block});
-  if (wire_.global_bytes) out.recv_global_scale = output(DType::f32, {capacity});
-  out.recv_src = output(DType::i32, {capacity, 2});
-  kernels::RecvOutputs ro{out.recv_x.data<char>(), out.recv_scales.defined() ? out.recv_scales.data<char>() : nullptr,
-                          out.recv_global_scale.defined() ? out.recv_global_scale.data<char>() : nullptr,
-                          wire_.x_bytes, wire_.scale_bytes, wire_.global_bytes, out.recv_src.data<int32_t>(),
-                          nullptr, nullptr, nullptr};
+  // All outputs in one allocation (one pool call; each tensor keeps the whole block alive).
+  OutputBlock outputs(*this, side_stream_);
+  if (wire_.format == WireFormat::bf16) outputs.add(&out.recv_x, DType::bf16, {capacity, c.hidden});
+  else if (wire_.format == WireFormat::nvfp4) outputs.add(&out.recv_x, DType::e2m1x2, {capacity, c.hidden / 2});
+  else outputs.add(&out.recv_x, DType::fp8_e4m3, {capacity, c.hidden});
+  if (wire_.format == WireFormat::nvfp4) outputs.add(&out.recv_scales, DType::fp8_e4m3, {capacity, c.hidden / kNvfp4Block});
+  else if (wire_.scale_bytes) outputs.add(&out.recv_scales, DType::f32, {capacity, c.hidden / kFp8Block});
+  if (wire_.global_bytes) outputs.add(&out.recv_global_scale, DType::f32, {capacity});
+  outputs.add(&out.recv_src, DType::i32, {capacity, 2});
   if (opt.layout == Layout::expert_major) {
-    out.recv_weights = output(DType::f32, {capacity});
-    ro.weights = out.recv_weights.data<float>();
+    outputs.add(&out.recv_weights, DType::f32, {capacity});
   } else {
-    out.recv_topk_idx = output(DType::i32, {capacity, c.topk});
-    out.recv_topk_weights = output(DType::f32, {capacity, c.topk});
-    ro.topk_idx = out.recv_topk_idx.data<int32_t>();
-    ro.topk_weights = out.recv_topk_weights.data<float>();
+    outputs.add(&out.recv_topk_idx, DType::i32, {capacity, c.topk});
+    outputs.add(&out.recv_topk_weights, DType::f32, {capacity, c.topk});
   }
+  outputs.allocate();
+  const auto host_allocated = std::chrono::steady_clock::now();
+  auto ptr = [](const Tensor& t) { return t.defined() ? t.data<char>() : nullptr; };
+  kernels::RecvOutputs ro{ptr(out.recv_x), ptr(out.recv_scales), ptr(out.recv_global_scale), wire_.x_bytes,
+                          wire_.scale_bytes, wire_.global_bytes, out.recv_src.data<int32_t>(),
+                          reinterpret_cast<float*>(ptr(out.recv_weights)),
+                          reinterpret_cast<int32_t*>(ptr(out.recv_topk_idx)),
+                          reinterpret_cast<float*>(ptr(out.recv_topk_weights))};
   timer_.mark(4, side_stream_);
   kernels::dispatch_receive(side, blocks_ - senders, dh->recv, ro, opt.layout, epoch);
   const auto host_launched = std::chrono::steady_clock::now();
@@ -573,8 +592,11 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     timer_.add("dispatch: receive kernel", 4, 5);
     timer_.add("dispatch: plan to received", 1, 5);
     timer_.add("dispatch: all", 0, 5);
+    timer_.add_host("dispatch host: to plan enqueued", host_call, host_planned);
     timer_.add_host("dispatch host: sizes read", host_start, host_read);
-    timer_.add_host("dispatch host: alloc+launch", host_read, host_launched);
+    timer_.add_host("dispatch host: outputs alloc", host_read, host_allocated);
+    timer_.add_host("dispatch host: receive launch", host_allocated, host_launched);
+    timer_.add_host("dispatch host: call", host_call, std::chrono::steady_clock::now());
   }
   return out;
 }

@@ -5,6 +5,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/backend.hpp"
 #include "core/handle.hpp"
@@ -66,6 +67,24 @@ class CudaBackend final : public Backend {
   std::function<void(void*)> stream_deleter() const;
   // From the buffer's pool, stream-ordered on `stream` (the call's stream if null).
   Tensor device_tensor(DType dtype, std::initializer_list<int64_t> shape, cudaStream_t stream = nullptr);
+  // Several outputs carved from one pool allocation (one allocation call per dispatch).
+  class OutputBlock {
+   public:
+    OutputBlock(CudaBackend& backend, cudaStream_t stream);
+    void add(Tensor* target, DType dtype, std::initializer_list<int64_t> shape);  // filled by allocate()
+    void allocate();
+
+   private:
+    struct Part {
+      Tensor* target;
+      TensorView view;
+      int64_t offset;
+    };
+    CudaBackend& backend_;
+    cudaStream_t stream_;
+    std::vector<Part> parts_;
+    int64_t bytes_ = 0;
+  };
   const HandleState& state_of(const Handle& h, const Call& call) const;
   void check_device_tensor(const TensorView& t, std::string_view what) const;
 

@@ -209,4 +209,6 @@ void combine(const Ctx& ctx, int send_blocks, const RecvArrays& r, Layout layout
                                                           slot_expert, a, send_blocks, epoch, ctx.timeout_ns, ctx.status);
 }
 
+void preload_combine_kernels() { preload(combine_kernel); }
+
 }  // namespace epx::detail::kernels

@@ -130,4 +130,6 @@ void gather_slot_values(const Ctx& ctx, int64_t tokens, const int32_t* send_pos,
                                                                 slot_expert, slot_out, ctx.status);
 }
 
+void preload_combine_backward_kernels() { preload(send_tokens_kernel, expand_grad_kernel, gather_slot_values_kernel); }
+
 }  // namespace epx::detail::kernels

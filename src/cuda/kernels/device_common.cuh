@@ -7,6 +7,14 @@
 
 namespace epx::detail {
 
+// Loads kernels now: CUDA loads a kernel lazily at its first launch, and loading may wait for
+// every kernel running on the device (docs/cuda.md).
+template <typename... Kernel>
+void preload(Kernel... kernels) {
+  cudaFuncAttributes attributes;
+  (cudaFuncGetAttributes(&attributes, kernels), ...);
+}
+
 __device__ inline uint64_t globaltimer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

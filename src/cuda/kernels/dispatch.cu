@@ -273,4 +273,6 @@ void dispatch_receive(const Ctx& ctx, int blocks, const RecvArrays& r, const Rec
                                                                        epoch, ctx.timeout_ns, ctx.status);
 }
 
+void preload_dispatch_kernels() { preload(dispatch_send_kernel, dispatch_receive_kernel); }
+
 }  // namespace epx::detail::kernels

@@ -30,6 +30,17 @@ struct RoutingInput {
   int64_t probs_stride = 0;
 };
 
+// Loads every kernel of the backend. CUDA loads kernels lazily, at their first launch, and a
+// load may wait for all kernels running on the device; on a GPU shared by ranks that includes
+// a peer's kernel waiting for this rank: a deadlock. Buffers call this before their collective setup.
+void preload_kernels();
+void preload_plan_kernels();
+void preload_positions_kernels();
+void preload_receive_layout_kernels();
+void preload_dispatch_kernels();
+void preload_combine_kernels();
+void preload_combine_backward_kernels();
+
 // Canonical routing: slot_expert/slot_weight [T*K], counts [E] (+= per expert; only the drop
 // rule needs them, so null skips the atomics), errors reported in ctx.status. counts must be zeroed.
 void canonicalize_routing(const Ctx& ctx, const RoutingInput& in, int64_t tokens, int32_t* slot_expert,

@@ -176,4 +176,15 @@ void publish_status(const Ctx& ctx, DeviceStatus* host_status) {
   publish_status_kernel<<<1, 1, 0, ctx.stream>>>(ctx.status, host_status);
 }
 
+void preload_plan_kernels() { preload(canonicalize_kernel, post_plan_kernel, wait_kernel, check_plans_kernel, drop_kernel, publish_status_kernel); }
+
+void preload_kernels() {
+  preload_plan_kernels();
+  preload_positions_kernels();
+  preload_receive_layout_kernels();
+  preload_dispatch_kernels();
+  preload_combine_kernels();
+  preload_combine_backward_kernels();
+}
+
 }  // namespace epx::detail::kernels

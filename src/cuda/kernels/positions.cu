@@ -76,4 +76,6 @@ void chunk_positions(const Ctx& ctx, int64_t tokens, const int32_t* slot_expert,
   scan_chunks_kernel<<<ctx.blocks, kWarps * 32, 0, ctx.stream>>>(ctx.shape, tokens, p, ctx.status);
 }
 
+void preload_positions_kernels() { preload(count_chunks_kernel, scan_chunks_kernel); }
+
 }  // namespace epx::detail::kernels

@@ -55,4 +55,6 @@ void receive_layout(const Ctx& ctx, int slot, const RecvArrays& r, Layout layout
                                                         capacity_rows, ctx.status);
 }
 
+void preload_receive_layout_kernels() { preload(receive_layout_kernel); }
+
 }  // namespace epx::detail::kernels
