@@ -3,7 +3,7 @@
 # run the GPU tests against the CPU reference, compute-sanitizer on a small shape (EP1: the
 # sanitizer serializes kernels, so ranks waiting on each other could not progress), epx-bench.
 # Logs and JSON go to $OUT; a short summary is printed last.
-#   usage: [EPX_GIT_COMMIT=$(git rev-parse --short=12 HEAD)] [GTEST_FILTER=...] [BENCH_ARGS=...] \
+#   usage: [EPX_GIT_COMMIT=$(git rev-parse --short=12 HEAD)] [GTEST_FILTER=...] [BENCH_ARGS=...] [SANITIZE_TOOLS=...] \
 #          bash scripts/device-check.sh [tests|sanitize|bench|sweep|all]...   (default: all but sweep)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,7 +44,7 @@ if want tests; then
   note "gpu tests rc=$rc: $(grep -E '^\[  PASSED' "$OUT/gpu_tests.log") $(grep -cE '^\[  FAILED  \] ' "$OUT/gpu_tests.log") failed lines"
 fi
 if want sanitize; then
-  for tool in memcheck racecheck; do
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
     timeout 240 compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 ./build-gpu/tests/epx_gpu_tests \
       --gtest_filter='*nccl_R1_*' > "$OUT/sanitizer_$tool.log" 2>&1
     rc=$?

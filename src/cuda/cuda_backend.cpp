@@ -233,6 +233,13 @@ CudaBackend::~CudaBackend() {
   cudaSetDevice(device_);
   cudaStreamSynchronize(stream_);
   cudaStreamSynchronize(side_stream_);
+  {
+    std::lock_guard<std::mutex> lock(block_cache_->mutex);
+    for (const auto& block : block_cache_->blocks) cudaFreeAsync(block.first, side_stream_);
+    block_cache_->blocks.clear();
+  }
+  block_cache_.reset();  // blocks released later go back to the pool
+  cudaStreamSynchronize(side_stream_);
   window_.reset();
   cudaFree(status_);
   cudaFree(scratch_);
@@ -382,6 +389,44 @@ Tensor CudaBackend::device_tensor(DType dtype, std::initializer_list<int64_t> sh
   return Tensor(std::shared_ptr<void>(p, stream_deleter()), v);
 }
 
+Tensor CudaBackend::output_block(int64_t bytes, cudaStream_t stream) {
+  constexpr size_t kMaxCached = 4;
+  const size_t need = static_cast<size_t>(bytes);
+  void* p = nullptr;
+  size_t have = 0;
+  {
+    std::lock_guard<std::mutex> lock(block_cache_->mutex);
+    auto& blocks = block_cache_->blocks;
+    for (auto it = blocks.begin(); it != blocks.end(); ++it)
+      if (it->second >= need && it->second <= need + need / 4) {  // fits, wasting at most a quarter
+        p = it->first;
+        have = it->second;
+        blocks.erase(it);
+        break;
+      }
+  }
+  // A cached block was released after its last use on the call stream, which this call's
+  // stream waits for (fork_), so reusing it on either stream is ordered after that use.
+  if (!p) {
+    EPX_CUDA(cudaMallocFromPoolAsync(&p, need, pool_.get(), stream));
+    have = need;
+  }
+  if (poison_outputs_) EPX_CUDA(cudaMemsetAsync(p, 0xa5, have, stream));
+  std::weak_ptr<BlockCache> cache = block_cache_;
+  auto free_block = stream_deleter();
+  std::shared_ptr<void> storage(p, [cache, free_block, have](void* q) {
+    if (auto c = cache.lock()) {
+      std::lock_guard<std::mutex> lock(c->mutex);
+      if (c->blocks.size() < kMaxCached) {
+        c->blocks.emplace_back(q, have);
+        return;
+      }
+    }
+    free_block(q);
+  });
+  return Tensor(std::move(storage), TensorView::of(p, DType::boolean, {bytes}, DeviceKind::cuda, device_));
+}
+
 CudaBackend::OutputBlock::OutputBlock(CudaBackend& backend, cudaStream_t stream) : backend_(backend), stream_(stream) {}
 
 void CudaBackend::OutputBlock::add(Tensor* target, DType dtype, std::initializer_list<int64_t> shape) {
@@ -390,7 +435,7 @@ void CudaBackend::OutputBlock::add(Tensor* target, DType dtype, std::initializer
 }
 
 void CudaBackend::OutputBlock::allocate() {
-  const Tensor block = backend_.device_tensor(DType::boolean, {bytes_}, stream_);
+  const Tensor block = backend_.output_block(bytes_, stream_);
   for (Part& part : parts_) {
     part.view.data = block.data<char>() + part.offset;
     *part.target = Tensor(block.storage(), part.view);

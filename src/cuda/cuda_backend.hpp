@@ -4,6 +4,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -110,6 +111,18 @@ class CudaBackend final : public Backend {
   cudaStream_t side_stream_ = nullptr;  // dispatch's receiver, beside the senders on stream_
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
   std::shared_ptr<CUmemPoolHandle_st> pool_;  // outputs and handles; kept alive by every tensor from it
+  // Dispatch output blocks whose tensors are gone, for the next dispatch: a pool allocation
+  // costs tens of microseconds of host time (docs/performance.md).
+  struct BlockCache {
+    std::mutex mutex;
+    std::vector<std::pair<void*, size_t>> blocks;
+    ~BlockCache() {  // blocks released while the buffer was going
+      for (const auto& block : blocks) cudaFreeAsync(block.first, cudaStreamPerThread);
+    }
+  };
+  std::shared_ptr<BlockCache> block_cache_ = std::make_shared<BlockCache>();
+  // A block of at least `bytes` on `stream`: a cached one if one fits, else from the pool.
+  Tensor output_block(int64_t bytes, cudaStream_t stream);
   PhaseTimer timer_;  // EPX_PROFILE
   uint64_t targets_[kSignalKinds] = {};  // what each signal counter reaches after this call
   int64_t calls_ = 0;

@@ -61,37 +61,65 @@ __device__ inline void zero_row(char* const* dst, int n, int64_t bytes, int lane
   }
 }
 
+// One 512-channel step of an fp8 row: lane's 16 values (when `on`) -> codes and its block's
+// scale. Every lane of the warp calls it (the block amax is 3 shuffles).
+__device__ inline void fp8_step(const float* v, bool on, int64_t h, int64_t hidden, bool ue8m0, char* const* dst, int n,
+                                int lane) {
+  float amax = 0.0f;
+  if (on)
+    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  for (int o = 1; o < 8; o *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (!on) return;
+  const float scale = fp8_scale(amax, ue8m0);
+  const float inv = 1.0f / scale;
+  uint32_t packed[4] = {};
+  for (int i = 0; i < 16; ++i) packed[i / 4] |= static_cast<uint32_t>(float_to_e4m3(v[i] * inv)) << (8 * (i % 4));
+  const int4 codes = make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]), static_cast<int>(packed[2]),
+                               static_cast<int>(packed[3]));
+  for (int d = 0; d < n; ++d) {
+    *reinterpret_cast<int4*>(dst[d] + h) = codes;
+    if (lane % 8 == 0) reinterpret_cast<float*>(dst[d] + hidden)[h / kFp8Block] = scale;
+  }
+}
+
 // fp8 wire row (codes [H], then f32 scales [H/128]) of a bf16 row, to each of dst[0..n).
 // A lane owns 16 channels of a 512-channel step; the 8 lanes of a 128-channel block agree on
-// its scale with 3 shuffles. Same arithmetic as the codec's row quantizer.
+// its scale. With an aligned row, kFp8Steps steps are loaded before any is converted, so a
+// warp keeps 4 KiB of the row in flight. Same arithmetic as the codec's row quantizer.
+constexpr int kFp8Steps = 4;
 __device__ inline void quantize_fp8_row(const uint16_t* x, int64_t hidden, bool ue8m0, char* const* dst, int n, int lane) {
-  const bool wide = aligned16(x);
-  for (int64_t base = 0; base < hidden; base += 32 * 16) {
-    const int64_t h = base + lane * 16;
-    const bool on = h < hidden;  // hidden % 128 == 0: a block's 8 lanes are all on or all off
-    float v[16];
-    float amax = 0.0f;
-    if (on) {
-      if (wide) {
-        int4 raw[2] = {__ldg(reinterpret_cast<const int4*>(x + h)), __ldg(reinterpret_cast<const int4*>(x + h) + 1)};
-        const uint16_t* b = reinterpret_cast<const uint16_t*>(raw);
-        for (int i = 0; i < 16; ++i) v[i] = bf16_to_float(b[i]);
-      } else {
+  float v[16];
+  if (!aligned16(x)) {
+    for (int64_t h = lane * 16; h - lane * 16 < hidden; h += 512) {
+      const bool on = h < hidden;  // hidden % 128 == 0: a block's 8 lanes are all on or all off
+      if (on)
         for (int i = 0; i < 16; ++i) v[i] = bf16_to_float(x[h + i]);
-      }
-      for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
+      fp8_step(v, on, h, hidden, ue8m0, dst, n, lane);
     }
-    for (int o = 1; o < 8; o *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    if (!on) continue;
-    const float scale = fp8_scale(amax, ue8m0);
-    const float inv = 1.0f / scale;
-    uint32_t packed[4] = {};
-    for (int i = 0; i < 16; ++i) packed[i / 4] |= static_cast<uint32_t>(float_to_e4m3(v[i] * inv)) << (8 * (i % 4));
-    const int4 codes = make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]), static_cast<int>(packed[2]),
-                                 static_cast<int>(packed[3]));
-    for (int d = 0; d < n; ++d) {
-      *reinterpret_cast<int4*>(dst[d] + h) = codes;
-      if (lane % 8 == 0) reinterpret_cast<float*>(dst[d] + hidden)[h / kFp8Block] = scale;
+    return;
+  }
+  for (int64_t base = 0; base < hidden; base += 512 * kFp8Steps) {
+    int4 raw[2 * kFp8Steps];
+#pragma unroll
+    for (int u = 0; u < kFp8Steps; ++u) {
+      const int64_t h = base + u * 512 + lane * 16;
+      if (h < hidden) {
+        raw[2 * u] = __ldg(reinterpret_cast<const int4*>(x + h));
+        raw[2 * u + 1] = __ldg(reinterpret_cast<const int4*>(x + h) + 1);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kFp8Steps; ++u) {
+      const int64_t h = base + u * 512 + lane * 16;
+      const bool on = h < hidden;
+      if (on)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const uint32_t a = static_cast<uint32_t>(i < 4 ? (&raw[2 * u].x)[i] : (&raw[2 * u + 1].x)[i - 4]);
+          v[2 * i] = bf16_to_float(static_cast<uint16_t>(a & 0xffffu));
+          v[2 * i + 1] = bf16_to_float(static_cast<uint16_t>(a >> 16));
+        }
+      fp8_step(v, on, h, hidden, ue8m0, dst, n, lane);
     }
   }
 }
