@@ -65,6 +65,8 @@ if want sweep; then
   grep -E "^==|^dispatch|^combine|profile" "$OUT/sweep.log" | cut -c1-150
   note "sweep done ($(grep -c '^==' "$OUT/sweep.log") settings)"
 fi
+# At most 8 files come back from the machine: the logs travel as one archive.
+(cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log)
 echo
 echo "SUMMARY:"
 printf '  %s\n' "${summary[@]}"

@@ -1,20 +1,28 @@
 #!/usr/bin/env bash
 # Performance sweeps on the GPU machine (after scripts/device-check.sh built build-gpu): epx-bench
-# once per setting, verified, each record kept. Settings come from the environment:
-#   SWEEP_SEND="8 12 16"   EPX_SEND_BLOCKS values (blocks that send; the rest receive/reduce)
-#   SWEEP_SMS="16 24"      num_sms values
-#   SWEEP_ARGS="..."       epx-bench arguments for every run (shape, wire, layout, ops)
-# EPX_PROFILE=1 adds per-step times (stderr). Output: $OUT/sweep.log, $OUT/sweep-*.json.
+# once per argument set, verified, each run's records kept.
+#   SWEEP_SETS="--sms 8|--sms 16|--tokens 1024"   argument sets, '|'-separated (default: SM budgets)
+#   SWEEP_ARGS="..."                              epx-bench arguments common to every set
+# Environment such as EPX_PROFILE=1 (per-step times on stderr) or EPX_SEND_BLOCKS applies to all.
+# Output: $OUT/sweep.log and $OUT/sweep.json (every record of every set, one JSON list).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
 ranks=$(nvidia-smi -L | wc -l)
-for sms in ${SWEEP_SMS:-24}; do
-  for send in ${SWEEP_SEND:-default}; do
-    tag="sms${sms}_send${send}"
-    echo "== $tag" | tee -a "$OUT/sweep.log"
-    if [ "$send" = default ]; then unset EPX_SEND_BLOCKS; else export EPX_SEND_BLOCKS=$send; fi
-    timeout 120 ./build-gpu/epx-bench --backend cuda --ranks "$ranks" --sms "$sms" ${SWEEP_ARGS:-} \
-      --json "$OUT/sweep-$tag.json" 2>&1 | grep -vE "^\[|^epx-bench:|^op|^  " | tee -a "$OUT/sweep.log"
-  done
+IFS='|' read -r -a sets <<< "${SWEEP_SETS:---sms 8|--sms 16|--sms 32}"
+parts=()
+for i in "${!sets[@]}"; do
+  echo "== ${sets[$i]}" | tee -a "$OUT/sweep.log"
+  # shellcheck disable=SC2086  # word splitting of the argument sets is intended
+  timeout 150 ./build-gpu/epx-bench --backend cuda --ranks "$ranks" ${SWEEP_ARGS:-} ${sets[$i]} \
+    --json "$OUT/sweep-$i.part" 2>&1 | grep -vE "^\[|^epx-bench:|^op|^  " | tee -a "$OUT/sweep.log"
+  [ -s "$OUT/sweep-$i.part" ] && parts+=("$OUT/sweep-$i.part")
 done
+python3 - "$OUT/sweep.json" "${parts[@]}" <<'PY'
+import json, sys
+records = []
+for part in sys.argv[2:]:
+    records += json.load(open(part))
+json.dump(records, open(sys.argv[1], "w"), indent=1)
+PY
+rm -f "$OUT"/sweep-*.part
