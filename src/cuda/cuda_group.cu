@@ -31,10 +31,13 @@ namespace {
 
 // Fills bases[p] with rank p's window as mapped here, after an LSA barrier that guarantees
 // every rank has registered (and zeroed) its window.
-__global__ void discover_peers(ncclDevComm dev_comm, ncclWindow_t window, int ranks, char** bases) {
+// Every rank is an LSA peer (checked on the host), so world rank p is LSA rank
+// p - first_lsa_rank.
+__global__ void discover_peers(ncclDevComm dev_comm, ncclWindow_t window, int ranks, int first_lsa_rank, char** bases) {
   ncclLsaBarrierSession<ncclCoopCta> barrier{ncclCoopCta(), dev_comm, ncclTeamTagLsa(), 0};
   barrier.sync(ncclCoopCta(), cuda::memory_order_acquire);
-  for (int p = threadIdx.x; p < ranks; p += blockDim.x) bases[p] = static_cast<char*>(ncclGetPeerPointer(window, 0, p));
+  for (int p = threadIdx.x; p < ranks; p += blockDim.x)
+    bases[p] = static_cast<char*>(ncclGetLsaPointer(window, 0, p - first_lsa_rank));
   barrier.sync(ncclCoopCta(), cuda::memory_order_release);
 }
 
@@ -60,7 +63,7 @@ class NcclWindow final : public SymmetricWindow {
     EPX_NCCL(ncclDevCommCreate(comm, &reqs, &dev_comm_));
     char** bases = nullptr;
     EPX_CUDA(cudaMalloc(&bases, sizeof(char*) * ranks));
-    discover_peers<<<1, 32>>>(dev_comm_, window_, ranks, bases);
+    discover_peers<<<1, 32>>>(dev_comm_, window_, ranks, rank - ncclTeamLsa(comm).rank, bases);
     EPX_CUDA(cudaGetLastError());
     EPX_CUDA(cudaMemcpy(peers_.base, bases, sizeof(char*) * ranks, cudaMemcpyDeviceToHost));
     EPX_CUDA(cudaFree(bases));

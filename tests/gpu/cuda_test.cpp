@@ -3,7 +3,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <functional>
+#include <map>
 
 #include "cuda_harness.hpp"
 
@@ -207,6 +209,120 @@ TEST(CudaErrors, AMissingPeerTimesOutInsteadOfHanging) {
   });
   EXPECT_THAT(errors[0], testing::HasSubstr("dispatch #0 (plan exchange): rank 0 waited 500 ms for rank(s) 1"));
   EXPECT_THAT(errors[0], testing::HasSubstr("the group already failed"));
+}
+
+// routing_map + probs on the GPU give what the equivalent top-k form gives (experts ascending).
+TEST(CudaInputs, DenseRoutingMapEqualsItsTopkForm) {
+  const BufferConfig cfg = small_config(512, 64, 16, 4);
+  verify::ProblemSpec spec;
+  spec.cfg = cfg;
+  spec.ranks = 2;
+  spec.unused_slot_fraction = 0.25;
+  const verify::Problem p = verify::make_problem(spec);
+  auto sorted = p;
+  std::vector<std::vector<uint8_t>> maps(2);
+  std::vector<std::vector<float>> probs(2);
+  for (int r = 0; r < 2; ++r) {
+    const auto& in = p.inputs[r];
+    maps[r].assign(in.tokens * 16, 0);
+    probs[r].assign(in.tokens * 16, 0.0f);
+    for (int64_t t = 0; t < in.tokens; ++t) {
+      std::map<int, float> chosen;
+      for (int k = 0; k < 4; ++k)
+        if (in.idx[t * 4 + k] >= 0) chosen[in.idx[t * 4 + k]] = in.weights[t * 4 + k];
+      int k = 0;
+      for (auto [e, w] : chosen) {
+        maps[r][t * 16 + e] = 1;
+        probs[r][t * 16 + e] = w;
+        sorted.inputs[r].idx[t * 4 + k] = e;
+        sorted.inputs[r].weights[t * 4 + k] = w;
+        ++k;
+      }
+      for (; k < 4; ++k) sorted.inputs[r].idx[t * 4 + k] = -1, sorted.inputs[r].weights[t * 4 + k] = 0.0f;
+    }
+  }
+  std::vector<DispatchResult> got(2);
+  std::vector<std::string> errors(2);
+  on_shared_gpu(p, [&](int r, const Group& g, const DeviceArray& x, const DeviceArray&) {
+    DeviceArray map(maps[r]), prob(probs[r]);
+    const int64_t tokens = p.inputs[r].tokens;
+    Buffer b(g, cfg);
+    DispatchInput in;
+    in.x = device_view(x, DType::bf16, {tokens, 512}, 0);
+    in.routing_map = device_view(map, DType::boolean, {tokens, 16}, 0);
+    in.probs = device_view(prob, DType::f32, {tokens, 16}, 0);
+    try {
+      DispatchResult d = b.dispatch(in);
+      b.synchronize();
+      got[r] = to_host(d);
+    } catch (const std::exception& e) {
+      errors[r] = e.what();
+    }
+  });
+  const auto kept = verify::kept_routing(sorted);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(errors[r], "");
+    EXPECT_EQ(verify::check_dispatch(sorted, kept, r, Layout::expert_major, 0.0f, got[r]), "");
+  }
+}
+
+// DeepEP's previous_event / async_finish: the input is produced on the caller's stream, the
+// buffer waits for it (wait_event), and the caller's stream waits for the outputs (record_event).
+TEST(CudaStreams, EventsOrderWorkBetweenTheCallersStreamAndTheBuffers) {
+  const BufferConfig cfg = small_config(2048, 256, 32, 8);
+  verify::ProblemSpec spec;
+  spec.cfg = cfg;
+  spec.ranks = 2;
+  const verify::Problem p = verify::make_problem(spec);
+  std::vector<DispatchResult> got(2);
+  std::vector<std::string> errors(2);
+  on_shared_gpu(p, [&](int r, const Group& g, const DeviceArray&, const DeviceArray& idx) {
+    const int64_t tokens = p.inputs[r].tokens, bytes = tokens * 2048 * 2;
+    cudaStream_t user = nullptr;
+    cudaEvent_t produced = nullptr, consumed = nullptr;
+    cudaStreamCreateWithFlags(&user, cudaStreamNonBlocking);
+    cudaEventCreateWithFlags(&produced, cudaEventDisableTiming);
+    cudaEventCreateWithFlags(&consumed, cudaEventDisableTiming);
+    void* x = nullptr;
+    void* pinned = nullptr;
+    cudaMalloc(&x, bytes);
+    cudaMallocHost(&pinned, bytes);
+    std::memcpy(pinned, p.inputs[r].x.data(), bytes);
+    std::vector<uint16_t> first_row(2048);
+    {
+      Buffer b(g, cfg);
+      cudaMemsetAsync(x, 0, bytes, user);  // the input arrives on the caller's stream, late
+      cudaMemcpyAsync(x, pinned, bytes, cudaMemcpyHostToDevice, user);
+      cudaEventRecord(produced, user);
+      DispatchInput in;
+      in.x = TensorView::of(x, DType::bf16, {tokens, 2048}, DeviceKind::cuda, 0);
+      in.topk_idx = device_view(idx, DType::i32, {tokens, 8}, 0);
+      try {
+        b.wait_event(produced);
+        DispatchResult d = b.dispatch(in);
+        b.record_event(consumed);
+        cudaStreamWaitEvent(user, consumed, 0);
+        cudaMemcpyAsync(first_row.data(), d.recv_x.data<void>(), 2 * 2048, cudaMemcpyDeviceToHost, user);
+        cudaStreamSynchronize(user);
+        got[r] = to_host(d);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    }
+    cudaFree(x);
+    cudaFreeHost(pinned);
+    cudaEventDestroy(produced);
+    cudaEventDestroy(consumed);
+    cudaStreamDestroy(user);
+    if (errors[r].empty() && got[r].num_rows > 0 &&
+        std::memcmp(first_row.data(), got[r].recv_x.data<uint16_t>(), 2 * 2048) != 0)
+      errors[r] = "the caller's stream read recv_x before the buffer wrote it";
+  });
+  const auto kept = verify::kept_routing(p);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(errors[r], "");
+    EXPECT_EQ(verify::check_dispatch(p, kept, r, Layout::expert_major, 0.0f, got[r]), "");
+  }
 }
 
 }  // namespace
