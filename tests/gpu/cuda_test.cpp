@@ -278,6 +278,7 @@ TEST(CudaStreams, EventsOrderWorkBetweenTheCallersStreamAndTheBuffers) {
   std::vector<std::string> errors(2);
   on_shared_gpu(p, [&](int r, const Group& g, const DeviceArray&, const DeviceArray& idx) {
     const int64_t tokens = p.inputs[r].tokens, bytes = tokens * 2048 * 2;
+    DeviceArray weights(p.inputs[r].weights);
     cudaStream_t user = nullptr;
     cudaEvent_t produced = nullptr, consumed = nullptr;
     cudaStreamCreateWithFlags(&user, cudaStreamNonBlocking);
@@ -297,6 +298,7 @@ TEST(CudaStreams, EventsOrderWorkBetweenTheCallersStreamAndTheBuffers) {
       DispatchInput in;
       in.x = TensorView::of(x, DType::bf16, {tokens, 2048}, DeviceKind::cuda, 0);
       in.topk_idx = device_view(idx, DType::i32, {tokens, 8}, 0);
+      if (p.inputs[r].has_weights) in.topk_weights = device_view(weights, DType::f32, {tokens, 8}, 0);
       try {
         b.wait_event(produced);
         DispatchResult d = b.dispatch(in);
