@@ -49,7 +49,7 @@ if want sanitize; then
       --gtest_filter='*nccl_R1_*' > "$OUT/sanitizer_$tool.log" 2>&1
     rc=$?
     tail -3 "$OUT/sanitizer_$tool.log"
-    note "compute-sanitizer $tool rc=$rc ($(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitizer_$tool.log") clean summaries)"
+    note "compute-sanitizer $tool rc=$rc ($(grep -cE 'ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards' "$OUT/sanitizer_$tool.log") clean summaries)"
   done
 fi
 if want bench; then

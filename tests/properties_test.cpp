@@ -204,28 +204,10 @@ TEST(DenseRouting, RoutingMapGivesTheSameResultAsSortedTopk) {
   auto cfg = small_config(64, 24, 16, 4);
   auto p = problem(2, cfg, 8, 0.25);
   // Dense form of each rank's routing, and the top-k form it implies (experts ascending).
-  std::vector<std::vector<uint8_t>> maps(2);
-  std::vector<std::vector<float>> probs(2);
-  auto sorted = p;
-  for (int r = 0; r < 2; ++r) {
-    const auto& in = p.inputs[r];
-    maps[r].assign(in.tokens * 16, 0);
-    probs[r].assign(in.tokens * 16, 0.0f);
-    for (int64_t t = 0; t < in.tokens; ++t) {
-      std::map<int, float> chosen;
-      for (int k = 0; k < 4; ++k)
-        if (in.idx[t * 4 + k] >= 0) chosen[in.idx[t * 4 + k]] = in.weights[t * 4 + k];
-      int k = 0;
-      for (auto [e, w] : chosen) {
-        maps[r][t * 16 + e] = 1;
-        probs[r][t * 16 + e] = w;
-        sorted.inputs[r].idx[t * 4 + k] = e;
-        sorted.inputs[r].weights[t * 4 + k] = w;
-        ++k;
-      }
-      for (; k < 4; ++k) sorted.inputs[r].idx[t * 4 + k] = -1, sorted.inputs[r].weights[t * 4 + k] = 0.0f;
-    }
-  }
+  verify::DenseRouting dense = verify::dense_routing(p);
+  auto& maps = dense.maps;
+  auto& probs = dense.probs;
+  const auto& sorted = dense.sorted;
   std::vector<DispatchResult> got(2);
   auto errors = verify::run_ranks(2, [&](const Group& g) {
     const int r = g.rank();

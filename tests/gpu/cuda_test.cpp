@@ -219,28 +219,10 @@ TEST(CudaInputs, DenseRoutingMapEqualsItsTopkForm) {
   spec.ranks = 2;
   spec.unused_slot_fraction = 0.25;
   const verify::Problem p = verify::make_problem(spec);
-  auto sorted = p;
-  std::vector<std::vector<uint8_t>> maps(2);
-  std::vector<std::vector<float>> probs(2);
-  for (int r = 0; r < 2; ++r) {
-    const auto& in = p.inputs[r];
-    maps[r].assign(in.tokens * 16, 0);
-    probs[r].assign(in.tokens * 16, 0.0f);
-    for (int64_t t = 0; t < in.tokens; ++t) {
-      std::map<int, float> chosen;
-      for (int k = 0; k < 4; ++k)
-        if (in.idx[t * 4 + k] >= 0) chosen[in.idx[t * 4 + k]] = in.weights[t * 4 + k];
-      int k = 0;
-      for (auto [e, w] : chosen) {
-        maps[r][t * 16 + e] = 1;
-        probs[r][t * 16 + e] = w;
-        sorted.inputs[r].idx[t * 4 + k] = e;
-        sorted.inputs[r].weights[t * 4 + k] = w;
-        ++k;
-      }
-      for (; k < 4; ++k) sorted.inputs[r].idx[t * 4 + k] = -1, sorted.inputs[r].weights[t * 4 + k] = 0.0f;
-    }
-  }
+  const verify::DenseRouting dense = verify::dense_routing(p);
+  const auto& maps = dense.maps;
+  const auto& probs = dense.probs;
+  const auto& sorted = dense.sorted;
   std::vector<DispatchResult> got(2);
   std::vector<std::string> errors(2);
   on_shared_gpu(p, [&](int r, const Group& g, const DeviceArray& x, const DeviceArray&) {

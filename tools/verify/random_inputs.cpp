@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <numeric>
 #include <random>
 
@@ -80,6 +81,32 @@ Problem make_problem(const ProblemSpec& spec) {
     p.inputs.push_back(std::move(in));
   }
   return p;
+}
+
+DenseRouting dense_routing(const Problem& p) {
+  const int64_t e_count = p.cfg.num_experts, k_count = p.cfg.topk;
+  DenseRouting d{std::vector<std::vector<uint8_t>>(p.ranks), std::vector<std::vector<float>>(p.ranks), p};
+  for (int r = 0; r < p.ranks; ++r) {
+    const RankInput& in = p.inputs[r];
+    RankInput& sorted = d.sorted.inputs[r];
+    d.maps[r].assign(in.tokens * e_count, 0);
+    d.probs[r].assign(in.tokens * e_count, 0.0f);
+    for (int64_t t = 0; t < in.tokens; ++t) {
+      std::map<int32_t, float> chosen;  // ascending expert ids
+      for (int64_t k = 0; k < k_count; ++k)
+        if (in.idx[t * k_count + k] >= 0) chosen[in.idx[t * k_count + k]] = in.weights[t * k_count + k];
+      int64_t k = 0;
+      for (const auto& [e, w] : chosen) {
+        d.maps[r][t * e_count + e] = 1;
+        d.probs[r][t * e_count + e] = w;
+        sorted.idx[t * k_count + k] = e;
+        sorted.weights[t * k_count + k] = w;
+        ++k;
+      }
+      for (; k < k_count; ++k) sorted.idx[t * k_count + k] = -1, sorted.weights[t * k_count + k] = 0.0f;
+    }
+  }
+  return d;
 }
 
 }  // namespace epx::verify

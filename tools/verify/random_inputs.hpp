@@ -42,6 +42,15 @@ struct ProblemSpec {
 
 Problem make_problem(const ProblemSpec& spec);
 
+// The dense form of a problem's top-k routing (routing_map [T, E] + probs [T, E] per rank), and
+// the top-k problem it is equivalent to (each token's experts ascending, unused slots last).
+struct DenseRouting {
+  std::vector<std::vector<uint8_t>> maps;
+  std::vector<std::vector<float>> probs;
+  Problem sorted;
+};
+DenseRouting dense_routing(const Problem& p);
+
 // Random bf16 values, never zero: sign random, magnitude 2^u with u uniform in [-16, 2).
 std::vector<uint16_t> random_bf16(int64_t count, uint64_t seed, bool exact_values = false);
 
