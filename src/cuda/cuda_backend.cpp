@@ -38,7 +38,6 @@ WindowMap make_window_map(const BufferConfig& c, int ranks, const WireRow& wire)
   m.max_chunks = (c.max_tokens_per_rank + kChunkTokens - 1) / kChunkTokens;
   m.fwd_chunk_flag = take(8 * ranks * m.max_chunks);
   m.rev_chunk_flag = take(4 * ranks * m.max_chunks);
-  m.fwd_rows = take(8 * ranks);
   m.payload_stride = round16(std::max(wire.bytes(), 2 * c.hidden));
   m.fwd_payload = take(rows * m.payload_stride);
   m.fwd_token = take(4 * rows);
@@ -62,7 +61,6 @@ struct DeviceHandle {
   int64_t* dropped;        // [1]
   kernels::ChunkPositions pos;  // pos.send_pos: each token's stream position at each rank, or -1
   kernels::RecvArrays recv;
-  const int64_t* tokens_to_rank(int64_t experts) const { return pos.totals + experts; }
 };
 
 // Carves typed arrays out of one block: first pass measures, second assigns.
@@ -730,7 +728,7 @@ CombineBackwardResult CudaBackend::combine_backward(const CombineBackwardInput& 
   kernels::SendRows rows;
   rows.x = static_cast<const char*>(in.grad_out.data);
   rows.x_stride_bytes = in.grad_out.strides[0] * 2;
-  kernels::send_tokens(x, rows, h->tokens, dh.pos.send_pos, dh.tokens_to_rank(c.num_experts));
+  kernels::send_tokens(x, rows, h->tokens, dh.pos.send_pos);
   wait(kSignalForward);
   CombineBackwardResult out;
   out.grad_y = device_tensor(DType::bf16, {h->recv.capacity, c.hidden});

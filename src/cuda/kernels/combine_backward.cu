@@ -27,12 +27,9 @@ __device__ void store_chunk(uint16_t* row, int64_t h, int64_t hidden, const floa
 
 // Warp per token: its grad_out row to every rank that holds one of its slots, then signal.
 __global__ void __launch_bounds__(kWarps * 32) send_tokens_kernel(PeerWindows w, WindowMap m, Shape s, SendRows rows,
-                                                                 int64_t tokens, const int32_t* send_pos,
-                                                                 const int64_t* tokens_to_rank, DeviceStatus* st) {
+                                                                 int64_t tokens, const int32_t* send_pos, DeviceStatus* st) {
   const int lane = threadIdx.x % 32;
   const bool skip = failed(st);
-  if (!skip && blockIdx.x == 0 && threadIdx.x < w.ranks)  // how many rows each rank gets from us
-    at_window<int64_t>(w, threadIdx.x, m.fwd_rows)[w.rank] = tokens_to_rank[threadIdx.x];
   const int64_t warp = blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32;
   for (int64_t t = skip ? tokens : warp; t < tokens; t += static_cast<int64_t>(gridDim.x) * kWarps) {
     char* dst[kMaxRanks];
@@ -111,10 +108,9 @@ __global__ void gather_slot_values_kernel(PeerWindows w, WindowMap m, Shape s, i
 
 }  // namespace
 
-void send_tokens(const Ctx& ctx, const SendRows& rows, int64_t tokens, const int32_t* send_pos,
-                 const int64_t* tokens_to_rank) {
+void send_tokens(const Ctx& ctx, const SendRows& rows, int64_t tokens, const int32_t* send_pos) {
   send_tokens_kernel<<<ctx.blocks, kWarps * 32, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, rows, tokens, send_pos,
-                                                                  tokens_to_rank, ctx.status);
+                                                                  ctx.status);
 }
 
 void expand_grad(const Ctx& ctx, const RecvArrays& r, Layout layout, bool weighted, const uint16_t* y, int64_t y_stride,

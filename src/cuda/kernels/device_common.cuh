@@ -124,15 +124,6 @@ __device__ inline bool warp_wait_flags(Word* flags, int64_t stride, int n, int f
   return ok != 0;
 }
 
-// Copies `bytes` with the threads of a warp: 16-byte moves when both ends allow it.
-__device__ inline void warp_copy(char* dst, const char* src, int64_t bytes, int lane) {
-  const bool wide = ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) % 16) == 0;
-  const int64_t vec = wide ? bytes / 16 : 0;
-  for (int64_t i = lane; i < vec; i += 32)
-    reinterpret_cast<int4*>(dst)[i] = reinterpret_cast<const int4*>(src)[i];
-  for (int64_t i = vec * 16 + lane; i < bytes; i += 32) dst[i] = src[i];
-}
-
 __device__ inline float warp_max(float v) {
   for (int o = 16; o >= 1; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;

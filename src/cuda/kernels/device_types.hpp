@@ -63,7 +63,6 @@ struct WindowMap {
   int64_t fwd_chunk_flag;   // uint64 [R][max_chunks]: chunk c from source s is here: epoch << 32 | its range
                             // (start << kRangeCountBits | count)
   int64_t rev_chunk_flag;   // uint32 [R][max_chunks]: call epoch once rank d returned chunk c
-  int64_t fwd_rows;      // int64 [R]: rows each source sent in the last forward transfer
   int64_t fwd_payload;   // [R * max_tokens] rows of payload_stride bytes
   int64_t payload_stride;
   int64_t fwd_token;     // int32 [R * max_tokens]

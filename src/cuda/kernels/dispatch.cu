@@ -14,7 +14,7 @@ constexpr int kSendThreads = (kSendWarps + 1) * 32;
 constexpr int kRecvWarps = 24;
 constexpr int kRowGroup = 8;  // output rows one read of a received row is written to at once
 
-__device__ int64_t stream_slot(const PeerWindows& w, const Shape& s, int source, int64_t pos) {
+__device__ int64_t stream_slot(const Shape& s, int source, int64_t pos) {
   return source * s.max_tokens + pos;
 }
 
@@ -32,7 +32,7 @@ __device__ void send_token(const PeerWindows& w, const WindowMap& m, const Shape
     const int32_t in_chunk = p.send_pos[t * s.ranks + d];
     if (in_chunk < 0) continue;
     const int64_t pos = p.chunk_base[c * width + s.experts + d] + in_chunk;
-    at[n] = stream_slot(w, s, w.rank, pos);
+    at[n] = stream_slot(s, w.rank, pos);
     to[n] = d;
     dst[n] = at_window<char>(w, d, m.fwd_payload + at[n] * m.payload_stride);
     dst_scales[n] = dst[n] + s.hidden;
@@ -146,7 +146,7 @@ __device__ void place_payload(const char* payload, const RecvOutputs& out, const
 // is issued before the row is copied and every store after, so their latencies overlap the copy.
 __device__ void receive_row_rank_major(const PeerWindows& w, const WindowMap& m, const Shape& s, const RecvArrays& r,
                                        const RecvOutputs& out, int source, int64_t pos, int lane) {
-  const int64_t f = stream_slot(w, s, source, pos), i = r.rank_offsets[source] + pos;
+  const int64_t f = stream_slot(s, source, pos), i = r.rank_offsets[source] + pos;
   const char* payload = at_window<const char>(w, w.rank, m.fwd_payload + f * m.payload_stride);
   const int32_t token = at_window<const int32_t>(w, w.rank, m.fwd_token)[f];
   constexpr int kBlocks = 2;  // topk <= 64: lane k holds slots k and 32 + k
@@ -185,7 +185,7 @@ __device__ void receive_row_rank_major(const PeerWindows& w, const WindowMap& m,
 // fill travel by ballot and shuffle, kRowGroup at a time per read of the row.
 __device__ void receive_row_expert_major(const PeerWindows& w, const WindowMap& m, const Shape& s, const RecvArrays& r,
                                          const RecvOutputs& out, int source, int64_t pos, int lane) {
-  const int64_t f = stream_slot(w, s, source, pos), i = r.rank_offsets[source] + pos, capacity = r.info[2];
+  const int64_t f = stream_slot(s, source, pos), i = r.rank_offsets[source] + pos, capacity = r.info[2];
   const char* payload = at_window<const char>(w, w.rank, m.fwd_payload + f * m.payload_stride);
   const int32_t token = at_window<const int32_t>(w, w.rank, m.fwd_token)[f];
   if (lane == 0) {

@@ -77,13 +77,11 @@ struct SendRows {
   int64_t scales_stride = 0;
   WireFormat wire = WireFormat::bf16;
   float nvfp4_global_scale = 0.0f;
-  bool with_meta = true;  // token index, slots and weights travel too (dispatch)
 };
 
 // combine_backward's forward transfer: every bf16 row once to every rank holding one of its
 // slots (at its dispatch stream position send_pos), then signals kSignalForward.
-void send_tokens(const Ctx& ctx, const SendRows& rows, int64_t tokens, const int32_t* send_pos,
-                 const int64_t* tokens_to_rank);
+void send_tokens(const Ctx& ctx, const SendRows& rows, int64_t tokens, const int32_t* send_pos);
 
 // Receive side of dispatch, in the handle.
 struct RecvArrays {
