@@ -644,23 +644,30 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   return out;
 }
 
-CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle, const CombineOptions& opt) {
-  const Call call = begin_call(kCombine);
-  const BufferConfig& c = config();
+const HandleState& CudaBackend::start_handle_call(const Call& call, const Handle& handle, int64_t options,
+                                                  const std::function<void(const HandleState&)>& validate) {
   std::string error;
   const HandleState* h = nullptr;
   try {
     h = &state_of(handle, call);
-    validate_combine(in, *h, c, opt, DeviceKind::cuda);
-    check_device_tensor(in.y, "combine: y");
+    validate(*h);
   } catch (const Error& e) {
     error = e.what();
   }
-  const int64_t layout = h ? static_cast<int64_t>(h->layout) : -1;
-  const int64_t signature = signature_of({opt.weighted, layout});
+  const int64_t signature = signature_of({options, h ? static_cast<int64_t>(h->layout) : -1});
   if (!error.empty()) reject(call, 1, error, h ? h->tokens : 0, signature);
-  timer_.mark(0, stream_);
   exchange_plan(call, 0, h->tokens, signature, nullptr, 0);
+  return *h;
+}
+
+CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle, const CombineOptions& opt) {
+  const Call call = begin_call(kCombine);
+  const BufferConfig& c = config();
+  timer_.mark(0, stream_);
+  const HandleState* h = &start_handle_call(call, handle, opt.weighted, [&](const HandleState& state) {
+    validate_combine(in, state, c, opt, DeviceKind::cuda);
+    check_device_tensor(in.y, "combine: y");
+  });
   timer_.mark(1, stream_);
   const DeviceHandle& dh = device_of(*h);
   CombineResult out;
@@ -683,17 +690,10 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
 DispatchBackwardResult CudaBackend::dispatch_backward(const DispatchBackwardInput& in, const Handle& handle) {
   const Call call = begin_call(kDispatchBackward);
   const BufferConfig& c = config();
-  std::string error;
-  const HandleState* h = nullptr;
-  try {
-    h = &state_of(handle, call);
-    validate_dispatch_backward(in, *h, c, DeviceKind::cuda);
-  } catch (const Error& e) {
-    error = e.what();
-  }
   const bool with_weights = in.grad_recv_weights.defined();
-  if (!error.empty()) reject(call, 1, error, h ? h->tokens : 0, signature_of({with_weights}));
-  exchange_plan(call, 0, h->tokens, signature_of({with_weights}), nullptr, 0);
+  const HandleState* h = &start_handle_call(call, handle, with_weights, [&](const HandleState& state) {
+    validate_dispatch_backward(in, state, c, DeviceKind::cuda);
+  });
   const DeviceHandle& dh = device_of(*h);
   DispatchBackwardResult out;
   out.grad_x = device_tensor(DType::bf16, {h->tokens, c.hidden});
@@ -713,16 +713,9 @@ CombineBackwardResult CudaBackend::combine_backward(const CombineBackwardInput& 
                                                     const CombineOptions& opt) {
   const Call call = begin_call(kCombineBackward);
   const BufferConfig& c = config();
-  std::string error;
-  const HandleState* h = nullptr;
-  try {
-    h = &state_of(handle, call);
-    validate_combine_backward(in, *h, c, opt, DeviceKind::cuda);
-  } catch (const Error& e) {
-    error = e.what();
-  }
-  if (!error.empty()) reject(call, 1, error, h ? h->tokens : 0, signature_of({opt.weighted}));
-  exchange_plan(call, 0, h->tokens, signature_of({opt.weighted}), nullptr, 0);
+  const HandleState* h = &start_handle_call(call, handle, opt.weighted, [&](const HandleState& state) {
+    validate_combine_backward(in, state, c, opt, DeviceKind::cuda);
+  });
   const kernels::Ctx x = ctx();
   const DeviceHandle& dh = device_of(*h);
   kernels::SendRows rows;

@@ -56,6 +56,11 @@ class CudaBackend final : public Backend {
   // ranks' per-expert prefix and the drop capacity.
   void exchange_plan(const Call& call, int phase, int64_t tokens, int64_t signature, const int64_t* counts,
                      int64_t count_len, int64_t* expert_prefix = nullptr, int64_t* drop_capacity = nullptr);
+  // The start of a call on a dispatch's handle (combine and the backward passes): the handle and
+  // the inputs are checked (a rejection reaches every peer), then the plan exchange, whose
+  // signature holds `options` and the handle's layout.
+  const HandleState& start_handle_call(const Call& call, const Handle& handle, int64_t options,
+                                       const std::function<void(const HandleState&)>& validate);
   // Waits for the forward / reverse transfer of this call.
   void wait(int kind);
   // Reads the device status (synchronizing the stream) and throws what it says.
