@@ -94,7 +94,8 @@ constexpr int kFp8Steps = 4;
 __device__ inline void quantize_fp8_row(const uint16_t* x, int64_t hidden, bool ue8m0, char* const* dst, int n, int lane) {
   float v[16];
   if (!aligned16(x)) {
-    for (int64_t h = lane * 16; h - lane * 16 < hidden; h += 512) {
+    for (int64_t base = 0; base < hidden; base += 512) {
+      const int64_t h = base + lane * 16;
       const bool on = h < hidden;  // hidden % 128 == 0: a block's 8 lanes are all on or all off
       if (on)
         for (int i = 0; i < 16; ++i) v[i] = bf16_to_float(x[h + i]);
