@@ -181,6 +181,8 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   // once a rank returns from it, peers may already wait inside a call, and on a GPU shared by
   // several ranks a device-synchronizing call would wait for them (and they for us).
   kernels::preload_kernels();
+  EPX_CUDA(cudaMalloc(&call_state_, sizeof(CallState)));
+  EPX_CUDA(cudaMemset(call_state_, 0, sizeof(CallState)));
   EPX_CUDA(cudaMalloc(&status_, sizeof(DeviceStatus)));
   EPX_CUDA(cudaMalloc(&scratch_, sizeof(int64_t)));
   EPX_CUDA(cudaMemset(status_, 0, sizeof(DeviceStatus)));
@@ -240,6 +242,7 @@ CudaBackend::~CudaBackend() {
   cudaStreamSynchronize(side_stream_);
   window_.reset();
   cudaFree(status_);
+  cudaFree(call_state_);
   cudaFree(scratch_);
   cudaFreeHost(host_status_);
   cudaFreeHost(host_info_);
@@ -260,8 +263,8 @@ int CudaBackend::send_blocks(bool dispatch, Layout layout) const {
 
 kernels::Ctx CudaBackend::ctx(cudaStream_t stream) const {
   const BufferConfig& c = config();
-  kernels::Ctx x{window_->peers(), map_, {}, status_, static_cast<uint64_t>(timeout_.count()) * 1000000ull, blocks_,
-                 stream ? stream : stream_};
+  kernels::Ctx x{window_->peers(), map_, {}, status_, call_state_, static_cast<uint64_t>(timeout_.count()) * 1000000ull,
+                 blocks_, stream ? stream : stream_};
   x.shape = {rank_, ranks_, c.hidden, c.topk, c.num_experts, local_experts_, c.max_tokens_per_rank};
   return x;
 }
@@ -271,7 +274,7 @@ CudaBackend::Call CudaBackend::begin_call(CallKind kind) {
   if (broken_) fail(ErrorCode::peer_failed, call.name, " (rank ", rank_, "): the group already failed: ", broken_reason_);
   EPX_CUDA(cudaSetDevice(device_));
   check_earlier_calls(call);
-  EPX_CUDA(cudaMemsetAsync(status_, 0, sizeof(DeviceStatus), stream_));
+  kernels::begin_call(ctx());
   return call;
 }
 
@@ -345,8 +348,8 @@ PlanHeader CudaBackend::plan_header(const Call& call, const std::string& error, 
 void CudaBackend::reject(const Call& call, int phases, const std::string& error, int64_t tokens, int64_t signature) {
   const PlanHeader h = plan_header(call, error, tokens, signature);
   for (int phase = 0; phase < phases; ++phase) {  // peers wait for every exchange of the call
-    kernels::post_plan(ctx(), h, nullptr, 0, call.plan_slot(phase));
-    targets_[kSignalPlan] += 1;
+    kernels::post_plan(ctx(), h, nullptr, 0, phase);
+    kernels::wait_signals(ctx(), kSignalPlan, 1, /*wait=*/false);  // keeps this rank's targets in step
   }
   throw Error(ErrorCode::invalid_argument, error);
 }
@@ -355,18 +358,16 @@ void CudaBackend::exchange_plan(const Call& call, int phase, int64_t tokens, int
                                 int64_t count_len, int64_t* expert_prefix, int64_t* drop_capacity) {
   const PlanHeader h = plan_header(call, "", tokens, signature);
   const kernels::Ctx c = ctx();
-  kernels::post_plan(c, h, counts, count_len, call.plan_slot(phase));
-  targets_[kSignalPlan] += 1;
-  kernels::wait_signals(c, kSignalPlan, targets_[kSignalPlan]);
-  kernels::check_plans(c, h, call.plan_slot(phase), expert_prefix != nullptr,
+  kernels::post_plan(c, h, counts, count_len, phase);
+  kernels::wait_signals(c, kSignalPlan, 1);
+  kernels::check_plans(c, h, phase, expert_prefix != nullptr,
                        expert_prefix ? config().capacity_factor : 0.0, expert_prefix,
                        drop_capacity ? drop_capacity : scratch_);
 }
 
 void CudaBackend::wait(int kind) {
   const kernels::Ctx c = ctx();
-  targets_[kind] += static_cast<uint64_t>(c.blocks);
-  kernels::wait_signals(c, kind, targets_[kind]);
+  kernels::wait_signals(c, kind, static_cast<uint64_t>(c.blocks));
 }
 
 std::function<void(void*)> CudaBackend::stream_deleter() const {
@@ -390,9 +391,13 @@ Tensor CudaBackend::device_tensor(DType dtype, std::initializer_list<int64_t> sh
 Tensor CudaBackend::output_block(int64_t bytes, cudaStream_t stream) {
   constexpr size_t kMaxCached = 4;
   const size_t need = static_cast<size_t>(bytes);
+  // In a CUDA graph capture the allocation and its release must be graph nodes: no cache.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  EPX_CUDA(cudaStreamIsCapturing(stream, &capture));
+  const bool cacheable = capture == cudaStreamCaptureStatusNone;
   void* p = nullptr;
   size_t have = 0;
-  {
+  if (cacheable) {
     std::lock_guard<std::mutex> lock(block_cache_->mutex);
     auto& blocks = block_cache_->blocks;
     for (auto it = blocks.begin(); it != blocks.end(); ++it)
@@ -412,8 +417,8 @@ Tensor CudaBackend::output_block(int64_t bytes, cudaStream_t stream) {
   if (poison_outputs_) EPX_CUDA(cudaMemsetAsync(p, 0xa5, have, stream));
   std::weak_ptr<BlockCache> cache = block_cache_;
   auto free_block = stream_deleter();
-  std::shared_ptr<void> storage(p, [cache, free_block, have](void* q) {
-    if (auto c = cache.lock()) {
+  std::shared_ptr<void> storage(p, [cache, free_block, have, cacheable](void* q) {
+    if (auto c = cacheable ? cache.lock() : nullptr) {
       std::lock_guard<std::mutex> lock(c->mutex);
       if (c->blocks.size() < kMaxCached) {
         c->blocks.emplace_back(q, have);
@@ -530,14 +535,12 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   const auto host_planned = std::chrono::steady_clock::now();
   EPX_CUDA(cudaEventRecord(fork_, stream_));
   EPX_CUDA(cudaStreamWaitEvent(side_stream_, fork_, 0));
-  const uint32_t epoch = call.epoch();
   const int senders = send_blocks(true, opt.layout);
-  kernels::dispatch_send(x, senders, rows, tokens, kernels::SendPlan{dh->slot_expert, dh->slot_weight, dh->pos},
-                         epoch);
+  kernels::dispatch_send(x, senders, rows, tokens, kernels::SendPlan{dh->slot_expert, dh->slot_weight, dh->pos});
   timer_.mark(2, stream_);
   const kernels::Ctx side = ctx(side_stream_);
   const bool capacity_mode = c.mode == CapacityMode::capacity;
-  kernels::receive_layout(side, call.plan_slot(phase), dh->recv, opt.layout, c.expert_alignment,
+  kernels::receive_layout(side, phase, dh->recv, opt.layout, c.expert_alignment,
                           capacity_mode ? c.capacity_rows : 0);
   timer_.mark(3, side_stream_);
 
@@ -590,7 +593,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
                           reinterpret_cast<int32_t*>(ptr(out.recv_topk_idx)),
                           reinterpret_cast<float*>(ptr(out.recv_topk_weights))};
   timer_.mark(4, side_stream_);
-  kernels::dispatch_receive(side, blocks_ - senders, dh->recv, ro, opt.layout, epoch);
+  kernels::dispatch_receive(side, blocks_ - senders, dh->recv, ro, opt.layout);
   const auto host_launched = std::chrono::steady_clock::now();
   timer_.mark(5, side_stream_);
   EPX_CUDA(cudaEventRecord(join_, side_stream_));
@@ -676,7 +679,7 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
                          in.shared_out.defined() ? in.shared_out.ptr<const uint16_t>() : nullptr,
                          in.shared_out.defined() ? in.shared_out.strides[0] : 0, out.out.data<uint16_t>(), nullptr};
   timer_.mark(2, stream_);
-  kernels::combine(ctx(), send_blocks(false, h->layout), dh.recv, h->layout, h->tokens, dh.pos.send_pos, dh.slot_expert, a, call.epoch());
+  kernels::combine(ctx(), send_blocks(false, h->layout), dh.recv, h->layout, h->tokens, dh.pos.send_pos, dh.slot_expert, a);
   timer_.mark(3, stream_);
   out.overflow = h->recv.num_rows > h->recv.capacity;
   timer_.add("combine: plan", 0, 1);
@@ -703,7 +706,7 @@ DispatchBackwardResult CudaBackend::dispatch_backward(const DispatchBackwardInpu
                          with_weights ? gw.ptr<const float>() : nullptr, with_weights ? gw.strides[0] : 0,
                          nullptr, 0, out.grad_x.data<uint16_t>(),
                          with_weights ? out.grad_topk_weights.data<float>() : nullptr};
-  kernels::combine(ctx(), send_blocks(false, h->layout), dh.recv, h->layout, h->tokens, dh.pos.send_pos, dh.slot_expert, a, call.epoch());
+  kernels::combine(ctx(), send_blocks(false, h->layout), dh.recv, h->layout, h->tokens, dh.pos.send_pos, dh.slot_expert, a);
   if (c.mode == CapacityMode::blocking) sync_and_check(call);
   else kernels::publish_status(ctx(), host_status_);
   return out;

@@ -38,11 +38,9 @@ class CudaBackend final : public Backend {
     CallKind kind;
     int64_t index;
     std::string name;  // "dispatch #3"
-    // Plans are double-buffered by call parity (a fast rank's next plan never overwrites one a
-    // slower rank still reads), with two phases per call (dispatch with dropping uses both).
+    // Where this call's plans are (kernels find them from the device's call number; the host
+    // needs them only to read a peer's rejection message).
     int plan_slot(int phase) const { return static_cast<int>(index % 2) * 2 + phase; }
-    // Chunk flags carry the call's epoch; every rank numbers its calls alike.
-    uint32_t epoch() const { return static_cast<uint32_t>(index + 1); }
   };
 
   Call begin_call(CallKind kind);
@@ -106,6 +104,7 @@ class CudaBackend final : public Backend {
   WindowMap map_{};
   std::unique_ptr<SymmetricWindow> window_;
   DeviceStatus* status_ = nullptr;       // device
+  CallState* call_state_ = nullptr;      // device: call number and signal targets (advanced by kernels)
   DeviceStatus* host_status_ = nullptr;  // host-mapped copy, published at the end of every call
   int64_t* host_info_ = nullptr;         // pinned: sizes read back in blocking mode
   int64_t* scratch_ = nullptr;           // device: the drop capacity calls other than dispatch ignore
@@ -129,7 +128,6 @@ class CudaBackend final : public Backend {
   // A block of at least `bytes` on `stream`: a cached one if one fits, else from the pool.
   Tensor output_block(int64_t bytes, cudaStream_t stream);
   PhaseTimer timer_;  // EPX_PROFILE
-  uint64_t targets_[kSignalKinds] = {};  // what each signal counter reaches after this call
   int64_t calls_ = 0;
   bool broken_ = false;
   std::string broken_reason_;

@@ -2,6 +2,7 @@
 // EP2..EP8 on the shared-GPU transport; plus device-side errors and timeouts.
 #include <cuda_runtime.h>
 
+#include <barrier>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -306,6 +307,131 @@ TEST(CudaStreams, EventsOrderWorkBetweenTheCallersStreamAndTheBuffers) {
   for (int r = 0; r < 2; ++r) {
     ASSERT_EQ(errors[r], "");
     EXPECT_EQ(verify::check_dispatch(p, kept, r, Layout::expert_major, 0.0f, got[r]), "");
+  }
+}
+
+// Capacity mode never synchronizes the host, so dispatch -> a stand-in expert (y = recv_x) ->
+// combine can be captured in one CUDA graph and replayed with fresh inputs; every replay must
+// equal the reference.
+TEST(CudaGraphs, CapacityModeDispatchAndCombineReplayWithFreshInputs) {
+  constexpr int kRanks = 2, kReplays = 3;
+  constexpr int64_t kTokens = 64, kHidden = 1024, kExperts = 16, kTopk = 4, kLocal = kExperts / kRanks;
+  BufferConfig cfg = small_config(kHidden, kTokens, kExperts, kTopk);
+  cfg.mode = CapacityMode::capacity;
+  cfg.capacity_rows = kRanks * kTokens * kTopk;  // never overflows
+  const int64_t cap = cfg.capacity_rows;
+  std::vector<verify::Problem> problems;
+  for (int i = 0; i < kReplays; ++i) {
+    verify::ProblemSpec spec;
+    spec.cfg = cfg;
+    spec.ranks = kRanks;
+    spec.seed = 1000 + static_cast<uint64_t>(i);
+    problems.push_back(verify::make_problem(spec));
+  }
+  // got[replay][rank]: the dispatch outputs and combine output read back after each replay.
+  std::vector<std::vector<DispatchResult>> got(kReplays, std::vector<DispatchResult>(kRanks));
+  std::vector<std::vector<std::vector<uint16_t>>> ys(kReplays, std::vector<std::vector<uint16_t>>(kRanks));
+  std::vector<std::vector<std::vector<uint16_t>>> outs(kReplays, std::vector<std::vector<uint16_t>>(kRanks));
+  std::vector<std::string> errors(kRanks);
+  const CudaWorld world = CudaWorld::shared_gpu(kRanks, 0);
+  std::barrier instantiated(kRanks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r)
+    threads.emplace_back([&, r] {
+      cudaSetDevice(0);
+      // Everything the graph reads or writes outside the library, allocated before the buffer.
+      DeviceArray x(problems[0].inputs[r].x), idx(problems[0].inputs[r].idx), w(problems[0].inputs[r].weights);
+      const std::vector<uint16_t> y_rows(cap * kHidden), out_rows(kTokens * kHidden);
+      const std::vector<int32_t> src_rows(cap * 2);
+      const std::vector<float> weight_rows(cap);
+      const std::vector<int64_t> sizes_init(4 + kLocal + (kLocal + 1) + (kRanks + 1));
+      DeviceArray y(y_rows), out(out_rows), src(src_rows), weights(weight_rows), info(sizes_init);
+      cudaStream_t stream = nullptr;
+      cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+      cudaGraphExec_t exec = nullptr;
+      bool arrived = false;
+      try {
+        Buffer b(world.group(r), cfg);
+        b.set_stream(stream);
+        cudaGraph_t graph = nullptr;
+        cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal);
+        {
+          DispatchInput in;
+          in.x = device_view(x, DType::bf16, {kTokens, kHidden}, 0);
+          in.topk_idx = device_view(idx, DType::i32, {kTokens, kTopk}, 0);
+          in.topk_weights = device_view(w, DType::f32, {kTokens, kTopk}, 0);
+          DispatchResult d = b.dispatch(in);
+          auto keep = [&](void* to, const Tensor& t, int64_t at_bytes) {
+            cudaMemcpyAsync(static_cast<char*>(to) + at_bytes, t.data<void>(), t.numel() * dtype_size(t.dtype()),
+                            cudaMemcpyDeviceToDevice, stream);
+          };
+          keep(y.get(), d.recv_x, 0);  // the expert: y = recv_x
+          keep(src.get(), d.recv_src, 0);
+          keep(weights.get(), d.recv_weights, 0);
+          keep(info.get(), d.recv_info, 0);
+          keep(info.get(), d.tokens_per_expert, 4 * 8);
+          keep(info.get(), d.expert_offsets, (4 + kLocal) * 8);
+          keep(info.get(), d.rank_offsets, (4 + kLocal + kLocal + 1) * 8);
+          CombineResult c = b.combine({device_view(y, DType::bf16, {cap, kHidden}, 0), {}}, d.handle, {true});
+          keep(out.get(), c.out, 0);
+        }  // the outputs go here: their release is part of the graph
+        if (cudaStreamEndCapture(stream, &graph) != cudaSuccess || cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess)
+          throw std::runtime_error("capture failed: " + std::string(cudaGetErrorString(cudaGetLastError())));
+        cudaGraphDestroy(graph);
+        arrived = true;
+        instantiated.arrive_and_wait();  // no rank's graph waits for a peer still instantiating
+        for (int i = 0; i < kReplays; ++i) {
+          const verify::RankInput& in = problems[i].inputs[r];
+          cudaMemcpyAsync(x.get(), in.x.data(), in.x.size() * 2, cudaMemcpyHostToDevice, stream);
+          cudaMemcpyAsync(idx.get(), in.idx.data(), in.idx.size() * 4, cudaMemcpyHostToDevice, stream);
+          cudaMemcpyAsync(w.get(), in.weights.data(), in.weights.size() * 4, cudaMemcpyHostToDevice, stream);
+          if (cudaGraphLaunch(exec, stream) != cudaSuccess) throw std::runtime_error("graph launch failed");
+          cudaStreamSynchronize(stream);
+          DispatchResult& h = got[i][r];
+          h.recv_x = Tensor::zeros_host(DType::bf16, {cap, kHidden});
+          h.recv_src = Tensor::zeros_host(DType::i32, {cap, 2});
+          h.recv_weights = Tensor::zeros_host(DType::f32, {cap});
+          std::vector<int64_t> sizes(4 + kLocal + kLocal + 1 + kRanks + 1);
+          outs[i][r].resize(kTokens * kHidden);
+          // Read back on the rank's own stream (no legacy-stream copy while the peer may be in a call).
+          cudaMemcpyAsync(h.recv_x.data<void>(), y.get(), cap * kHidden * 2, cudaMemcpyDeviceToHost, stream);
+          cudaMemcpyAsync(h.recv_src.data<void>(), src.get(), cap * 8, cudaMemcpyDeviceToHost, stream);
+          cudaMemcpyAsync(h.recv_weights.data<void>(), weights.get(), cap * 4, cudaMemcpyDeviceToHost, stream);
+          cudaMemcpyAsync(sizes.data(), info.get(), sizes.size() * 8, cudaMemcpyDeviceToHost, stream);
+          cudaMemcpyAsync(outs[i][r].data(), out.get(), outs[i][r].size() * 2, cudaMemcpyDeviceToHost, stream);
+          cudaStreamSynchronize(stream);
+          auto host_i64 = [](const int64_t* from, int64_t n) {
+            Tensor t = Tensor::zeros_host(DType::i64, {n});
+            std::copy(from, from + n, t.data<int64_t>());
+            return t;
+          };
+          h.num_rows = sizes[1];
+          h.overflow = sizes[3] != 0;
+          h.tokens_per_expert = host_i64(sizes.data() + 4, kLocal);
+          h.expert_offsets = host_i64(sizes.data() + 4 + kLocal, kLocal + 1);
+          h.rank_offsets = host_i64(sizes.data() + 4 + kLocal + kLocal + 1, kRanks + 1);
+          ys[i][r].assign(h.recv_x.data<uint16_t>(), h.recv_x.data<uint16_t>() + cap * kHidden);
+        }
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+        if (!arrived) instantiated.arrive_and_drop();  // the peer must not wait for us
+      }
+      if (exec) cudaGraphExecDestroy(exec);
+      cudaStreamDestroy(stream);
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < kRanks; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
+  for (int i = 0; i < kReplays; ++i) {
+    const auto kept = verify::kept_routing(problems[i]);
+    std::vector<verify::Expected> layouts;
+    for (int r = 0; r < kRanks; ++r) layouts.push_back(verify::expected_dispatch(problems[i], kept, r, Layout::expert_major));
+    for (int r = 0; r < kRanks; ++r) {
+      EXPECT_EQ(verify::check_dispatch(problems[i], kept, r, Layout::expert_major, 0.0f, got[i][r]), "") << "replay " << i;
+      const auto want = verify::expected_combine(problems[i], kept, layouts, ys[i], r, Layout::expert_major, true, nullptr);
+      EXPECT_EQ(verify::compare_bits(outs[i][r].data(), want.data(), static_cast<int64_t>(want.size()), 2,
+                                     "replay " + std::to_string(i) + " rank " + std::to_string(r) + " combine out"),
+                "");
+    }
   }
 }
 

@@ -159,7 +159,8 @@ __device__ void reduce_token(const PeerWindows& w, const WindowMap& m, const Sha
 __global__ void __launch_bounds__(kThreads) combine_kernel(PeerWindows w, WindowMap m, Shape s, RecvArrays r,
                                                            Layout layout, int64_t tokens, const int32_t* send_pos,
                                                            const int32_t* slot_expert, CombineArgs a, int send_blocks,
-                                                           uint32_t epoch, uint64_t timeout_ns, DeviceStatus* st) {
+                                                           const CallState* cs, uint64_t timeout_ns, DeviceStatus* st) {
+  const uint32_t epoch = call_epoch(cs);
   __shared__ bool skip;
   if (threadIdx.x == 0) skip = failed(st);  // a failed call moves nothing (every rank knows it failed)
   __syncthreads();
@@ -204,9 +205,10 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PeerWindows w, Window
 }  // namespace
 
 void combine(const Ctx& ctx, int send_blocks, const RecvArrays& r, Layout layout, int64_t tokens,
-             const int32_t* send_pos, const int32_t* slot_expert, const CombineArgs& a, uint32_t epoch) {
+             const int32_t* send_pos, const int32_t* slot_expert, const CombineArgs& a) {
   combine_kernel<<<ctx.blocks, kThreads, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, layout, tokens, send_pos,
-                                                          slot_expert, a, send_blocks, epoch, ctx.timeout_ns, ctx.status);
+                                                          slot_expert, a, send_blocks, ctx.state, ctx.timeout_ns,
+                                                          ctx.status);
 }
 
 void preload_combine_kernels() { preload(combine_kernel); }

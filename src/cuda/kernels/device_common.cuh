@@ -80,6 +80,11 @@ __device__ inline bool wait_all(const PeerWindows& w, const WindowMap& m, int ki
   return true;
 }
 
+// The current call's epoch (call number + 1, the same on every rank) and plan slot: plans are
+// double-buffered by call parity, with two phases per call.
+__device__ inline uint32_t call_epoch(const CallState* cs) { return static_cast<uint32_t>(cs->call); }
+__device__ inline int plan_slot(const CallState* cs, int phase) { return static_cast<int>((cs->call - 1) % 2) * 2 + phase; }
+
 // Chunk flags: a word in the receiver's window whose top 32 bits the sender sets to the call's
 // epoch (call number + 1, the same on every rank) once the chunk's rows are there; the rest
 // may carry data about the chunk. Epochs only grow, so flags are never reset and a flag left

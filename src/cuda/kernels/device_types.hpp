@@ -74,6 +74,14 @@ struct WindowMap {
   int64_t total;
 };
 
+// Per buffer, in device memory: the number of the current call and what each signal counter
+// reaches after its current step. Kernels advance them, so a captured CUDA graph replays with
+// fresh values; the host counts calls only for its messages.
+struct CallState {
+  uint64_t call;                   // calls begun; the current call's epoch is this value (call index + 1)
+  uint64_t targets[kSignalKinds];  // per signal kind
+};
+
 // Sizes every kernel needs.
 struct Shape {
   int32_t rank, ranks;

@@ -71,8 +71,9 @@ __device__ void send_token(const PeerWindows& w, const WindowMap& m, const Shape
 // Block per chunk (strided): copy warps take its tokens; the flag warp then publishes the
 // chunk's rows to each destination while the copy warps go on with the next chunk.
 __global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(PeerWindows w, WindowMap m, Shape s, SendRows rows,
-                                                                    int64_t tokens, SendPlan plan, uint32_t epoch,
+                                                                    int64_t tokens, SendPlan plan, const CallState* cs,
                                                                     const DeviceStatus* st) {
+  const uint32_t epoch = call_epoch(cs);
   __shared__ bool skip;
   if (threadIdx.x == 0) skip = failed(st);  // a failed call sends nothing (every rank knows it failed)
   __syncthreads();
@@ -232,8 +233,9 @@ __device__ void receive_row_expert_major(const PeerWindows& w, const WindowMap& 
 // each waits for its chunk's flag.
 __global__ void __launch_bounds__(kRecvWarps * 32) dispatch_receive_kernel(PeerWindows w, WindowMap m, Shape s,
                                                                           RecvArrays r, RecvOutputs out, Layout layout,
-                                                                          uint32_t epoch, uint64_t timeout_ns,
+                                                                          const CallState* cs, uint64_t timeout_ns,
                                                                           DeviceStatus* st) {
+  const uint32_t epoch = call_epoch(cs);
   const int lane = threadIdx.x % 32;
   const int64_t warp = blockIdx.x * static_cast<int64_t>(kRecvWarps) + threadIdx.x / 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kRecvWarps;
@@ -260,17 +262,15 @@ __global__ void __launch_bounds__(kRecvWarps * 32) dispatch_receive_kernel(PeerW
 
 }  // namespace
 
-void dispatch_send(const Ctx& ctx, int blocks, const SendRows& rows, int64_t tokens, const SendPlan& plan,
-                   uint32_t epoch) {
+void dispatch_send(const Ctx& ctx, int blocks, const SendRows& rows, int64_t tokens, const SendPlan& plan) {
   if (tokens == 0) return;
   dispatch_send_kernel<<<blocks, kSendThreads, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, rows, tokens, plan,
-                                                                 epoch, ctx.status);
+                                                                 ctx.state, ctx.status);
 }
 
-void dispatch_receive(const Ctx& ctx, int blocks, const RecvArrays& r, const RecvOutputs& out, Layout layout,
-                      uint32_t epoch) {
+void dispatch_receive(const Ctx& ctx, int blocks, const RecvArrays& r, const RecvOutputs& out, Layout layout) {
   dispatch_receive_kernel<<<blocks, kRecvWarps * 32, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, out, layout,
-                                                                       epoch, ctx.timeout_ns, ctx.status);
+                                                                       ctx.state, ctx.timeout_ns, ctx.status);
 }
 
 void preload_dispatch_kernels() { preload(dispatch_send_kernel, dispatch_receive_kernel); }

@@ -12,6 +12,7 @@ struct Ctx {
   WindowMap map;
   Shape shape;
   DeviceStatus* status;  // device memory
+  CallState* state;      // device memory
   uint64_t timeout_ns;
   int blocks;            // grid of the data-moving kernels (the SM budget)
   cudaStream_t stream;
@@ -46,14 +47,18 @@ void preload_combine_backward_kernels();
 void canonicalize_routing(const Ctx& ctx, const RoutingInput& in, int64_t tokens, int32_t* slot_expert,
                           float* slot_weight, int64_t* counts);
 
-// Posts this rank's plan (header + `count_len` int64 counts, or none) into plan slot `slot` of
-// every rank and signals it. The header's error fields are taken from ctx.status.
-void post_plan(const Ctx& ctx, const PlanHeader& header, const int64_t* counts, int64_t count_len, int slot);
-// Waits for signal `kind` of every rank to reach `target`.
-void wait_signals(const Ctx& ctx, int kind, uint64_t target);
-// Checks every rank's plan in `slot`: same call, no rejected input. Fills drop_capacity (when
-// capacity_factor > 0, else -1) and per-expert prefix counts of lower ranks [E].
-void check_plans(const Ctx& ctx, const PlanHeader& mine, int slot, bool with_counts, double capacity_factor,
+// Starts a call on the device: the call number advances, the status is cleared.
+void begin_call(const Ctx& ctx);
+// Posts this rank's plan (header + `count_len` int64 counts, or none) into every rank's plan slot
+// of this call's `phase` and signals it. The call number and the error fields of the header come
+// from the device (ctx.state, ctx.status).
+void post_plan(const Ctx& ctx, const PlanHeader& header, const int64_t* counts, int64_t count_len, int phase);
+// Advances the target of signal `kind` by `increment` and (when `wait`) waits for every rank's
+// counter to reach it.
+void wait_signals(const Ctx& ctx, int kind, uint64_t increment, bool wait = true);
+// Checks every rank's plan of this call's `phase`: same call, no rejected input. Fills drop_capacity
+// (when capacity_factor > 0, else -1) and per-expert prefix counts of lower ranks [E].
+void check_plans(const Ctx& ctx, const PlanHeader& mine, int phase, bool with_counts, double capacity_factor,
                  int64_t* expert_prefix, int64_t* drop_capacity);
 // The drop rule on this rank's slots; adds the dropped count to *dropped.
 void drop_slots(const Ctx& ctx, int64_t tokens, int32_t* slot_expert, float* slot_weight, const int64_t* expert_prefix,
@@ -98,8 +103,9 @@ struct RecvArrays {
   float* slot_weight;
   int64_t* slot_row;        // output row of the pair (expert-major), the row itself (rank-major), or -1
 };
-// From the dispatch plans (slot `slot`): offsets, counts and sizes of this rank's receive layout.
-void receive_layout(const Ctx& ctx, int slot, const RecvArrays& r, Layout layout, int64_t alignment,
+// From the dispatch plans (of this call's `phase`): offsets, counts and sizes of this rank's
+// receive layout.
+void receive_layout(const Ctx& ctx, int phase, const RecvArrays& r, Layout layout, int64_t alignment,
                     int64_t capacity_rows);
 
 // The dispatch's transfer, split in two kernels that run at the same time on different
@@ -110,8 +116,7 @@ struct SendPlan {
   const float* slot_weight;
   ChunkPositions pos;
 };
-void dispatch_send(const Ctx& ctx, int blocks, const SendRows& rows, int64_t tokens, const SendPlan& plan,
-                   uint32_t epoch);
+void dispatch_send(const Ctx& ctx, int blocks, const SendRows& rows, int64_t tokens, const SendPlan& plan);
 
 struct RecvOutputs {
   char* x;          // [capacity, x_bytes]
@@ -123,8 +128,7 @@ struct RecvOutputs {
   int32_t* topk_idx;  // rank-major [capacity, K]
   float* topk_weights;
 };
-void dispatch_receive(const Ctx& ctx, int blocks, const RecvArrays& r, const RecvOutputs& out, Layout layout,
-                      uint32_t epoch);
+void dispatch_receive(const Ctx& ctx, int blocks, const RecvArrays& r, const RecvOutputs& out, Layout layout);
 
 // Combine and dispatch_backward in one kernel: `send_blocks` blocks return each received chunk
 // (partial sums of y in slot order; per-slot values from slot_values when not null: expert-major
@@ -142,7 +146,7 @@ struct CombineArgs {
   float* slot_out;
 };
 void combine(const Ctx& ctx, int send_blocks, const RecvArrays& r, Layout layout, int64_t tokens,
-             const int32_t* send_pos, const int32_t* slot_expert, const CombineArgs& a, uint32_t epoch);
+             const int32_t* send_pos, const int32_t* slot_expert, const CombineArgs& a);
 // Source side of combine_backward: per-slot values returned by the expert ranks into slot_out [T*K].
 void gather_slot_values(const Ctx& ctx, int64_t tokens, const int32_t* send_pos, const int32_t* slot_expert,
                         float* slot_out);

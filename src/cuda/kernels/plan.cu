@@ -54,10 +54,17 @@ __global__ void canonicalize_kernel(Shape s, RoutingInput in, int64_t tokens, in
   }
 }
 
+__global__ void begin_call_kernel(CallState* cs, DeviceStatus* st) {
+  cs->call += 1;
+  *st = DeviceStatus{};
+}
+
 // One block: write header (+ counts) into every rank's plan slot for this rank, then signal.
 __global__ void post_plan_kernel(PeerWindows w, WindowMap m, PlanHeader header, const int64_t* counts,
-                                 int64_t count_len, int slot, DeviceStatus* st) {
+                                 int64_t count_len, int phase, const CallState* cs, DeviceStatus* st) {
+  const int slot = plan_slot(cs, phase);
   if (threadIdx.x == 0) {
+    header.call_index = static_cast<int64_t>(cs->call) - 1;
     const int32_t code = *reinterpret_cast<volatile int32_t*>(&st->code);
     if (code != 0 && header.error == 0) {  // this rank's own input error, found on the device
       header.error = code;
@@ -75,14 +82,19 @@ __global__ void post_plan_kernel(PeerWindows w, WindowMap m, PlanHeader header, 
   block_done_signal(w, m, kSignalPlan);
 }
 
-__global__ void wait_kernel(PeerWindows w, WindowMap m, int kind, uint64_t target, uint64_t timeout_ns, DeviceStatus* st) {
-  if (threadIdx.x == 0) wait_all(w, m, kind, target, timeout_ns, st);
+__global__ void wait_kernel(PeerWindows w, WindowMap m, int kind, uint64_t increment, bool wait, uint64_t timeout_ns,
+                            CallState* cs, DeviceStatus* st) {
+  if (threadIdx.x != 0) return;
+  cs->targets[kind] += increment;  // every rank advances its targets alike
+  if (wait) wait_all(w, m, kind, cs->targets[kind], timeout_ns, st);
 }
 
-__global__ void check_plans_kernel(PeerWindows w, WindowMap m, Shape s, PlanHeader mine, int slot, bool with_counts,
+__global__ void check_plans_kernel(PeerWindows w, WindowMap m, Shape s, PlanHeader mine, int phase, bool with_counts,
                                    double capacity_factor, int64_t* expert_prefix, int64_t* drop_capacity,
-                                   DeviceStatus* st) {
+                                   const CallState* cs, DeviceStatus* st) {
   if (failed(st)) return;  // a timeout, or this rank's own error: already reported
+  const int slot = plan_slot(cs, phase);
+  mine.call_index = static_cast<int64_t>(cs->call) - 1;
   auto plan = [&](int p) {
     return at_window<const char>(w, w.rank, m.plans + (slot * w.ranks + p) * m.plan_stride);
   };
@@ -151,19 +163,22 @@ void canonicalize_routing(const Ctx& ctx, const RoutingInput& in, int64_t tokens
                                                                         counts, ctx.status);
 }
 
-void post_plan(const Ctx& ctx, const PlanHeader& header, const int64_t* counts, int64_t count_len, int slot) {
-  post_plan_kernel<<<1, 256, 0, ctx.stream>>>(ctx.peers, ctx.map, header, counts, counts ? count_len : 0, slot,
-                                              ctx.status);
+void begin_call(const Ctx& ctx) { begin_call_kernel<<<1, 1, 0, ctx.stream>>>(ctx.state, ctx.status); }
+
+void post_plan(const Ctx& ctx, const PlanHeader& header, const int64_t* counts, int64_t count_len, int phase) {
+  post_plan_kernel<<<1, 256, 0, ctx.stream>>>(ctx.peers, ctx.map, header, counts, counts ? count_len : 0, phase,
+                                              ctx.state, ctx.status);
 }
 
-void wait_signals(const Ctx& ctx, int kind, uint64_t target) {
-  wait_kernel<<<1, 32, 0, ctx.stream>>>(ctx.peers, ctx.map, kind, target, ctx.timeout_ns, ctx.status);
+void wait_signals(const Ctx& ctx, int kind, uint64_t increment, bool wait) {
+  wait_kernel<<<1, 32, 0, ctx.stream>>>(ctx.peers, ctx.map, kind, increment, wait, ctx.timeout_ns, ctx.state,
+                                        ctx.status);
 }
 
-void check_plans(const Ctx& ctx, const PlanHeader& mine, int slot, bool with_counts, double capacity_factor,
+void check_plans(const Ctx& ctx, const PlanHeader& mine, int phase, bool with_counts, double capacity_factor,
                  int64_t* expert_prefix, int64_t* drop_capacity) {
-  check_plans_kernel<<<1, 256, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, mine, slot, with_counts,
-                                                capacity_factor, expert_prefix, drop_capacity, ctx.status);
+  check_plans_kernel<<<1, 256, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, mine, phase, with_counts,
+                                                capacity_factor, expert_prefix, drop_capacity, ctx.state, ctx.status);
 }
 
 void drop_slots(const Ctx& ctx, int64_t tokens, int32_t* slot_expert, float* slot_weight, const int64_t* expert_prefix,
@@ -176,7 +191,7 @@ void publish_status(const Ctx& ctx, DeviceStatus* host_status) {
   publish_status_kernel<<<1, 1, 0, ctx.stream>>>(ctx.status, host_status);
 }
 
-void preload_plan_kernels() { preload(canonicalize_kernel, post_plan_kernel, wait_kernel, check_plans_kernel, drop_kernel, publish_status_kernel); }
+void preload_plan_kernels() { preload(begin_call_kernel, canonicalize_kernel, post_plan_kernel, wait_kernel, check_plans_kernel, drop_kernel, publish_status_kernel); }
 
 void preload_kernels() {
   preload_plan_kernels();

@@ -16,10 +16,12 @@ __device__ const int64_t* plan_totals(const PeerWindows& w, const WindowMap& m, 
   return at_window<const int64_t>(w, w.rank, m.plans + (slot * w.ranks + p) * m.plan_stride + sizeof(PlanHeader));
 }
 
-__global__ void __launch_bounds__(kThreads) receive_layout_kernel(PeerWindows w, WindowMap m, Shape s, int slot,
+__global__ void __launch_bounds__(kThreads) receive_layout_kernel(PeerWindows w, WindowMap m, Shape s, int phase,
                                                                  RecvArrays r, Layout layout, int64_t alignment,
-                                                                 int64_t capacity_rows, const DeviceStatus* st) {
+                                                                 int64_t capacity_rows, const CallState* cs,
+                                                                 const DeviceStatus* st) {
   const bool ok = !failed(st);  // a failed call receives nothing
+  const int slot = plan_slot(cs, phase);
   for (int64_t l = threadIdx.x; l < s.local_experts; l += kThreads) {
     int64_t n = 0;
     for (int p = 0; p < w.ranks; ++p) {
@@ -49,10 +51,10 @@ __global__ void __launch_bounds__(kThreads) receive_layout_kernel(PeerWindows w,
 
 }  // namespace
 
-void receive_layout(const Ctx& ctx, int slot, const RecvArrays& r, Layout layout, int64_t alignment,
+void receive_layout(const Ctx& ctx, int phase, const RecvArrays& r, Layout layout, int64_t alignment,
                     int64_t capacity_rows) {
-  receive_layout_kernel<<<1, kThreads, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, slot, r, layout, alignment,
-                                                        capacity_rows, ctx.status);
+  receive_layout_kernel<<<1, kThreads, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, phase, r, layout, alignment,
+                                                        capacity_rows, ctx.state, ctx.status);
 }
 
 void preload_receive_layout_kernels() { preload(receive_layout_kernel); }
