@@ -389,7 +389,7 @@ Tensor CudaBackend::device_tensor(DType dtype, std::initializer_list<int64_t> sh
 }
 
 Tensor CudaBackend::output_block(int64_t bytes, cudaStream_t stream) {
-  constexpr size_t kMaxCached = 4;
+  constexpr size_t kMaxCached = 8;  // a dispatch's outputs and its handle, for a few dispatches in flight
   const size_t need = static_cast<size_t>(bytes);
   // In a CUDA graph capture the allocation and its release must be graph nodes: no cache.
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -508,11 +508,10 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   auto dh = std::make_shared<DeviceHandle>();
   Carver measure(nullptr);
   carve_handle(*dh, measure, tokens, c, ranks_, map_.max_chunks);
-  void* block = nullptr;
-  EPX_CUDA(cudaMallocFromPoolAsync(&block, static_cast<size_t>(measure.used()), pool_.get(), stream_));
-  EPX_CUDA(cudaMemsetAsync(block, 0, static_cast<size_t>(measure.used()), stream_));
-  dh->memory = std::shared_ptr<void>(block, stream_deleter());
-  Carver carve(static_cast<char*>(block));
+  const Tensor block = output_block(measure.used(), stream_);  // cached like the outputs
+  EPX_CUDA(cudaMemsetAsync(block.data<void>(), 0, static_cast<size_t>(measure.used()), stream_));
+  dh->memory = block.storage();
+  Carver carve(block.data<char>());
   carve_handle(*dh, carve, tokens, c, ranks_, map_.max_chunks);
 
   // Sender's half of the layout; with dropping, a first plan exchange fixes what is kept.
