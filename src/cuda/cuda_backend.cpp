@@ -270,20 +270,24 @@ kernels::Ctx CudaBackend::ctx(cudaStream_t stream) const {
 }
 
 CudaBackend::Call CudaBackend::begin_call(CallKind kind) {
-  Call call{kind, calls_++, cat(call_kind_name(kind), " #", calls_ - 1)};
+  Call call{kind, calls_, cat(call_kind_name(kind), " #", calls_)};
   if (broken_) fail(ErrorCode::peer_failed, call.name, " (rank ", rank_, "): the group already failed: ", broken_reason_);
   EPX_CUDA(cudaSetDevice(device_));
   check_earlier_calls(call);
+  // The host's call count and the device's advance together (plan slots are found from either).
+  ++calls_;
   kernels::begin_call(ctx());
   return call;
 }
 
+// The host-mapped status is the previous call's (published at its end, cleared by this call's
+// begin kernel); a failure there was not raised yet when that call ran without a host sync.
 void CudaBackend::check_earlier_calls(const Call& call) {
   DeviceStatus st;
   std::memcpy(&st, host_status_, sizeof st);
   if (st.code == kStatusOk) return;
   std::memset(host_status_, 0, sizeof(DeviceStatus));
-  raise(st, Call{call.kind, call.index, cat("a call before ", call.name, " (it ran without a host sync)")});
+  raise(st, Call{call.kind, call.index - 1, cat("the call before ", call.name, " (it ran without a host sync)")});
 }
 
 void CudaBackend::raise(const DeviceStatus& st, const Call& call) {
