@@ -80,6 +80,11 @@ class LowLatencyBuffer {
   LowLatencyDispatchResult dispatch(const LowLatencyDispatchInput& in);
   Tensor combine(const LowLatencyCombineInput& in, const LowLatencyHandle& handle);  // [T, H] bf16
 
+  // CUDA: the stream the calls run on (a cudaStream_t; null: the buffer's own), e.g. one being
+  // captured into a CUDA graph; and a wait for the calls so far. The CPU backend ignores both.
+  void set_stream(void* stream);
+  void synchronize();
+
   // Split forms. The send half returns at once; the receive half waits for every peer.
   void dispatch_send(const LowLatencyDispatchInput& in);
   LowLatencyDispatchResult dispatch_recv();

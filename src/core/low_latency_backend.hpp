@@ -8,6 +8,7 @@ namespace epx::detail {
 
 struct LowLatencyHandleState {
   const void* owner = nullptr;
+  int set = 0;             // CUDA backend: the buffer set of the dispatch
   int64_t tokens = 0;      // T of this rank's dispatch
   int64_t num_tokens = 0;  // rows that counted (num_tokens, or T)
   std::vector<int32_t> slot_expert;  // [T*K] this rank's routing (-1 unused, and for rows >= num_tokens)
@@ -28,11 +29,14 @@ class LowLatencyBackend {
   virtual LowLatencyDispatchResult dispatch_recv() = 0;
   virtual void combine_send(const LowLatencyCombineInput& in, const LowLatencyHandle& h) = 0;
   virtual Tensor combine_recv() = 0;
+  virtual void set_stream(void* /*stream*/) {}
+  virtual void synchronize() {}
 
  private:
   LowLatencyConfig config_;
 };
 
 std::unique_ptr<LowLatencyBackend> make_host_low_latency(const Group& group, const LowLatencyConfig& config);
+std::unique_ptr<LowLatencyBackend> make_cuda_low_latency(const Group& group, const LowLatencyConfig& config);
 
 }  // namespace epx::detail

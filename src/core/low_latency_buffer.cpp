@@ -26,9 +26,15 @@ void validate(const LowLatencyConfig& c, int ranks) {
 LowLatencyBuffer::LowLatencyBuffer(const Group& group, const LowLatencyConfig& config) {
   detail::require(group.state() != nullptr, "low-latency buffer: the group is empty");
   validate(config, group.size());
-  if (group.backend() != BackendKind::host)
-    detail::fail(ErrorCode::unsupported, "low-latency buffer: the CUDA low-latency kernels are not built yet");
-  backend_ = detail::make_host_low_latency(group, config);
+  if (group.backend() == BackendKind::host) {
+    backend_ = detail::make_host_low_latency(group, config);
+    return;
+  }
+#ifdef EPX_HAS_CUDA
+  backend_ = detail::make_cuda_low_latency(group, config);
+#else
+  detail::fail(ErrorCode::unsupported, "low-latency buffer: this build of epx has no CUDA backend");
+#endif
 }
 
 LowLatencyBuffer::~LowLatencyBuffer() = default;
@@ -53,5 +59,7 @@ void LowLatencyBuffer::combine_send(const LowLatencyCombineInput& in, const LowL
   backend_->combine_send(in, handle);
 }
 Tensor LowLatencyBuffer::combine_recv() { return backend_->combine_recv(); }
+void LowLatencyBuffer::set_stream(void* stream) { backend_->set_stream(stream); }
+void LowLatencyBuffer::synchronize() { backend_->synchronize(); }
 
 }  // namespace epx

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <thread>
+#include <utility>
 
 #include "epx/cuda.hpp"
 #include "harness.hpp"
@@ -21,6 +22,12 @@ class DeviceArray {
   }
   DeviceArray(const DeviceArray&) = delete;
   DeviceArray& operator=(const DeviceArray&) = delete;
+  DeviceArray(DeviceArray&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) { o.ptr_ = nullptr; }
+  DeviceArray& operator=(DeviceArray&& o) noexcept {
+    std::swap(ptr_, o.ptr_);
+    std::swap(bytes_, o.bytes_);
+    return *this;
+  }
   ~DeviceArray() { cudaFree(ptr_); }
   void* get() const { return ptr_; }
 

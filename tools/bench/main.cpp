@@ -303,9 +303,12 @@ std::vector<Record> run_low_latency(const Options& o, const Ranks& ranks, const 
         ci.y = io.view(ys[r], DType::bf16, {l_count, slots, h});
         ci.topk_weights = io.view(p.inputs[r].weights, DType::f32, {p.inputs[r].tokens, k_count});
         LowLatencyBuffer buffer(g, cfg);
+        buffer.set_stream(io.stream());
         auto timed = [&](std::vector<double>& times, auto&& call) { time_calls(o, start, io, times, call); };
         timed(t_dispatch[r], [&] { got[r] = buffer.dispatch(in); });
         timed(t_combine[r], [&] { outs[r] = buffer.combine(ci, got[r].handle); });
+        got[r] = io.fetch(got[r]);  // host copies (views into the buffer on the GPU)
+        outs[r] = io.fetch(outs[r]);
       } catch (const std::exception& e) {
         errors[r] = e.what();
       }
@@ -398,17 +401,12 @@ int run(const Options& o) {
       for (const char* op : {"combine", "dispatch_backward", "combine_backward"})
         if (wants(o, op)) records.push_back(make_record(o, ranks, p, op, WireFormat::bf16, layout, outs));
     }
-  if (wants(o, "ll_dispatch") || wants(o, "ll_combine")) {
-    if (o.backend == "cuda") {
-      std::fprintf(stderr, "epx-bench: low-latency mode has no CUDA kernels yet; ll ops skipped\n");
-    } else {
-      for (WireFormat wire : o.wires) {
-        std::fprintf(stderr, "[ll] %s ...\n", std::string(wire_name(wire)).c_str());
-        for (Record& r : run_low_latency(o, ranks, base, wire))  // ll_combine moves bf16 whatever the wire: once
-          if (wants(o, r.op) && (r.op == "ll_dispatch" || wire == o.wires.front())) records.push_back(std::move(r));
-      }
+  if (wants(o, "ll_dispatch") || wants(o, "ll_combine"))
+    for (WireFormat wire : o.wires) {
+      std::fprintf(stderr, "[ll] %s ...\n", std::string(wire_name(wire)).c_str());
+      for (Record& r : run_low_latency(o, ranks, base, wire))  // ll_combine moves bf16 whatever the wire: once
+        if (wants(o, r.op) && (r.op == "ll_dispatch" || wire == o.wires.front())) records.push_back(std::move(r));
     }
-  }
   if (!bytes_to.empty())
     for (Record& r : measure_baselines(o, bytes_to)) records.push_back(std::move(r));
   // Every record's wire rate as a fraction of what a plain peer copy got in this run.

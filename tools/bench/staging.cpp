@@ -75,6 +75,13 @@ DispatchResult Staging::fetch(const DispatchResult& d) const {
   return h;
 }
 
+LowLatencyDispatchResult Staging::fetch(const LowLatencyDispatchResult& d) const {
+  LowLatencyDispatchResult h = d;
+  for (Tensor* t : {&h.recv_x, &h.recv_scales, &h.recv_global_scale, &h.recv_count, &h.recv_src, &h.recv_layout})
+    *t = fetch(*t);
+  return h;
+}
+
 void Staging::start() {
 #ifdef EPX_HAS_CUDA
   if (device_ >= 0) {

@@ -24,6 +24,7 @@ class Staging {
   }
   // Host copies of every output tensor.
   DispatchResult fetch(const DispatchResult& d) const;
+  LowLatencyDispatchResult fetch(const LowLatencyDispatchResult& d) const;
   Tensor fetch(const Tensor& t) const;
 
   void* stream() const { return stream_; }

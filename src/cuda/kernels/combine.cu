@@ -12,61 +12,6 @@ namespace {
 
 constexpr int kSendWarps = 16;  // of a returning block; one more warp flags finished chunks
 constexpr int kThreads = (kSendWarps + 1) * 32;
-constexpr int kSumUnroll = 4;   // 16-byte vectors per lane in flight per term
-
-// out = bf16(sum over terms i = 0..n-1 in order), fp32 accumulation from 0: acc = fma(w_i, v, acc)
-// when weighted, else acc + v. term(i, row, weight) returns false for an absent term. Wide
-// (16-byte) accesses when every row is 16-byte aligned and hidden % 8 == 0.
-template <typename Term>
-__device__ void sum_rows(int n, Term term, bool weighted, uint16_t* out, int64_t hidden, bool wide, int lane) {
-  if (!wide) {
-    for (int64_t h = lane; h < hidden; h += 32) {
-      float acc = 0.0f;
-      for (int i = 0; i < n; ++i) {
-        const uint16_t* row;
-        float weight;
-        if (!term(i, row, weight)) continue;
-        const float v = bf16_to_float(row[h]);
-        acc = weighted ? __fmaf_rn(weight, v, acc) : __fadd_rn(acc, v);
-      }
-      out[h] = float_to_bf16(acc);
-    }
-    return;
-  }
-  const int64_t vectors = hidden / 8;
-  for (int64_t base = 0; base < vectors; base += 32 * kSumUnroll) {
-    float acc[kSumUnroll][8] = {};
-    for (int i = 0; i < n; ++i) {
-      const uint16_t* row;
-      float weight;
-      if (!term(i, row, weight)) continue;
-      int4 raw[kSumUnroll];
-#pragma unroll
-      for (int u = 0; u < kSumUnroll; ++u) {
-        const int64_t v = base + u * 32 + lane;
-        if (v < vectors) raw[u] = reinterpret_cast<const int4*>(row)[v];
-      }
-#pragma unroll
-      for (int u = 0; u < kSumUnroll; ++u) {
-        const uint16_t* b = reinterpret_cast<const uint16_t*>(&raw[u]);
-#pragma unroll
-        for (int c = 0; c < 8; ++c) {
-          const float v = bf16_to_float(b[c]);
-          acc[u][c] = weighted ? __fmaf_rn(weight, v, acc[u][c]) : __fadd_rn(acc[u][c], v);
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kSumUnroll; ++u) {
-      const int64_t v = base + u * 32 + lane;
-      if (v >= vectors) continue;
-      uint16_t b[8];
-      for (int c = 0; c < 8; ++c) b[c] = float_to_bf16(acc[u][c]);
-      reinterpret_cast<int4*>(out)[v] = *reinterpret_cast<const int4*>(b);
-    }
-  }
-}
-
 // dst = bf16(0 + src) for a 16-byte aligned row (hidden % 8 == 0): the bits of src except that
 // -0 becomes +0, as the fp32 sum from 0 gives; zeros when src is null (a row lost to overflow).
 __device__ void copy_bf16_plus_zero(const uint16_t* src, uint16_t* dst, int64_t hidden, int lane) {

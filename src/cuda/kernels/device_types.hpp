@@ -19,6 +19,7 @@ enum StatusCode : int32_t {
   kStatusPeerRejected = 4,     // rank = peer; a, b, c = the peer's code, first detail, ...
   kStatusCallMismatch = 5,     // rank = peer; a = its call kind, b = its call number
   kStatusTimeout = 6,          // rank = the first missing peer; a = signal kind
+  kStatusBadTokenCount = 7,    // low-latency num_tokens: a = its value, b = T
 };
 
 // Written by kernels into host-mapped memory; the first error wins.

@@ -1,0 +1,326 @@
+// Low-latency mode on the CUDA backend: host side of src/cuda/kernels/low_latency.cu. The
+// buffer owns every array (window, two sets of outputs); results are views into the set of
+// their call, valid until the receive half of the call after next (docs/low-latency.md).
+#include <cstring>
+
+#include "core/check.hpp"
+#include "core/low_latency_backend.hpp"
+#include "core/timeout.hpp"
+#include "core/validate.hpp"
+#include "core/wire.hpp"
+#include "cuda/cuda_check.hpp"
+#include "cuda/cuda_group.hpp"
+#include "cuda/kernels/ll_launch.hpp"
+#include "epx/codec.hpp"
+
+namespace epx::detail {
+
+namespace {
+
+constexpr int64_t kMaxLlExperts = 4096;  // the layout kernel's shared-memory counts
+
+int64_t round16(int64_t x) { return (x + 15) / 16 * 16; }
+
+class CudaLowLatency final : public LowLatencyBackend {
+ public:
+  CudaLowLatency(const Group& group, const LowLatencyConfig& c)
+      : LowLatencyBackend(c),
+        rank_(group.rank()),
+        ranks_(group.size()),
+        local_(c.num_experts / group.size()),
+        slots_(group.size() * c.max_tokens_per_rank),
+        wire_(wire_row(c.wire, c.hidden)),
+        timeout_(resolve_timeout(c.timeout_ms)) {
+    auto* state = dynamic_cast<CudaGroupState*>(group.state().get());
+    require(state != nullptr, "low-latency buffer: group is not a CUDA group");
+    require(ranks_ <= kMaxRanks, "low-latency buffer: at most ", kMaxRanks, " ranks, got ", ranks_);
+    require(c.num_experts <= kMaxLlExperts, "low-latency buffer: at most ", kMaxLlExperts, " experts, got ", c.num_experts);
+    device_ = state->device(rank_);
+    EPX_CUDA(cudaSetDevice(device_));
+    int sms = 0;
+    EPX_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
+    // Receive kernels wait for every peer's send kernel: all blocks of all ranks on a GPU must fit.
+    blocks_ = std::string(state->transport_name()) == "shared-gpu" ? std::max(1, std::min(16, sms / (2 * ranks_))) : 32;
+    ll::preload_kernels();
+
+    const int64_t m = c.max_tokens_per_rank, rows = 2 * local_ * slots_;
+    int64_t at = 0;
+    auto take = [&](int64_t bytes) {
+      const int64_t here = at;
+      at += round16(bytes);
+      return here;
+    };
+    map_.flags = take(8 * 2 * 2 * ranks_);
+    map_.counts = take(4 * 2 * ranks_ * local_);
+    map_.payload_stride = round16(wire_.bytes());
+    map_.rows = take(rows * map_.payload_stride);
+    map_.row_token = take(4 * rows);
+    map_.row_slot = take(4 * rows);
+    map_.ret = take(2 * 2 * m * c.topk * c.hidden);
+    map_.total = at;
+
+    // This rank's arrays: both sets in one allocation, zeroed (outputs start empty).
+    int64_t bytes = 0;
+    for (int s = 0; s < 2; ++s) carve(sets_[s], nullptr, bytes);
+    char* base = nullptr;
+    EPX_CUDA(cudaMalloc(&base, static_cast<size_t>(bytes)));
+    EPX_CUDA(cudaMemset(base, 0, static_cast<size_t>(bytes)));
+    memory_ = std::shared_ptr<void>(base, [](void* p) { cudaFree(p); });
+    bytes = 0;
+    for (int s = 0; s < 2; ++s) carve(sets_[s], base, bytes);
+    for (int s = 0; s < 2; ++s) EPX_CUDA(cudaMemset(sets_[s].recv_src, 0xff, static_cast<size_t>(8 * local_ * slots_)));
+    EPX_CUDA(cudaMalloc(&status_, sizeof(DeviceStatus)));
+    EPX_CUDA(cudaMemset(status_, 0, sizeof(DeviceStatus)));
+    EPX_CUDA(cudaMalloc(&done_, 4 * sizeof(uint32_t)));
+    EPX_CUDA(cudaMemset(done_, 0, 4 * sizeof(uint32_t)));
+    EPX_CUDA(cudaHostAlloc(&host_status_, sizeof(DeviceStatus), cudaHostAllocMapped));
+    std::memset(host_status_, 0, sizeof(DeviceStatus));
+    EPX_CUDA(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
+    stream_ = own_stream_;
+    EPX_CUDA(cudaDeviceSynchronize());
+    window_ = state->allocate(rank_, static_cast<size_t>(map_.total), timeout_);  // collective, zero-filled
+  }
+
+  ~CudaLowLatency() override {
+    cudaSetDevice(device_);
+    cudaStreamSynchronize(stream_);
+    cudaStreamSynchronize(own_stream_);
+    window_.reset();
+    cudaFree(status_);
+    cudaFree(done_);
+    cudaFreeHost(host_status_);
+    cudaStreamDestroy(own_stream_);
+  }
+
+  void set_stream(void* stream) override {
+    EPX_CUDA(cudaStreamSynchronize(stream_));  // earlier calls finish before later ones start elsewhere
+    stream_ = stream ? static_cast<cudaStream_t>(stream) : own_stream_;
+  }
+
+  void synchronize() override { EPX_CUDA(cudaStreamSynchronize(stream_)); }
+
+  void dispatch_send(const LowLatencyDispatchInput& in) override {
+    require(!dispatch_pending_, "ll dispatch_send: the previous dispatch_send has no dispatch_recv yet");
+    const std::string name = begin("ll_dispatch", dispatch_calls_);
+    const int set = static_cast<int>(dispatch_calls_++ % 2);
+    const LowLatencyConfig& c = config();
+    ll::Route route{};
+    ll::Rows rows{};
+    std::string error;
+    try {
+      check_tensor(in.x, "ll_dispatch: x", cat("[T, ", c.hidden, "] with T <= max_tokens_per_rank=", c.max_tokens_per_rank),
+                   DType::bf16, {kAnyDim, c.hidden}, DeviceKind::cuda);
+      on_device(in.x, "ll_dispatch: x");
+      const int64_t tokens = in.x.shape[0];
+      require(tokens <= c.max_tokens_per_rank, "ll_dispatch: x has ", tokens,
+              " tokens but the buffer was sized for max_tokens_per_rank=", c.max_tokens_per_rank);
+      require(std::isfinite(in.nvfp4_global_scale) && in.nvfp4_global_scale >= 0.0f,
+              "ll_dispatch: nvfp4_global_scale must be 0 (per token) or a positive finite number");
+      check_tensor2(in.topk_idx, "ll_dispatch: topk_idx", cat("[T=", tokens, ", K=", c.topk, "]"), DType::i32, DType::i64,
+                    {tokens, c.topk}, DeviceKind::cuda);
+      on_device(in.topk_idx, "ll_dispatch: topk_idx");
+      if (in.num_tokens.defined()) {
+        check_tensor(in.num_tokens, "ll_dispatch: num_tokens", "[1]", DType::i32, {1}, DeviceKind::cuda);
+        on_device(in.num_tokens, "ll_dispatch: num_tokens");
+      }
+      route = {in.topk_idx.data, in.topk_idx.dtype == DType::i64, in.topk_idx.strides[0],
+               in.num_tokens.defined() ? in.num_tokens.ptr<const int32_t>() : nullptr, tokens};
+      rows = {in.x.ptr<const uint16_t>(), in.x.strides[0], in.nvfp4_global_scale};
+    } catch (const Error& e) {
+      error = e.what();
+    }
+    if (!error.empty()) {
+      // The peers' receive half stops with this rank's rejection; this rank's receive half still
+      // runs, so the set's flags are consumed (and reset) like those of any call.
+      ll::reject(ctx(), ll::kDispatch, set, kStatusHostRejected);
+      ll::dispatch_recv(ctx(), set, sets_[set]);
+      throw Error(ErrorCode::invalid_argument, error);
+    }
+    ll::dispatch_send(ctx(), set, route, rows, sets_[set]);
+    dispatch_pending_ = true;
+    pending_tokens_ = route.tokens;
+    pending_name_ = name;
+  }
+
+  LowLatencyDispatchResult dispatch_recv() override {
+    require(dispatch_pending_, "ll dispatch_recv: no dispatch_send before it");
+    dispatch_pending_ = false;
+    const int set = static_cast<int>((dispatch_calls_ - 1) % 2);
+    const ll::Set& s = sets_[set];
+    ll::dispatch_recv(ctx(), set, s);
+    ll::publish_status(ctx(), host_status_);
+    const LowLatencyConfig& c = config();
+    LowLatencyDispatchResult out;
+    auto view = [&](void* p, DType t, std::initializer_list<int64_t> shape) {
+      return Tensor(memory_, TensorView::of(p, t, shape, DeviceKind::cuda, device_));
+    };
+    if (wire_.format == WireFormat::bf16) out.recv_x = view(s.recv_x, DType::bf16, {local_, slots_, c.hidden});
+    else if (wire_.format == WireFormat::nvfp4) out.recv_x = view(s.recv_x, DType::e2m1x2, {local_, slots_, c.hidden / 2});
+    else out.recv_x = view(s.recv_x, DType::fp8_e4m3, {local_, slots_, c.hidden});
+    if (wire_.format == WireFormat::nvfp4) {
+      out.recv_scales = view(s.recv_scales, DType::fp8_e4m3, {local_, slots_, c.hidden / kNvfp4Block});
+      out.recv_global_scale = view(s.recv_global, DType::f32, {local_, slots_});
+    } else if (wire_.scale_bytes) {
+      out.recv_scales = view(s.recv_scales, DType::f32, {local_, slots_, c.hidden / kFp8Block});
+    }
+    out.recv_count = view(s.recv_count, DType::i32, {local_});
+    out.recv_src = view(s.recv_src, DType::i32, {local_, slots_, 2});
+    out.recv_layout = view(s.recv_layout, DType::i32, {local_, ranks_, 2});
+    auto h = std::make_shared<LowLatencyHandleState>();
+    h->owner = this;
+    h->tokens = pending_tokens_;
+    h->num_tokens = -1;  // on the device
+    h->set = set;
+    out.handle = LowLatencyHandle(std::move(h));
+    return out;
+  }
+
+  void combine_send(const LowLatencyCombineInput& in, const LowLatencyHandle& handle) override {
+    require(!combine_pending_, "ll combine_send: the previous combine_send has no combine_recv yet");
+    const std::string name = begin("ll_combine", combine_calls_);
+    const int set = static_cast<int>(combine_calls_++ % 2);
+    const LowLatencyConfig& c = config();
+    std::string error;
+    try {
+      require(handle.valid(), "ll_combine: the handle is empty; pass the handle ll_dispatch returned");
+      require(handle.state().owner == this, "ll_combine: the handle belongs to another buffer or rank");
+      check_tensor(in.y, "ll_combine: y", cat("[L=", local_, ", R*M=", slots_, ", H=", c.hidden, "]"), DType::bf16,
+                   {local_, slots_, c.hidden}, DeviceKind::cuda);
+      require(in.y.is_contiguous(), "ll_combine: y must be contiguous");
+      on_device(in.y, "ll_combine: y");
+      if (in.weighted) {
+        check_tensor(in.topk_weights, "ll_combine: topk_weights", cat("[T=", handle.state().tokens, ", K=", c.topk, "]"),
+                     DType::f32, {handle.state().tokens, c.topk}, DeviceKind::cuda);
+        on_device(in.topk_weights, "ll_combine: topk_weights");
+      }
+    } catch (const Error& e) {
+      error = e.what();
+    }
+    if (!error.empty()) {  // as in dispatch_send: reject, then consume this call's flags
+      ll::reject(ctx(), ll::kCombine, set, kStatusHostRejected);
+      ll::combine_recv(ctx(), set, sets_[0], nullptr, 0, false, 0, sets_[set].out);
+      throw Error(ErrorCode::invalid_argument, error);
+    }
+    const LowLatencyHandleState& h = handle.state();
+    ll::combine_send(ctx(), set, sets_[h.set], in.y.ptr<const uint16_t>());
+    combine_pending_ = true;
+    pending_combine_ = {handle.state_ptr(), in.weighted, in.topk_weights};
+  }
+
+  Tensor combine_recv() override {
+    require(combine_pending_, "ll combine_recv: no combine_send before it");
+    combine_pending_ = false;
+    const int set = static_cast<int>((combine_calls_ - 1) % 2);
+    const LowLatencyHandleState& h = *pending_combine_.handle;
+    const TensorView& w = pending_combine_.weights;
+    uint16_t* out = sets_[set].out;
+    ll::combine_recv(ctx(), set, sets_[h.set], pending_combine_.weighted ? w.ptr<const float>() : nullptr,
+                     pending_combine_.weighted ? w.strides[0] : 0, pending_combine_.weighted, h.tokens, out);
+    ll::publish_status(ctx(), host_status_);
+    pending_combine_ = {};
+    return Tensor(memory_, TensorView::of(out, DType::bf16, {h.tokens, config().hidden}, DeviceKind::cuda, device_));
+  }
+
+ private:
+  struct PendingCombine {
+    std::shared_ptr<const LowLatencyHandleState> handle;
+    bool weighted = false;
+    TensorView weights;
+  };
+
+  void carve(ll::Set& s, char* base, int64_t& used) const {
+    const LowLatencyConfig& c = config();
+    const int64_t m = c.max_tokens_per_rank, rows = local_ * slots_;
+    auto take = [&](int64_t bytes) {
+      char* p = base ? base + used : nullptr;
+      used += (bytes + 255) / 256 * 256;
+      return p;
+    };
+    s.slot_expert = reinterpret_cast<int32_t*>(take(4 * m * c.topk));
+    s.pair_index = reinterpret_cast<int32_t*>(take(4 * m * c.topk));
+    s.expert_count = reinterpret_cast<int32_t*>(take(4 * c.num_experts));
+    s.num_tokens = reinterpret_cast<int32_t*>(take(4));
+    s.recv_x = take(rows * wire_.x_bytes);
+    s.recv_scales = wire_.scale_bytes ? take(rows * wire_.scale_bytes) : nullptr;
+    s.recv_global = wire_.global_bytes ? take(rows * 4) : nullptr;
+    s.recv_src = reinterpret_cast<int32_t*>(take(8 * rows));
+    s.recv_count = reinterpret_cast<int32_t*>(take(4 * local_));
+    s.recv_layout = reinterpret_cast<int32_t*>(take(8 * local_ * ranks_));
+    s.prev_count = reinterpret_cast<int32_t*>(take(4 * local_));
+    s.src_rank = reinterpret_cast<int32_t*>(take(4 * rows));
+    s.src_token = reinterpret_cast<int32_t*>(take(4 * rows));
+    s.src_slot = reinterpret_cast<int32_t*>(take(4 * rows));
+    s.out = reinterpret_cast<uint16_t*>(take(2 * m * c.hidden));
+  }
+
+  ll::Ctx ctx() const {
+    const LowLatencyConfig& c = config();
+    return ll::Ctx{window_->peers(), map_, c.hidden, c.topk, c.num_experts, local_, c.max_tokens_per_rank, c.wire,
+                   wire_.x_bytes, wire_.scale_bytes, wire_.global_bytes, status_, done_,
+                   static_cast<uint64_t>(timeout_.count()) * 1000000ull, blocks_, stream_};
+  }
+
+  void on_device(const TensorView& t, std::string_view what) const {
+    require(t.device_index == device_, what, ": tensor is on cuda:", t.device_index, " but this rank drives cuda:", device_);
+  }
+
+  // Raises what an earlier call found on the device (calls never wait for the device).
+  std::string begin(const char* kind, int64_t index) {
+    const std::string name = cat(kind, " #", index);
+    if (broken_) fail(ErrorCode::peer_failed, name, " (rank ", rank_, "): the low-latency buffer already failed: ", broken_reason_);
+    EPX_CUDA(cudaSetDevice(device_));
+    DeviceStatus st;
+    std::memcpy(&st, host_status_, sizeof st);
+    if (st.code == kStatusOk) return name;
+    std::memset(host_status_, 0, sizeof(DeviceStatus));
+    EPX_CUDA(cudaMemsetAsync(status_, 0, sizeof(DeviceStatus), stream_));
+    const std::string who = cat("a low-latency call before ", name, " (rank ", rank_, "): ");
+    switch (st.code) {
+      case kStatusBadExpert:
+        fail(ErrorCode::invalid_argument, who, "topk_idx[", st.a, ", ", st.b, "] = ", st.c,
+             " is out of range; expert ids must be in [0, ", config().num_experts, ") or -1");
+      case kStatusRepeatedExpert:
+        fail(ErrorCode::invalid_argument, who, "token ", st.a, " selects expert ", st.c, " twice");
+      case kStatusBadTokenCount:
+        fail(ErrorCode::invalid_argument, who, "num_tokens = ", st.a, " must be in [0, T=", st.b, "]");
+      case kStatusPeerRejected:
+        fail(ErrorCode::peer_failed, who, "rank ", st.rank, " rejected its input (its own error says why), so the group stops");
+      case kStatusTimeout:
+        broken_ = true;
+        broken_reason_ = cat(who, "waited ", timeout_.count(), " ms for rank ", st.rank,
+                             ", which never arrived (crashed, hung, or called collective operations in a different order)");
+        throw Error(ErrorCode::timeout, broken_reason_);
+      default:
+        fail(ErrorCode::internal, who, "device reported status ", st.code);
+    }
+  }
+
+  int rank_, ranks_, device_ = 0, blocks_ = 0;
+  int64_t local_, slots_;
+  WireRow wire_;
+  std::chrono::milliseconds timeout_;
+  ll::Map map_{};
+  ll::Set sets_[2]{};
+  std::shared_ptr<void> memory_;  // both sets' arrays; results keep it alive
+  std::unique_ptr<SymmetricWindow> window_;
+  DeviceStatus* status_ = nullptr;
+  DeviceStatus* host_status_ = nullptr;
+  uint32_t* done_ = nullptr;
+  cudaStream_t own_stream_ = nullptr;
+  cudaStream_t stream_ = nullptr;  // the calls' stream: own_stream_ or the caller's
+  int64_t dispatch_calls_ = 0, combine_calls_ = 0;
+  bool dispatch_pending_ = false, combine_pending_ = false;
+  int64_t pending_tokens_ = 0;
+  std::string pending_name_;
+  PendingCombine pending_combine_;
+  bool broken_ = false;
+  std::string broken_reason_;
+};
+
+}  // namespace
+
+std::unique_ptr<LowLatencyBackend> make_cuda_low_latency(const Group& group, const LowLatencyConfig& config) {
+  return std::make_unique<CudaLowLatency>(group, config);
+}
+
+}  // namespace epx::detail

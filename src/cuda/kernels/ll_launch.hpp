@@ -1,0 +1,83 @@
+// Host-side launchers of the low-latency kernels (docs/low-latency.md). Sets alternate per call
+// on the host (call n uses set n % 2), so a captured CUDA graph replays the same sets; flags are
+// reset by their receiver, so no counter carries over from one call to the next.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "cuda/kernels/device_types.hpp"
+#include "epx/config.hpp"
+
+namespace epx::detail::ll {
+
+enum Kind : int { kDispatch = 0, kCombine = 1 };
+
+// Offsets in every rank's low-latency window (the same on all ranks). M = max_tokens_per_rank.
+struct Map {
+  int64_t flags;           // uint64 [2 kinds][2 sets][R]: nonzero once that source's rows are here:
+                           // bit 0 set, its error code << 8; reset by the receiver
+  int64_t counts;          // int32 [2 sets][R][L]: rows each source wrote for each local expert
+  int64_t rows;            // [2 sets][L][R*M] wire rows of payload_stride bytes, slot (l, s*M + i)
+  int64_t payload_stride;
+  int64_t row_token;       // int32 [2 sets][L][R*M]
+  int64_t row_slot;        // int32 [2 sets][L][R*M]
+  int64_t ret;             // bf16 [2 sets][M][K][H]: expert rows back at their source
+  int64_t total;
+};
+
+// This rank's arrays of one set (ordinary device memory).
+struct Set {
+  int32_t* slot_expert;   // [M*K] the dispatch's routing; -1 unused or past num_tokens
+  int32_t* pair_index;    // [M*K] the pair's place among this rank's pairs of its expert
+  int32_t* expert_count;  // [E] this rank's pairs per expert
+  int32_t* num_tokens;    // [1] rows that counted
+  char* recv_x;           // [L][R*M] x_bytes
+  char* recv_scales;      // [L][R*M] scale_bytes, or null
+  char* recv_global;      // [L][R*M] f32, or null
+  int32_t* recv_src;      // [L][R*M][2]
+  int32_t* recv_count;    // [L]
+  int32_t* recv_layout;   // [L][R][2]
+  int32_t* prev_count;    // [L] the counts of the previous dispatch on this set (rows to clear)
+  int32_t* src_rank;      // [L*R*M] per received row: where it came from (for combine)
+  int32_t* src_token;
+  int32_t* src_slot;
+  uint16_t* out;          // [M][H] combine output
+};
+
+struct Ctx {
+  PeerWindows peers;
+  Map map;
+  int64_t hidden, topk, experts, local, max_tokens;
+  WireFormat wire;
+  int64_t x_bytes, scale_bytes, global_bytes;
+  DeviceStatus* status;
+  uint32_t* done;  // [4] blocks finished of the current kernel of each kind/half; reset by the last
+  uint64_t timeout_ns;
+  int blocks;
+  cudaStream_t stream;
+};
+
+struct Route {
+  const void* topk_idx;
+  bool idx64;
+  int64_t idx_stride;
+  const int32_t* num_tokens;  // device, or null: all T rows
+  int64_t tokens;             // T
+};
+
+struct Rows {
+  const uint16_t* x;
+  int64_t x_stride;  // elements
+  float nvfp4_global_scale;
+};
+
+// A rank whose host rejected its input: its flags of this call carry the error, no rows.
+void reject(const Ctx& c, Kind kind, int set, int32_t code);
+void dispatch_send(const Ctx& c, int set, const Route& route, const Rows& rows, const Set& s);
+void dispatch_recv(const Ctx& c, int set, const Set& s);
+void combine_send(const Ctx& c, int set, const Set& dispatched, const uint16_t* y);
+void combine_recv(const Ctx& c, int set, const Set& dispatched, const float* weights, int64_t weight_stride,
+                  bool weighted, int64_t tokens, uint16_t* out);
+void publish_status(const Ctx& c, DeviceStatus* host_status);
+void preload_kernels();
+
+}  // namespace epx::detail::ll

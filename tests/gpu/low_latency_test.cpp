@@ -1,0 +1,236 @@
+// Low-latency mode on the CUDA backend against the reference (the same checks as the CPU
+// backend's tests): rounds with changing token counts read on the device, every wire format,
+// EP1/EP2 over NCCL and EP4/EP8 on the shared-GPU transport, and a CUDA graph replayed with
+// fresh inputs.
+#include <cuda_runtime.h>
+
+#include <barrier>
+#include <thread>
+
+#include "cuda_harness.hpp"
+
+namespace epx::test {
+namespace {
+
+int gpus() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+
+struct LlGpuCase {
+  bool shared;  // the shared-GPU transport, else NCCL (one GPU per rank)
+  int ranks;
+  int64_t hidden, tokens, experts, topk;
+  WireFormat wire;
+};
+
+std::string ll_case_name(const testing::TestParamInfo<LlGpuCase>& info) {
+  const LlGpuCase& c = info.param;
+  return std::string(c.shared ? "shared" : "nccl") + "_R" + std::to_string(c.ranks) + "_H" + std::to_string(c.hidden) +
+         "_T" + std::to_string(c.tokens) + "_E" + std::to_string(c.experts) + "_K" + std::to_string(c.topk) + "_" +
+         std::string(wire_name(c.wire));
+}
+
+LowLatencyConfig ll_config(const LlGpuCase& c) {
+  return LowLatencyConfig{c.hidden, c.tokens, c.experts, c.topk, c.wire, 20000};
+}
+
+verify::Problem ll_problem(const LlGpuCase& c, uint64_t seed) {
+  verify::ProblemSpec spec;
+  spec.cfg = small_config(c.hidden, c.tokens, c.experts, c.topk, c.wire);
+  spec.ranks = c.ranks;
+  spec.seed = seed;
+  spec.unused_slot_fraction = 0.1;
+  return verify::make_problem(spec);
+}
+
+CudaWorld ll_world(const LlGpuCase& c) {
+  if (c.shared) return CudaWorld::shared_gpu(c.ranks, 0);
+  std::vector<int> devices(c.ranks);
+  for (int r = 0; r < c.ranks; ++r) devices[r] = r;
+  return CudaWorld(devices);
+}
+
+// A dispatch result's tensors, copied to the host (after the buffer's stream is synchronized).
+LowLatencyDispatchResult host_copy(const LowLatencyDispatchResult& d) {
+  LowLatencyDispatchResult h;
+  for (auto [to, from] : {std::pair{&h.recv_x, &d.recv_x}, std::pair{&h.recv_scales, &d.recv_scales},
+                          std::pair{&h.recv_global_scale, &d.recv_global_scale}, std::pair{&h.recv_count, &d.recv_count},
+                          std::pair{&h.recv_src, &d.recv_src}, std::pair{&h.recv_layout, &d.recv_layout}})
+    *to = epx::to_host(*from);
+  return h;
+}
+
+// One round's device inputs of one rank, made before the buffer (allocations may synchronize).
+struct RoundInputs {
+  DeviceArray x, idx, weights, count, y;
+};
+
+class CudaLowLatency : public testing::TestWithParam<LlGpuCase> {};
+
+// Four rounds on one buffer (sets alternate), each with its own token counts and data; dispatch
+// and combine in split form.
+TEST_P(CudaLowLatency, RoundsMatchTheReference) {
+  const LlGpuCase& c = GetParam();
+  if (!c.shared && gpus() < c.ranks) GTEST_SKIP() << "needs " << c.ranks << " GPUs";
+  const int rounds = 4;
+  const int64_t slots = c.ranks * c.tokens, l_count = c.experts / c.ranks;
+  std::vector<verify::Problem> problems;
+  std::vector<std::vector<int64_t>> counts(rounds, std::vector<int64_t>(c.ranks));
+  std::vector<std::vector<std::vector<uint16_t>>> ys(rounds, std::vector<std::vector<uint16_t>>(c.ranks));
+  for (int i = 0; i < rounds; ++i) {
+    problems.push_back(ll_problem(c, 50 + i));
+    for (int r = 0; r < c.ranks; ++r) {
+      counts[i][r] = (c.tokens * (i + r + 1)) / (rounds + c.ranks) % (c.tokens + 1);
+      ys[i][r] = verify::random_bf16(l_count * slots * c.hidden, 700 + 10 * i + r);
+    }
+  }
+  std::vector<std::vector<LowLatencyDispatchResult>> got(rounds, std::vector<LowLatencyDispatchResult>(c.ranks));
+  std::vector<std::vector<Tensor>> outs(rounds, std::vector<Tensor>(c.ranks));
+  std::vector<std::string> errors(c.ranks);
+  const CudaWorld world = ll_world(c);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < c.ranks; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        const Group g = world.group(r);
+        const int dev = cuda_device(g);
+        cudaSetDevice(dev);
+        std::vector<RoundInputs> in(rounds);
+        for (int i = 0; i < rounds; ++i) {
+          const verify::RankInput& p = problems[i].inputs[r];
+          in[i].x = DeviceArray(p.x);
+          in[i].idx = DeviceArray(p.idx);
+          in[i].weights = DeviceArray(p.weights);
+          in[i].count = DeviceArray(std::vector<int32_t>{static_cast<int32_t>(counts[i][r])});
+          in[i].y = DeviceArray(ys[i][r]);
+        }
+        LowLatencyBuffer b(g, ll_config(c));
+        for (int i = 0; i < rounds; ++i) {
+          LowLatencyDispatchInput d;
+          d.x = device_view(in[i].x, DType::bf16, {c.tokens, c.hidden}, dev);
+          d.topk_idx = device_view(in[i].idx, DType::i32, {c.tokens, c.topk}, dev);
+          d.num_tokens = device_view(in[i].count, DType::i32, {1}, dev);
+          b.dispatch_send(d);
+          LowLatencyDispatchResult res = b.dispatch_recv();
+          LowLatencyCombineInput ci;
+          ci.y = device_view(in[i].y, DType::bf16, {l_count, slots, c.hidden}, dev);
+          ci.topk_weights = device_view(in[i].weights, DType::f32, {c.tokens, c.topk}, dev);
+          b.combine_send(ci, res.handle);
+          Tensor out = b.combine_recv();
+          b.synchronize();
+          got[i][r] = host_copy(res);  // before the set comes round again
+          outs[i][r] = epx::to_host(out);
+        }
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < c.ranks; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
+  for (int i = 0; i < rounds; ++i)
+    for (int r = 0; r < c.ranks; ++r) {
+      ASSERT_EQ(verify::check_ll_dispatch(problems[i], counts[i], r, 0.0f, got[i][r]), "") << "round " << i;
+      const auto want = verify::expected_ll_combine(problems[i], counts[i], ys[i], r, true);
+      ASSERT_EQ(verify::compare_bits(outs[i][r].data<uint16_t>(), want.data(), static_cast<int64_t>(want.size()), 2,
+                                     "ll_combine out"), "")
+          << "round " << i << " rank " << r;
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaLowLatency,
+                         testing::Values(LlGpuCase{false, 1, 256, 16, 8, 4, WireFormat::bf16},
+                                         LlGpuCase{false, 2, 7168, 128, 288, 8, WireFormat::fp8},
+                                         LlGpuCase{false, 2, 2048, 64, 32, 8, WireFormat::bf16},
+                                         LlGpuCase{false, 2, 1024, 48, 16, 6, WireFormat::fp8_ue8m0},
+                                         LlGpuCase{false, 2, 1024, 32, 16, 4, WireFormat::nvfp4},
+                                         LlGpuCase{true, 4, 512, 24, 36, 8, WireFormat::fp8},
+                                         LlGpuCase{true, 8, 256, 16, 72, 8, WireFormat::bf16}),
+                         ll_case_name);
+
+// Decode inside a CUDA graph: dispatch -> a stand-in expert (y = recv_x) -> combine, captured once
+// per rank and replayed with fresh inputs and token counts, each replay equal to the reference.
+TEST(CudaLowLatencyGraphs, DispatchExpertCombineReplaysWithFreshInputs) {
+  const LlGpuCase c{true, 2, 1024, 32, 16, 4, WireFormat::bf16};
+  const int replays = 5;
+  const int64_t slots = c.ranks * c.tokens, l_count = c.experts / c.ranks;
+  std::vector<verify::Problem> problems;
+  std::vector<std::vector<int64_t>> counts(replays, std::vector<int64_t>(c.ranks));
+  for (int i = 0; i < replays; ++i) {
+    problems.push_back(ll_problem(c, 90 + i));
+    for (int r = 0; r < c.ranks; ++r) counts[i][r] = (7 * i + 3 * r + 5) % (c.tokens + 1);
+  }
+  std::vector<std::vector<LowLatencyDispatchResult>> got(replays, std::vector<LowLatencyDispatchResult>(c.ranks));
+  std::vector<std::vector<std::vector<uint16_t>>> ys(replays, std::vector<std::vector<uint16_t>>(c.ranks));
+  std::vector<std::vector<Tensor>> outs(replays, std::vector<Tensor>(c.ranks));
+  std::vector<std::string> errors(c.ranks);
+  const CudaWorld world = ll_world(c);
+  std::barrier instantiated(c.ranks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < c.ranks; ++r)
+    threads.emplace_back([&, r] {
+      bool arrived = false;
+      cudaStream_t stream = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      try {
+        cudaSetDevice(0);
+        const verify::RankInput& first = problems[0].inputs[r];
+        DeviceArray x(first.x), idx(first.idx), weights(first.weights),
+            count(std::vector<int32_t>{static_cast<int32_t>(counts[0][r])}),
+            y(std::vector<uint16_t>(static_cast<size_t>(l_count * slots * c.hidden)));
+        cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+        LowLatencyBuffer b(world.group(r), ll_config(c));
+        b.set_stream(stream);
+        cudaGraph_t graph = nullptr;
+        cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal);
+        LowLatencyDispatchInput d;
+        d.x = device_view(x, DType::bf16, {c.tokens, c.hidden}, 0);
+        d.topk_idx = device_view(idx, DType::i32, {c.tokens, c.topk}, 0);
+        d.num_tokens = device_view(count, DType::i32, {1}, 0);
+        b.dispatch_send(d);
+        const LowLatencyDispatchResult res = b.dispatch_recv();
+        cudaMemcpyAsync(y.get(), res.recv_x.data<void>(), res.recv_x.numel() * 2, cudaMemcpyDeviceToDevice, stream);
+        LowLatencyCombineInput ci;
+        ci.y = device_view(y, DType::bf16, {l_count, slots, c.hidden}, 0);
+        ci.topk_weights = device_view(weights, DType::f32, {c.tokens, c.topk}, 0);
+        b.combine_send(ci, res.handle);
+        const Tensor out = b.combine_recv();
+        if (cudaStreamEndCapture(stream, &graph) != cudaSuccess || cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess)
+          throw std::runtime_error(std::string("capture failed: ") + cudaGetErrorString(cudaGetLastError()));
+        cudaGraphDestroy(graph);
+        arrived = true;
+        instantiated.arrive_and_wait();  // no rank's graph waits for a peer still instantiating
+        for (int i = 0; i < replays; ++i) {
+          const verify::RankInput& p = problems[i].inputs[r];
+          const int32_t n = static_cast<int32_t>(counts[i][r]);
+          cudaMemcpyAsync(x.get(), p.x.data(), p.x.size() * 2, cudaMemcpyHostToDevice, stream);
+          cudaMemcpyAsync(idx.get(), p.idx.data(), p.idx.size() * 4, cudaMemcpyHostToDevice, stream);
+          cudaMemcpyAsync(weights.get(), p.weights.data(), p.weights.size() * 4, cudaMemcpyHostToDevice, stream);
+          cudaMemcpyAsync(count.get(), &n, 4, cudaMemcpyHostToDevice, stream);
+          if (cudaGraphLaunch(exec, stream) != cudaSuccess) throw std::runtime_error("graph launch failed");
+          cudaStreamSynchronize(stream);
+          got[i][r] = host_copy(res);
+          outs[i][r] = epx::to_host(out);
+          ys[i][r].assign(got[i][r].recv_x.data<uint16_t>(), got[i][r].recv_x.data<uint16_t>() + got[i][r].recv_x.numel());
+        }
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+        if (!arrived) instantiated.arrive_and_drop();
+      }
+      if (exec) cudaGraphExecDestroy(exec);
+      if (stream) cudaStreamDestroy(stream);
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < c.ranks; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
+  for (int i = 0; i < replays; ++i)
+    for (int r = 0; r < c.ranks; ++r) {
+      ASSERT_EQ(verify::check_ll_dispatch(problems[i], counts[i], r, 0.0f, got[i][r]), "") << "replay " << i;
+      const auto want = verify::expected_ll_combine(problems[i], counts[i], ys[i], r, true);
+      ASSERT_EQ(verify::compare_bits(outs[i][r].data<uint16_t>(), want.data(), static_cast<int64_t>(want.size()), 2,
+                                     "ll_combine out"), "")
+          << "replay " << i << " rank " << r;
+    }
+}
+
+}  // namespace
+}  // namespace epx::test
