@@ -10,6 +10,7 @@
 #include "core/wire.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/cuda_group.hpp"
+#include "cuda/kernels/launch.hpp"
 #include "cuda/kernels/ll_launch.hpp"
 #include "epx/codec.hpp"
 
@@ -41,7 +42,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     EPX_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
     // Receive kernels wait for every peer's send kernel: all blocks of all ranks on a GPU must fit.
     blocks_ = std::string(state->transport_name()) == "shared-gpu" ? std::max(1, std::min(16, sms / (2 * ranks_))) : 32;
-    ll::preload_kernels();
+    kernels::preload_kernels();  // every kernel of the backend (docs/cuda.md: lazy loading)
 
     const int64_t m = c.max_tokens_per_rank, rows = 2 * local_ * slots_;
     int64_t at = 0;

@@ -2,6 +2,7 @@
 #include "cuda/kernels/block_scan.cuh"
 #include "cuda/kernels/device_common.cuh"
 #include "cuda/kernels/launch.hpp"
+#include "cuda/kernels/ll_launch.hpp"
 
 namespace epx::detail::kernels {
 
@@ -194,6 +195,7 @@ void publish_status(const Ctx& ctx, DeviceStatus* host_status) {
 void preload_plan_kernels() { preload(begin_call_kernel, canonicalize_kernel, post_plan_kernel, wait_kernel, check_plans_kernel, drop_kernel, publish_status_kernel); }
 
 void preload_kernels() {
+  ll::preload_kernels();  // a peer may wait inside a low-latency call too
   preload_plan_kernels();
   preload_positions_kernels();
   preload_receive_layout_kernels();
