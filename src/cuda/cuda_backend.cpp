@@ -381,12 +381,26 @@ std::function<void(void*)> CudaBackend::stream_deleter() const {
   return [s, keep, pool](void* p) { cudaFreeAsync(p, s); };
 }
 
+void* CudaBackend::allocate(size_t bytes, cudaStream_t stream, bool capturing) {
+  void* p = nullptr;
+  // Captured into a CUDA graph, an allocation becomes a graph memory node: the plain stream-ordered
+  // form is the one graphs document; outside a capture, the buffer's pool.
+  if (capturing) EPX_CUDA(cudaMallocAsync(&p, bytes, stream));
+  else EPX_CUDA(cudaMallocFromPoolAsync(&p, bytes, pool_.get(), stream));
+  return p;
+}
+
+bool CudaBackend::capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  EPX_CUDA(cudaStreamIsCapturing(stream, &capture));
+  return capture != cudaStreamCaptureStatusNone;
+}
+
 Tensor CudaBackend::device_tensor(DType dtype, std::initializer_list<int64_t> shape, cudaStream_t stream) {
   TensorView v = TensorView::of(nullptr, dtype, shape, DeviceKind::cuda, device_);
   const size_t bytes = static_cast<size_t>(std::max<int64_t>(1, v.numel() * dtype_size(dtype)));
   if (!stream) stream = stream_;
-  void* p = nullptr;
-  EPX_CUDA(cudaMallocFromPoolAsync(&p, bytes, pool_.get(), stream));
+  void* p = allocate(bytes, stream, capturing(stream));
   if (poison_outputs_) EPX_CUDA(cudaMemsetAsync(p, 0xa5, bytes, stream));  // tests: unwritten bytes show
   v.data = p;
   return Tensor(std::shared_ptr<void>(p, stream_deleter()), v);
@@ -396,9 +410,7 @@ Tensor CudaBackend::output_block(int64_t bytes, cudaStream_t stream) {
   constexpr size_t kMaxCached = 8;  // a dispatch's outputs and its handle, for a few dispatches in flight
   const size_t need = static_cast<size_t>(bytes);
   // In a CUDA graph capture the allocation and its release must be graph nodes: no cache.
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  EPX_CUDA(cudaStreamIsCapturing(stream, &capture));
-  const bool cacheable = capture == cudaStreamCaptureStatusNone;
+  const bool cacheable = !capturing(stream);
   void* p = nullptr;
   size_t have = 0;
   if (cacheable) {
@@ -415,7 +427,7 @@ Tensor CudaBackend::output_block(int64_t bytes, cudaStream_t stream) {
   // A cached block was released after its last use on the call stream, which this call's
   // stream waits for (fork_), so reusing it on either stream is ordered after that use.
   if (!p) {
-    EPX_CUDA(cudaMallocFromPoolAsync(&p, need, pool_.get(), stream));
+    p = allocate(need, stream, !cacheable);
     have = need;
   }
   if (poison_outputs_) EPX_CUDA(cudaMemsetAsync(p, 0xa5, have, stream));

@@ -69,6 +69,9 @@ class CudaBackend final : public Backend {
 
   // Frees stream-ordered on the current stream, keeping the buffer's own stream alive.
   std::function<void(void*)> stream_deleter() const;
+  // Stream-ordered device memory: the buffer's pool, or a graph memory node while `stream` is captured.
+  void* allocate(size_t bytes, cudaStream_t stream, bool capturing);
+  static bool capturing(cudaStream_t stream);
   // From the buffer's pool, stream-ordered on `stream` (the call's stream if null).
   Tensor device_tensor(DType dtype, std::initializer_list<int64_t> shape, cudaStream_t stream = nullptr);
   // Several outputs carved from one pool allocation (one allocation call per dispatch).
