@@ -149,7 +149,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     const int set = static_cast<int>((dispatch_calls_ - 1) % 2);
     const ll::Set& s = sets_[set];
     ll::dispatch_recv(ctx(), set, s);
-    ll::publish_status(ctx(), host_status_);
+    kernels::publish_status(status_, host_status_, stream_);
     const LowLatencyConfig& c = config();
     LowLatencyDispatchResult out;
     auto view = [&](void* p, DType t, std::initializer_list<int64_t> shape) {
@@ -217,7 +217,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     uint16_t* out = sets_[set].out;
     ll::combine_recv(ctx(), set, sets_[h.set], pending_combine_.weighted ? w.ptr<const float>() : nullptr,
                      pending_combine_.weighted ? w.strides[0] : 0, pending_combine_.weighted, h.tokens, out);
-    ll::publish_status(ctx(), host_status_);
+    kernels::publish_status(status_, host_status_, stream_);
     pending_combine_ = {};
     return Tensor(memory_, TensorView::of(out, DType::bf16, {h.tokens, config().hidden}, DeviceKind::cuda, device_));
   }

@@ -158,5 +158,6 @@ void expand_grad(const Ctx& ctx, const RecvArrays& r, Layout layout, bool weight
 
 // Copies the device status to host-mapped memory (no atomics on host memory).
 void publish_status(const Ctx& ctx, DeviceStatus* host_status);
+void publish_status(const DeviceStatus* status, DeviceStatus* host_status, cudaStream_t stream);
 
 }  // namespace epx::detail::kernels

@@ -77,7 +77,6 @@ void dispatch_recv(const Ctx& c, int set, const Set& s);
 void combine_send(const Ctx& c, int set, const Set& dispatched, const uint16_t* y);
 void combine_recv(const Ctx& c, int set, const Set& dispatched, const float* weights, int64_t weight_stride,
                   bool weighted, int64_t tokens, uint16_t* out);
-void publish_status(const Ctx& c, DeviceStatus* host_status);
 void preload_kernels();
 
 }  // namespace epx::detail::ll

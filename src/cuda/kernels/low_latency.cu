@@ -270,17 +270,6 @@ __global__ void reject_kernel(Ctx c, Kind kind, int set, int32_t code) {
     set_flag(flag_of(c, d, kind, set, c.peers.rank), 1u | (static_cast<uint64_t>(code) << 8));
 }
 
-__global__ void publish_status_kernel(const DeviceStatus* st, DeviceStatus* host) {
-  volatile DeviceStatus* h = host;
-  h->rank = st->rank;
-  h->a = st->a;
-  h->b = st->b;
-  h->c = st->c;
-  h->d = st->d;
-  h->code = st->code;
-  __threadfence_system();
-}
-
 }  // namespace
 
 void reject(const Ctx& c, Kind kind, int set, int32_t code) { reject_kernel<<<1, 32, 0, c.stream>>>(c, kind, set, code); }
@@ -304,13 +293,9 @@ void combine_recv(const Ctx& c, int set, const Set& dispatched, const float* wei
                                                                tokens, out);
 }
 
-void publish_status(const Ctx& c, DeviceStatus* host_status) {
-  publish_status_kernel<<<1, 1, 0, c.stream>>>(c.status, host_status);
-}
-
 void preload_kernels() {
   preload(layout_kernel, dispatch_send_kernel, dispatch_recv_kernel, combine_send_kernel, combine_recv_kernel,
-          reject_kernel, publish_status_kernel);
+          reject_kernel);
 }
 
 }  // namespace epx::detail::ll

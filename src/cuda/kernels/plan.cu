@@ -188,8 +188,10 @@ void drop_slots(const Ctx& ctx, int64_t tokens, int32_t* slot_expert, float* slo
       ctx.shape, tokens, slot_expert, slot_weight, expert_prefix, drop_capacity, dropped, ctx.status);
 }
 
-void publish_status(const Ctx& ctx, DeviceStatus* host_status) {
-  publish_status_kernel<<<1, 1, 0, ctx.stream>>>(ctx.status, host_status);
+void publish_status(const Ctx& ctx, DeviceStatus* host_status) { publish_status(ctx.status, host_status, ctx.stream); }
+
+void publish_status(const DeviceStatus* status, DeviceStatus* host_status, cudaStream_t stream) {
+  publish_status_kernel<<<1, 1, 0, stream>>>(status, host_status);
 }
 
 void preload_plan_kernels() { preload(begin_call_kernel, canonicalize_kernel, post_plan_kernel, wait_kernel, check_plans_kernel, drop_kernel, publish_status_kernel); }
