@@ -29,6 +29,15 @@ class LowLatencyBackend {
   virtual LowLatencyDispatchResult dispatch_recv() = 0;
   virtual void combine_send(const LowLatencyCombineInput& in, const LowLatencyHandle& h) = 0;
   virtual Tensor combine_recv() = 0;
+  // The fused forms; a backend may run them as one step.
+  virtual LowLatencyDispatchResult dispatch(const LowLatencyDispatchInput& in) {
+    dispatch_send(in);
+    return dispatch_recv();
+  }
+  virtual Tensor combine(const LowLatencyCombineInput& in, const LowLatencyHandle& h) {
+    combine_send(in, h);
+    return combine_recv();
+  }
   virtual void set_stream(void* /*stream*/) {}
   virtual void synchronize() {}
 

@@ -44,13 +44,11 @@ LowLatencyBuffer& LowLatencyBuffer::operator=(LowLatencyBuffer&&) noexcept = def
 const LowLatencyConfig& LowLatencyBuffer::config() const { return backend_->config(); }
 
 LowLatencyDispatchResult LowLatencyBuffer::dispatch(const LowLatencyDispatchInput& in) {
-  backend_->dispatch_send(in);
-  return backend_->dispatch_recv();
+  return backend_->dispatch(in);
 }
 
 Tensor LowLatencyBuffer::combine(const LowLatencyCombineInput& in, const LowLatencyHandle& handle) {
-  backend_->combine_send(in, handle);
-  return backend_->combine_recv();
+  return backend_->combine(in, handle);
 }
 
 void LowLatencyBuffer::dispatch_send(const LowLatencyDispatchInput& in) { backend_->dispatch_send(in); }

@@ -12,6 +12,7 @@
 #include "cuda/cuda_group.hpp"
 #include "cuda/kernels/launch.hpp"
 #include "cuda/kernels/ll_launch.hpp"
+#include "cuda/phase_timer.hpp"
 #include "epx/codec.hpp"
 
 namespace epx::detail {
@@ -30,6 +31,7 @@ class CudaLowLatency final : public LowLatencyBackend {
         ranks_(group.size()),
         local_(c.num_experts / group.size()),
         slots_(group.size() * c.max_tokens_per_rank),
+        chunks_((c.max_tokens_per_rank + ll::kChunk - 1) / ll::kChunk),
         wire_(wire_row(c.wire, c.hidden)),
         timeout_(resolve_timeout(c.timeout_ms)) {
     auto* state = dynamic_cast<CudaGroupState*>(group.state().get());
@@ -41,8 +43,14 @@ class CudaLowLatency final : public LowLatencyBackend {
     int sms = 0;
     EPX_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
     // Receive kernels wait for every peer's send kernel: all blocks of all ranks on a GPU must fit.
-    blocks_ = std::string(state->transport_name()) == "shared-gpu" ? std::max(1, std::min(16, sms / (2 * ranks_))) : 32;
+    // On a GPU of its own a call takes every SM for its few microseconds (as DeepEP's
+    // low-latency kernels do): latency falls with the warps moving rows.
+    blocks_ = std::string(state->transport_name()) == "shared-gpu" ? std::max(1, std::min(16, sms / (2 * ranks_))) : sms;
     kernels::preload_kernels();  // every kernel of the backend (docs/cuda.md: lazy loading)
+    // Rows one receive unit expects with uniform routing: kChunk tokens x K / E. Above 2, warps
+    // share the unit's rows (a few experts with many rows each would serialize on one warp).
+    const int64_t expected = ll::kChunk * c.topk / c.num_experts;
+    while (pack_parts_ < 8 && 2 * pack_parts_ < expected) pack_parts_ *= 2;
 
     const int64_t m = c.max_tokens_per_rank, rows = 2 * local_ * slots_;
     int64_t at = 0;
@@ -52,11 +60,11 @@ class CudaLowLatency final : public LowLatencyBackend {
       return here;
     };
     map_.flags = take(8 * 2 * 2 * ranks_);
-    map_.counts = take(4 * 2 * ranks_ * local_);
+    map_.counts = take(4 * 2 * ranks_ * local_ * chunks_);
+    map_.ntok = take(4 * 2 * ranks_);
+    map_.routes = take(4 * 2 * ranks_ * m * c.topk);
     map_.payload_stride = round16(wire_.bytes());
     map_.rows = take(rows * map_.payload_stride);
-    map_.row_token = take(4 * rows);
-    map_.row_slot = take(4 * rows);
     map_.ret = take(2 * 2 * m * c.topk * c.hidden);
     map_.total = at;
 
@@ -102,7 +110,7 @@ class CudaLowLatency final : public LowLatencyBackend {
 
   void dispatch_send(const LowLatencyDispatchInput& in) override {
     require(!dispatch_pending_, "ll dispatch_send: the previous dispatch_send has no dispatch_recv yet");
-    const std::string name = begin("ll_dispatch", dispatch_calls_);
+    begin("ll_dispatch", dispatch_calls_);
     const int set = static_cast<int>(dispatch_calls_++ % 2);
     const LowLatencyConfig& c = config();
     ll::Route route{};
@@ -134,13 +142,14 @@ class CudaLowLatency final : public LowLatencyBackend {
       // The peers' receive half stops with this rank's rejection; this rank's receive half still
       // runs, so the set's flags are consumed (and reset) like those of any call.
       ll::reject(ctx(), ll::kDispatch, set, kStatusHostRejected);
-      ll::dispatch_recv(ctx(), set, sets_[set]);
+      ll::dispatch(ctx(), ll::kRecvPhase, set, {}, {}, sets_[set]);
       throw Error(ErrorCode::invalid_argument, error);
     }
-    ll::dispatch_send(ctx(), set, route, rows, sets_[set]);
+    mark(0);
+    if (!fusing_) ll::dispatch(ctx(), ll::kSendPhase, set, route, rows, sets_[set]);
     dispatch_pending_ = true;
-    pending_tokens_ = route.tokens;
-    pending_name_ = name;
+    pending_route_ = route;
+    pending_rows_ = rows;
   }
 
   LowLatencyDispatchResult dispatch_recv() override {
@@ -148,8 +157,9 @@ class CudaLowLatency final : public LowLatencyBackend {
     dispatch_pending_ = false;
     const int set = static_cast<int>((dispatch_calls_ - 1) % 2);
     const ll::Set& s = sets_[set];
-    ll::dispatch_recv(ctx(), set, s);
-    kernels::publish_status(status_, host_status_, stream_);
+    mark(1);
+    ll::dispatch(ctx(), fusing_ ? ll::kSendPhase | ll::kRecvPhase : ll::kRecvPhase, set, pending_route_, pending_rows_, s);
+    if (mark(2)) timer_.add(fusing_ ? "ll dispatch (one launch)" : "ll dispatch: send half to end", 0, 2);
     const LowLatencyConfig& c = config();
     LowLatencyDispatchResult out;
     auto view = [&](void* p, DType t, std::initializer_list<int64_t> shape) {
@@ -169,16 +179,29 @@ class CudaLowLatency final : public LowLatencyBackend {
     out.recv_layout = view(s.recv_layout, DType::i32, {local_, ranks_, 2});
     auto h = std::make_shared<LowLatencyHandleState>();
     h->owner = this;
-    h->tokens = pending_tokens_;
+    h->tokens = pending_route_.tokens;
     h->num_tokens = -1;  // on the device
     h->set = set;
     out.handle = LowLatencyHandle(std::move(h));
     return out;
   }
 
+  // The fused forms: both halves' checks, then one launch for the whole call (docs/low-latency.md).
+  LowLatencyDispatchResult dispatch(const LowLatencyDispatchInput& in) override {
+    Fusing on(fusing_);
+    dispatch_send(in);
+    return dispatch_recv();
+  }
+
+  Tensor combine(const LowLatencyCombineInput& in, const LowLatencyHandle& handle) override {
+    Fusing on(fusing_);
+    combine_send(in, handle);
+    return combine_recv();
+  }
+
   void combine_send(const LowLatencyCombineInput& in, const LowLatencyHandle& handle) override {
     require(!combine_pending_, "ll combine_send: the previous combine_send has no combine_recv yet");
-    const std::string name = begin("ll_combine", combine_calls_);
+    begin("ll_combine", combine_calls_);
     const int set = static_cast<int>(combine_calls_++ % 2);
     const LowLatencyConfig& c = config();
     std::string error;
@@ -199,13 +222,14 @@ class CudaLowLatency final : public LowLatencyBackend {
     }
     if (!error.empty()) {  // as in dispatch_send: reject, then consume this call's flags
       ll::reject(ctx(), ll::kCombine, set, kStatusHostRejected);
-      ll::combine_recv(ctx(), set, sets_[0], nullptr, 0, false, 0, sets_[set].out);
+      ll::combine(ctx(), ll::kRecvPhase, set, sets_[0], nullptr, ll::Sums{nullptr, 0, false, 0, sets_[set].out});
       throw Error(ErrorCode::invalid_argument, error);
     }
     const LowLatencyHandleState& h = handle.state();
-    ll::combine_send(ctx(), set, sets_[h.set], in.y.ptr<const uint16_t>());
+    mark(3);
+    if (!fusing_) ll::combine(ctx(), ll::kSendPhase, set, sets_[h.set], in.y.ptr<const uint16_t>(), {});
     combine_pending_ = true;
-    pending_combine_ = {handle.state_ptr(), in.weighted, in.topk_weights};
+    pending_combine_ = {handle.state_ptr(), in.weighted, in.topk_weights, in.y.ptr<const uint16_t>()};
   }
 
   Tensor combine_recv() override {
@@ -215,9 +239,12 @@ class CudaLowLatency final : public LowLatencyBackend {
     const LowLatencyHandleState& h = *pending_combine_.handle;
     const TensorView& w = pending_combine_.weights;
     uint16_t* out = sets_[set].out;
-    ll::combine_recv(ctx(), set, sets_[h.set], pending_combine_.weighted ? w.ptr<const float>() : nullptr,
-                     pending_combine_.weighted ? w.strides[0] : 0, pending_combine_.weighted, h.tokens, out);
-    kernels::publish_status(status_, host_status_, stream_);
+    const ll::Sums sums{pending_combine_.weighted ? w.ptr<const float>() : nullptr,
+                        pending_combine_.weighted ? w.strides[0] : 0, pending_combine_.weighted, h.tokens, out};
+    mark(4);
+    ll::combine(ctx(), fusing_ ? ll::kSendPhase | ll::kRecvPhase : ll::kRecvPhase, set, sets_[h.set], pending_combine_.y,
+                sums);
+    if (mark(5)) timer_.add(fusing_ ? "ll combine (one launch)" : "ll combine: send half to end", 3, 5);
     pending_combine_ = {};
     return Tensor(memory_, TensorView::of(out, DType::bf16, {h.tokens, config().hidden}, DeviceKind::cuda, device_));
   }
@@ -227,6 +254,13 @@ class CudaLowLatency final : public LowLatencyBackend {
     std::shared_ptr<const LowLatencyHandleState> handle;
     bool weighted = false;
     TensorView weights;
+    const uint16_t* y = nullptr;
+  };
+  // Set while a fused call runs: its send half defers its launch to the receive half's.
+  struct Fusing {
+    explicit Fusing(bool& flag) : flag_(flag) { flag_ = true; }
+    ~Fusing() { flag_ = false; }
+    bool& flag_;
   };
 
   void carve(ll::Set& s, char* base, int64_t& used) const {
@@ -238,8 +272,7 @@ class CudaLowLatency final : public LowLatencyBackend {
       return p;
     };
     s.slot_expert = reinterpret_cast<int32_t*>(take(4 * m * c.topk));
-    s.pair_index = reinterpret_cast<int32_t*>(take(4 * m * c.topk));
-    s.expert_count = reinterpret_cast<int32_t*>(take(4 * c.num_experts));
+    s.chunk_count = reinterpret_cast<int32_t*>(take(4 * c.num_experts * chunks_));
     s.num_tokens = reinterpret_cast<int32_t*>(take(4));
     s.recv_x = take(rows * wire_.x_bytes);
     s.recv_scales = wire_.scale_bytes ? take(rows * wire_.scale_bytes) : nullptr;
@@ -247,6 +280,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     s.recv_src = reinterpret_cast<int32_t*>(take(8 * rows));
     s.recv_count = reinterpret_cast<int32_t*>(take(4 * local_));
     s.recv_layout = reinterpret_cast<int32_t*>(take(8 * local_ * ranks_));
+    s.row_start = reinterpret_cast<int32_t*>(take(4 * (local_ + 1)));
     s.prev_count = reinterpret_cast<int32_t*>(take(4 * local_));
     s.src_rank = reinterpret_cast<int32_t*>(take(4 * rows));
     s.src_token = reinterpret_cast<int32_t*>(take(4 * rows));
@@ -254,11 +288,21 @@ class CudaLowLatency final : public LowLatencyBackend {
     s.out = reinterpret_cast<uint16_t*>(take(2 * m * c.hidden));
   }
 
+  // EPX_PROFILE: records mark i, except in a graph capture (no timing there); true if recorded.
+  bool mark(int i) {
+    if (!timer_.on()) return false;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    EPX_CUDA(cudaStreamIsCapturing(stream_, &capture));
+    if (capture != cudaStreamCaptureStatusNone) return false;
+    timer_.mark(i, stream_);
+    return true;
+  }
+
   ll::Ctx ctx() const {
     const LowLatencyConfig& c = config();
     return ll::Ctx{window_->peers(), map_, c.hidden, c.topk, c.num_experts, local_, c.max_tokens_per_rank, c.wire,
-                   wire_.x_bytes, wire_.scale_bytes, wire_.global_bytes, status_, done_,
-                   static_cast<uint64_t>(timeout_.count()) * 1000000ull, blocks_, stream_};
+                   wire_.x_bytes, wire_.scale_bytes, wire_.global_bytes, status_, host_status_, done_,
+                   static_cast<uint64_t>(timeout_.count()) * 1000000ull, blocks_, pack_parts_, stream_};
   }
 
   void on_device(const TensorView& t, std::string_view what) const {
@@ -296,8 +340,9 @@ class CudaLowLatency final : public LowLatencyBackend {
     }
   }
 
-  int rank_, ranks_, device_ = 0, blocks_ = 0;
+  int rank_, ranks_, device_ = 0, blocks_ = 0, pack_parts_ = 1;
   int64_t local_, slots_;
+  int64_t chunks_;  // the kernels count rows per chunk of ll::kChunk source tokens
   WireRow wire_;
   std::chrono::milliseconds timeout_;
   ll::Map map_{};
@@ -311,9 +356,11 @@ class CudaLowLatency final : public LowLatencyBackend {
   cudaStream_t stream_ = nullptr;  // the calls' stream: own_stream_ or the caller's
   int64_t dispatch_calls_ = 0, combine_calls_ = 0;
   bool dispatch_pending_ = false, combine_pending_ = false;
-  int64_t pending_tokens_ = 0;
-  std::string pending_name_;
+  bool fusing_ = false;
+  ll::Route pending_route_{};
+  ll::Rows pending_rows_{};
   PendingCombine pending_combine_;
+  PhaseTimer timer_;
   bool broken_ = false;
   std::string broken_reason_;
 };

@@ -39,6 +39,7 @@ Staging::~Staging() {
   cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
   keep_.clear();
   for (auto e : events_) cudaEventDestroy(static_cast<cudaEvent_t>(e));
+  if (graph_) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(graph_));
   cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
 #endif
 }
@@ -112,6 +113,45 @@ double Staging::elapsed_us() {
   }
 #endif
   return std::chrono::duration<double, std::micro>(t1_ - t0_).count();
+}
+
+void Staging::capture(int calls, const std::function<void()>& call) {
+#ifdef EPX_HAS_CUDA
+  auto stream = static_cast<cudaStream_t>(stream_);
+  if (graph_) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(graph_));
+  graph_ = nullptr;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
+    throw Error(ErrorCode::internal, "epx-bench: cudaStreamBeginCapture failed");
+  try {
+    for (int i = 0; i < calls; ++i) call();
+  } catch (...) {
+    cudaStreamEndCapture(stream, &graph);
+    if (graph) cudaGraphDestroy(graph);
+    throw;
+  }
+  const bool ok = cudaStreamEndCapture(stream, &graph) == cudaSuccess && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
+  if (graph) cudaGraphDestroy(graph);
+  if (!ok) throw Error(ErrorCode::internal, "epx-bench: capturing the calls in a CUDA graph failed");
+  graph_ = exec;
+#else
+  (void)calls;
+  (void)call;
+  no_cuda();
+#endif
+}
+
+double Staging::replay_us() {
+#ifdef EPX_HAS_CUDA
+  start();
+  if (cudaGraphLaunch(static_cast<cudaGraphExec_t>(graph_), static_cast<cudaStream_t>(stream_)) != cudaSuccess)
+    throw Error(ErrorCode::internal, "epx-bench: cudaGraphLaunch failed");
+  stop();
+  return elapsed_us();
+#else
+  no_cuda();
+#endif
 }
 
 }  // namespace epx::bench

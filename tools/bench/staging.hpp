@@ -2,6 +2,7 @@
 // or device copies (CUDA). Also the per-rank timer: wall clock on the host, CUDA events on GPUs.
 #pragma once
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -33,11 +34,18 @@ class Staging {
   void stop();
   double elapsed_us();
 
+  // GPUs only: records `calls` invocations of call() on the stream as one CUDA graph (replacing
+  // any earlier one); replay_us() runs it between the start and stop events and waits.
+  bool on_gpu() const { return device_ >= 0; }
+  void capture(int calls, const std::function<void()>& call);
+  double replay_us();
+
  private:
   TensorView place(const void* data, size_t bytes, DType dtype, std::initializer_list<int64_t> shape);
   int device_;
   void* stream_ = nullptr;
   void* events_[2] = {nullptr, nullptr};
+  void* graph_ = nullptr;  // cudaGraphExec_t
   std::chrono::steady_clock::time_point t0_, t1_;
   std::vector<std::shared_ptr<void>> keep_;
 };

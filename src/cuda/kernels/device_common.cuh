@@ -41,6 +41,18 @@ __device__ inline void report(DeviceStatus* st, int32_t code, int32_t rank, int6
   atomicExch(&st->code, code);
 }
 
+// Copies the status to the host's mapped copy (read at the start of the next call).
+__device__ inline void publish(const DeviceStatus* st, DeviceStatus* host) {
+  volatile DeviceStatus* h = host;
+  h->rank = st->rank;
+  h->a = st->a;
+  h->b = st->b;
+  h->c = st->c;
+  h->d = st->d;
+  h->code = st->code;
+  __threadfence_system();
+}
+
 // Adds 1 to signal `kind` of every rank, from this rank. The caller fenced its writes
 // (__threadfence_system) after a __syncthreads, so peers that see the count see the data.
 __device__ inline void signal_all(const PeerWindows& w, const WindowMap& m, int kind) {

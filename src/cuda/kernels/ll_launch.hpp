@@ -11,24 +11,28 @@ namespace epx::detail::ll {
 
 enum Kind : int { kDispatch = 0, kCombine = 1 };
 
+// Source tokens per count (and per receive unit: one warp's ballot).
+constexpr int kChunk = 32;
+
 // Offsets in every rank's low-latency window (the same on all ranks). M = max_tokens_per_rank.
 struct Map {
   int64_t flags;           // uint64 [2 kinds][2 sets][R]: nonzero once that source's rows are here:
                            // bit 0 set, its error code << 8; reset by the receiver
-  int64_t counts;          // int32 [2 sets][R][L]: rows each source wrote for each local expert
-  int64_t rows;            // [2 sets][L][R*M] wire rows of payload_stride bytes, slot (l, s*M + i)
+  int64_t counts;          // int32 [2 sets][R][L][chunks]: rows each source wrote for each local expert
+                           // from each of its chunks of 32 tokens
+  int64_t ntok;            // int32 [2 sets][R]: each source's token count
+  int64_t routes;          // int32 [2 sets][R][M][K]: each source's checked expert ids (-1: none)
+  int64_t rows;            // [2 sets][L][R*M] wire rows of payload_stride bytes, slot (l, s*M + t)
   int64_t payload_stride;
-  int64_t row_token;       // int32 [2 sets][L][R*M]
-  int64_t row_slot;        // int32 [2 sets][L][R*M]
   int64_t ret;             // bf16 [2 sets][M][K][H]: expert rows back at their source
   int64_t total;
 };
 
 // This rank's arrays of one set (ordinary device memory).
 struct Set {
-  int32_t* slot_expert;   // [M*K] the dispatch's routing; -1 unused or past num_tokens
-  int32_t* pair_index;    // [M*K] the pair's place among this rank's pairs of its expert
-  int32_t* expert_count;  // [E] this rank's pairs per expert
+  int32_t* slot_expert;   // [M*K] the dispatch's checked routing; -1 unused or past num_tokens
+  int32_t* chunk_count;   // [E][chunks] this rank's pairs per (expert, 32 tokens), counted by the send
+                          // half (0 between calls)
   int32_t* num_tokens;    // [1] rows that counted
   char* recv_x;           // [L][R*M] x_bytes
   char* recv_scales;      // [L][R*M] scale_bytes, or null
@@ -36,6 +40,7 @@ struct Set {
   int32_t* recv_src;      // [L][R*M][2]
   int32_t* recv_count;    // [L]
   int32_t* recv_layout;   // [L][R][2]
+  int32_t* row_start;     // [L+1] each expert's first row among all received rows, then their total
   int32_t* prev_count;    // [L] the counts of the previous dispatch on this set (rows to clear)
   int32_t* src_rank;      // [L*R*M] per received row: where it came from (for combine)
   int32_t* src_token;
@@ -50,9 +55,11 @@ struct Ctx {
   WireFormat wire;
   int64_t x_bytes, scale_bytes, global_bytes;
   DeviceStatus* status;
+  DeviceStatus* host_status;  // mapped host copy, written at the end of each receive half
   uint32_t* done;  // [4] blocks finished of the current kernel of each kind/half; reset by the last
   uint64_t timeout_ns;
   int blocks;
+  int pack_parts;  // warps sharing the rows of one receive unit (chunk of a source's tokens)
   cudaStream_t stream;
 };
 
@@ -70,13 +77,23 @@ struct Rows {
   float nvfp4_global_scale;
 };
 
+// Where combine's sums go: out[t] for t < tokens (T of the dispatch), weighted or not.
+struct Sums {
+  const float* weights;
+  int64_t weight_stride;
+  bool weighted;
+  int64_t tokens;
+  uint16_t* out;
+};
+
+// The phases of one launch: the send half, the receive half, or both (the fused call: one
+// launch instead of two).
+enum Phase : int { kSendPhase = 1, kRecvPhase = 2 };
+
 // A rank whose host rejected its input: its flags of this call carry the error, no rows.
 void reject(const Ctx& c, Kind kind, int set, int32_t code);
-void dispatch_send(const Ctx& c, int set, const Route& route, const Rows& rows, const Set& s);
-void dispatch_recv(const Ctx& c, int set, const Set& s);
-void combine_send(const Ctx& c, int set, const Set& dispatched, const uint16_t* y);
-void combine_recv(const Ctx& c, int set, const Set& dispatched, const float* weights, int64_t weight_stride,
-                  bool weighted, int64_t tokens, uint16_t* out);
+void dispatch(const Ctx& c, int phases, int set, const Route& route, const Rows& rows, const Set& s);
+void combine(const Ctx& c, int phases, int set, const Set& dispatched, const uint16_t* y, const Sums& sums);
 void preload_kernels();
 
 }  // namespace epx::detail::ll

@@ -142,16 +142,7 @@ __global__ void drop_kernel(Shape s, int64_t tokens, int32_t* slot_expert, float
   if (threadIdx.x == 0 && n > kept) atomicAdd(reinterpret_cast<unsigned long long*>(dropped), static_cast<unsigned long long>(n - kept));
 }
 
-__global__ void publish_status_kernel(const DeviceStatus* st, DeviceStatus* host) {
-  volatile DeviceStatus* h = host;
-  h->rank = st->rank;
-  h->a = st->a;
-  h->b = st->b;
-  h->c = st->c;
-  h->d = st->d;
-  h->code = st->code;
-  __threadfence_system();
-}
+__global__ void publish_status_kernel(const DeviceStatus* st, DeviceStatus* host) { publish(st, host); }
 
 int blocks_for(int64_t n, int threads) { return static_cast<int>(std::min<int64_t>(1024, std::max<int64_t>(1, (n + threads - 1) / threads))); }
 
