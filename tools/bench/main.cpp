@@ -58,6 +58,7 @@ struct Ranks {
   std::function<Group(int)> group;
   std::function<int(const Group&)> device;  // -1 on the host backend
   std::string gpu_name;
+  int sm_count = 0;  // of GPU 0 (the low-latency kernels take them all)
 };
 
 Ranks make_ranks(const Options& o) {
@@ -77,7 +78,8 @@ Ranks make_ranks(const Options& o) {
   auto world = std::make_shared<CudaWorld>(devices);
   cudaDeviceProp prop;
   cudaGetDeviceProperties(&prop, 0);
-  return {[world](int r) { return world->group(r); }, [](const Group& g) { return cuda_device(g); }, prop.name};
+  return {[world](int r) { return world->group(r); }, [](const Group& g) { return cuda_device(g); }, prop.name,
+          prop.multiProcessorCount};
 #else
   throw Error(ErrorCode::unsupported, "epx-bench: this build has no CUDA backend; use --backend host");
 #endif
@@ -343,6 +345,7 @@ std::vector<Record> run_low_latency(const Options& o, const Ranks& ranks, const 
   Record d = base_record(o, ranks, p, "ll_dispatch", wire, "ll", td);
   set_bytes(d, rows * wire_row_bytes(wire, h), remote * wire_row_bytes(wire, h));
   Record c = base_record(o, ranks, p, "ll_combine", WireFormat::bf16, "ll", tc);
+  if (o.backend == "cuda") d.sms = c.sms = ranks.sm_count;
   set_bytes(c, rows * 2.0 * h, remote * 2.0 * h);
   for (int r = 0; r < p.ranks && d.verify_error.empty(); ++r) {
     verify::Problem pw = p;
