@@ -3,7 +3,7 @@
 # run the GPU tests against the CPU reference, compute-sanitizer on a small shape (EP1: the
 # sanitizer serializes kernels, so ranks waiting on each other could not progress), epx-bench.
 # Logs and JSON go to $OUT; a short summary is printed last.
-#   usage: [EPX_GIT_COMMIT=$(git rev-parse --short=12 HEAD)] [GTEST_FILTER=...] [BENCH_ARGS=...] [SANITIZE_TOOLS=...] \
+#   usage: [EPX_GIT_COMMIT=$(git rev-parse --short=12 HEAD)] [GTEST_FILTER=...] [GTEST_REPEAT=n] [BENCH_ARGS=...] [SANITIZE_TOOLS=...] \
 #          bash scripts/device-check.sh [tests|sanitize|bench|sweep|all]...   (default: all but sweep)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,10 +38,13 @@ want() { [[ ( " $steps " == *" all "* && $1 != sweep ) || " $steps " == *" $1 "*
 
 if want tests; then
   # A lost flag or signal fails a test in 10 s instead of the 60 s default.
-  EPX_TIMEOUT_MS=${EPX_TIMEOUT_MS:-10000} timeout 300 ./build-gpu/tests/epx_gpu_tests --gtest_filter="${GTEST_FILTER:-*}" --gtest_output=json:"$OUT/gpu_tests.json" > "$OUT/gpu_tests.log" 2>&1
+  # GTEST_REPEAT=n runs the suite n times (intermittent failures).
+  EPX_TIMEOUT_MS=${EPX_TIMEOUT_MS:-10000} timeout 300 ./build-gpu/tests/epx_gpu_tests --gtest_filter="${GTEST_FILTER:-*}" \
+    --gtest_repeat="${GTEST_REPEAT:-1}" --gtest_output=json:"$OUT/gpu_tests.json" > "$OUT/gpu_tests.log" 2>&1
   rc=$?
   grep -E "^\[  (PASSED|FAILED)|^\[  FAILED  \]|Failure|Which is|Actual|Expected" "$OUT/gpu_tests.log" | head -60
-  note "gpu tests rc=$rc: $(grep -E '^\[  PASSED' "$OUT/gpu_tests.log") $(grep -cE '^\[  FAILED  \] ' "$OUT/gpu_tests.log") failed lines"
+  failed=$(grep -E '^\[  FAILED  \] .*\(' "$OUT/gpu_tests.log" | sed -E 's/^\[  FAILED  \] ([^ ,]*).*/\1/' | sort -u | tr '\n' ' ')
+  note "gpu tests rc=$rc: $(grep -E '^\[  PASSED' "$OUT/gpu_tests.log") failed: ${failed:-none}"
 fi
 if want sanitize; then
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
