@@ -743,7 +743,6 @@ CombineBackwardResult CudaBackend::combine_backward(const CombineBackwardInput& 
   wait(kSignalForward);
   CombineBackwardResult out;
   out.grad_y = device_tensor(DType::bf16, {h->recv.capacity, c.hidden});
-  EPX_CUDA(cudaMemsetAsync(out.grad_y.data<void>(), 0, static_cast<size_t>(out.grad_y.numel()) * 2, stream_));  // padding rows
   kernels::expand_grad(x, dh.recv, h->layout, opt.weighted, opt.weighted ? in.y.ptr<const uint16_t>() : nullptr,
                        opt.weighted ? in.y.strides[0] : 0, out.grad_y.data<uint16_t>());
   wait(kSignalReverse);

@@ -2,6 +2,7 @@
 // (quantizing on the way when the wire says so) and flags every finished chunk there; the
 // receiver, running at the same time on other SMs, places each flagged chunk's rows into the
 // outputs at positions fixed by the plans (docs/performance.md).
+#include "cuda/kernels/empty_rows.cuh"
 #include "cuda/kernels/launch.hpp"
 #include "cuda/kernels/row_copy.cuh"
 
@@ -97,11 +98,10 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(PeerWindows
   }
 }
 
-// Output rows that hold no token: expert-major padding, and rows past num_rows in capacity mode.
+// Output rows that hold no token are zero, with no source.
 __device__ void fill_empty_rows(const Shape& s, const RecvArrays& r, const RecvOutputs& out, Layout layout,
                                 int64_t warp, int64_t warps, int lane) {
-  const int64_t capacity = r.info[2];
-  auto empty = [&](int64_t row) {
+  for_each_empty_row(s, r, layout, warp, warps, [&](int64_t row) {
     char* x = out.x + row * out.x_bytes;
     zero_row(&x, 1, out.x_bytes, lane);
     if (out.scales) {
@@ -119,13 +119,7 @@ __device__ void fill_empty_rows(const Shape& s, const RecvArrays& r, const RecvO
         out.topk_idx[row * s.topk + k] = -1;
         out.topk_weights[row * s.topk + k] = 0.0f;
       }
-  };
-  if (layout == Layout::expert_major)
-    for (int64_t l = 0; l < s.local_experts; ++l) {
-      const int64_t end = min(r.expert_offsets[l + 1], capacity);
-      for (int64_t row = r.expert_offsets[l] + r.tokens_per_expert[l] + warp; row < end; row += warps) empty(row);
-    }
-  for (int64_t row = r.info[1] + warp; row < capacity; row += warps) empty(row);
+  });
 }
 
 // The payload (and its scales) into n output rows at once.
