@@ -4,7 +4,7 @@
 # sanitizer serializes kernels, so ranks waiting on each other could not progress), epx-bench.
 # Logs and JSON go to $OUT; a short summary is printed last.
 #   usage: [EPX_GIT_COMMIT=$(git rev-parse --short=12 HEAD)] [GTEST_FILTER=...] [GTEST_REPEAT=n] [BENCH_ARGS=...] [SANITIZE_TOOLS=...] \
-#          bash scripts/device-check.sh [tests|sanitize|bench|sweep|all]...   (default: all but sweep)
+#          bash scripts/device-check.sh [tests|sanitize|bench|sweep|ll|all]...   (default: all but sweep)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
@@ -67,6 +67,27 @@ if want sweep; then
   bash scripts/perf-sweep.sh > /dev/null 2>&1
   grep -E "^==|^dispatch|^combine|profile" "$OUT/sweep.log" | cut -c1-150
   note "sweep done ($(grep -c '^==' "$OUT/sweep.log") settings)"
+fi
+if want ll; then
+  # Low-latency mode: EP over every GPU at the decode shape (ll.json), a token sweep of fp8
+  # dispatch and combine (ll-sweep.json), EP4 and EP8 on the shared-GPU transport (ll-shared.json).
+  ranks=$(nvidia-smi -L | wc -l)
+  bench() { timeout 120 ./build-gpu/epx-bench --backend cuda --preset ll "$@" >> "$OUT/ll.log" 2>&1 || echo "FAILED: $*" >> "$OUT/ll.log"; }
+  bench --ranks "$ranks" --wire fp8,bf16 --json "$OUT/ll.json"
+  for t in ${LL_SWEEP_TOKENS:-1 8 32 64 256 512}; do bench --ranks "$ranks" --tokens "$t" --wire fp8 --json "$OUT/ll-t$t.part"; done
+  for r in 4 8; do bench --shared-gpu --ranks "$r" --wire fp8 --json "$OUT/ll-r$r.part"; done
+  python3 - "$OUT" <<'PY'
+import glob, json, sys
+out = sys.argv[1]
+for name, pattern in (("ll-sweep.json", "ll-t*.part"), ("ll-shared.json", "ll-r*.part")):
+    records = [r for f in sorted(glob.glob(f"{out}/{pattern}")) for r in json.load(open(f))]
+    records.sort(key=lambda r: (r["op"], r["ranks"], r["tokens"]))
+    with open(f"{out}/{name}", "w") as o:
+        o.write("[\n" + ",\n".join("  " + json.dumps(r) for r in records) + "\n]\n")
+PY
+  rm -f "$OUT"/*.part
+  grep -E "^ll_|FAILED" "$OUT/ll.log" | cut -c1-100
+  note "low-latency runs: $(grep -c '^ll_' "$OUT/ll.log") records, $(grep -c 'FAILED' "$OUT/ll.log") failed"
 fi
 # At most 8 files come back from the machine: the logs travel as one archive.
 (cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log)

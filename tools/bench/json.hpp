@@ -29,6 +29,7 @@ struct Record {
   bool verified = false;
   std::string verify_error;
   std::string backend;
+  std::string transport;  // "shared-gpu" for --shared-gpu runs, else empty (not written)
   std::string gpu;  // empty on the host backend
   std::string git_commit;
 };

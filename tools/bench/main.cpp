@@ -1,6 +1,7 @@
 // epx-bench: times dispatch, combine and the backward passes of one MoE layer over N ranks,
 // verifies every result against the independent reference, prints a table and writes JSON.
 #include <algorithm>
+#include <cstdlib>
 #include <barrier>
 #include <chrono>
 #include <cstdio>
@@ -70,14 +71,21 @@ Ranks make_ranks(const Options& o) {
   int gpus = 0;
   cudaGetDeviceCount(&gpus);
   if (gpus < 1) throw Error(ErrorCode::unsupported, "epx-bench: --backend cuda but no GPU is visible");
-  if (o.ranks > gpus)  // the shared-GPU transport is for tests; its timings would mean nothing
+  cudaDeviceProp prop;
+  cudaGetDeviceProperties(&prop, 0);
+  if (o.shared_gpu) {
+    auto world = std::make_shared<CudaWorld>(CudaWorld::shared_gpu(o.ranks, 0));
+    return {[world](int r) { return world->group(r); }, [](const Group& g) { return cuda_device(g); }, prop.name,
+            prop.multiProcessorCount};
+  }
+  if (o.ranks > gpus)  // the shared-GPU transport is for tests (--shared-gpu)
     throw Error(ErrorCode::invalid_argument, "epx-bench: --ranks " + std::to_string(o.ranks) + " but only " +
-                                                 std::to_string(gpus) + " GPU(s) visible; the CUDA backend runs one rank per GPU");
+                                                 std::to_string(gpus) +
+                                                 " GPU(s) visible; the CUDA backend runs one rank per GPU (--shared-gpu "
+                                                 "puts every rank on GPU 0, for the low-latency ops)");
   std::vector<int> devices;
   for (int d = 0; d < o.ranks; ++d) devices.push_back(d);
   auto world = std::make_shared<CudaWorld>(devices);
-  cudaDeviceProp prop;
-  cudaGetDeviceProperties(&prop, 0);
   return {[world](int r) { return world->group(r); }, [](const Group& g) { return cuda_device(g); }, prop.name,
           prop.multiProcessorCount};
 #else
@@ -252,6 +260,7 @@ Record base_record(const Options& o, const Ranks& ranks, const verify::Problem& 
   rec.backend = o.backend;
   rec.gpu = ranks.gpu_name;
   rec.git_commit = EPX_GIT_COMMIT;
+  if (o.shared_gpu) rec.transport = "shared-gpu";
   std::vector<double> t(o.iters, 0.0);
   for (const auto* rank_times : times)
     for (int i = 0; i < o.iters; ++i) t[i] = std::max(t[i], (*rank_times)[i]);
@@ -393,6 +402,9 @@ int run(const Options& o) {
   std::fflush(stdout);
   spec.cfg.num_sms = o.sms;
   verify::Problem base = verify::make_problem(spec);
+  // The shared-GPU transport runs one stream per rank on one GPU: each needs a hardware queue of
+  // its own, or a rank's waiting kernel can hold up a peer's queued behind it (docs/cuda.md).
+  if (o.shared_gpu) setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   const Ranks ranks = make_ranks(o);
 
   std::vector<Record> records;

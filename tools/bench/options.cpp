@@ -26,6 +26,8 @@ const char* kUsage = R"(epx-bench: dispatch and combine of one MoE layer over N 
   --ops LIST              comma list of dispatch,combine,dispatch_backward,combine_backward,
                           ll_dispatch,ll_combine (default: the first four; with --preset ll all six)
   --sms N                 SM budget for GPU kernels (recorded; host ignores it)
+  --shared-gpu            CUDA, low-latency ops: all ranks on GPU 0 over the tests' shared-GPU
+                          transport (records say "transport": "shared-gpu"; a test transport's times)
   --warmup N --iters N    untimed and timed repetitions (default 2 and 20; host 1 and 5)
   --seed N                random seed for inputs and routing
   --json FILE             write the records as a JSON list
@@ -72,6 +74,10 @@ Options parse_options(int argc, char** argv) {
     if (flag == "--help" || flag == "-h") {
       std::fputs(kUsage, stdout);
       std::exit(0);
+    }
+    if (flag == "--shared-gpu") {
+      o.shared_gpu = true;
+      continue;
     }
     if (i + 1 >= argc) usage_error(flag + " needs a value");
     const std::string v = argv[++i];
@@ -136,6 +142,12 @@ Options parse_options(int argc, char** argv) {
   if (o.ops.empty()) {
     o.ops = {"dispatch", "combine", "dispatch_backward", "combine_backward"};
     if (!v3) o.ops.insert(o.ops.end(), {"ll_dispatch", "ll_combine"});
+    if (o.shared_gpu) o.ops = {"ll_dispatch", "ll_combine"};
+  }
+  if (o.shared_gpu) {
+    if (o.backend != "cuda") usage_error("--shared-gpu needs --backend cuda");
+    for (const std::string& op : o.ops)
+      if (op != "ll_dispatch" && op != "ll_combine") usage_error("--shared-gpu runs only ll_dispatch and ll_combine, not " + op);
   }
   return o;
 }

@@ -28,6 +28,7 @@ struct Options {
   uint64_t seed = 1;
   std::string json;
   bool tokens_scaled = false;  // the host backend shrank the preset's token count
+  bool shared_gpu = false;     // CUDA: every rank on GPU 0 (the tests' transport)
 };
 
 // Parses argv; prints usage and exits on --help or a bad flag.
