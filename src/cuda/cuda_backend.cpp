@@ -608,7 +608,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
                           reinterpret_cast<int32_t*>(ptr(out.recv_topk_idx)),
                           reinterpret_cast<float*>(ptr(out.recv_topk_weights))};
   timer_.mark(4, side_stream_);
-  kernels::dispatch_receive(side, blocks_ - senders, dh->recv, ro, opt.layout);
+  kernels::dispatch_receive(side, blocks_ - senders, dh->recv, ro, opt.layout, rows);
   const auto host_launched = std::chrono::steady_clock::now();
   timer_.mark(5, side_stream_);
   EPX_CUDA(cudaEventRecord(join_, side_stream_));

@@ -1,7 +1,8 @@
-// Dispatch's transfer. The sender moves each token once to every destination rank's window
-// (quantizing on the way when the wire says so) and flags every finished chunk there; the
+// Dispatch's transfer. The sender moves each token once to every other destination rank's
+// window (quantizing on the way when the wire says so) and flags every finished chunk there; the
 // receiver, running at the same time on other SMs, places each flagged chunk's rows into the
-// outputs at positions fixed by the plans (docs/performance.md).
+// outputs at positions fixed by the plans, taking this rank's own tokens straight from the
+// input (docs/performance.md).
 #include "cuda/kernels/empty_rows.cuh"
 #include "cuda/kernels/launch.hpp"
 #include "cuda/kernels/row_copy.cuh"
@@ -19,7 +20,8 @@ __device__ int64_t stream_slot(const Shape& s, int source, int64_t pos) {
   return source * s.max_tokens + pos;
 }
 
-// One warp: token t of chunk c to every rank that holds one of its slots.
+// One warp: token t of chunk c to every other rank that holds one of its slots (this rank's
+// receiver reads its own tokens from x), and the row's placing data to every such rank.
 __device__ void send_token(const PeerWindows& w, const WindowMap& m, const Shape& s, const SendRows& rows,
                            const SendPlan& plan, int64_t c, int64_t t, int lane) {
   const ChunkPositions& p = plan.pos;
@@ -28,32 +30,37 @@ __device__ void send_token(const PeerWindows& w, const WindowMap& m, const Shape
   char* dst_scales[kMaxRanks];
   int64_t at[kMaxRanks];
   int to[kMaxRanks];
-  int n = 0;
+  int n = 0, payloads = 0;
   for (int d = 0; d < s.ranks; ++d) {
     const int32_t in_chunk = p.send_pos[t * s.ranks + d];
     if (in_chunk < 0) continue;
     const int64_t pos = p.chunk_base[c * width + s.experts + d] + in_chunk;
     at[n] = stream_slot(s, w.rank, pos);
     to[n] = d;
-    dst[n] = at_window<char>(w, d, m.fwd_payload + at[n] * m.payload_stride);
-    dst_scales[n] = dst[n] + s.hidden;
+    if (d != w.rank) {
+      dst[payloads] = at_window<char>(w, d, m.fwd_payload + at[n] * m.payload_stride);
+      dst_scales[payloads] = dst[payloads] + s.hidden;
+      ++payloads;
+    }
     ++n;
   }
   __syncwarp();  // every lane read send_pos before lane 0 turns it into stream positions
   if (lane == 0)
     for (int i = 0; i < n; ++i) p.send_pos[t * s.ranks + to[i]] = static_cast<int32_t>(at[i] - w.rank * s.max_tokens);
-  if (n == 0) return;
-  const char* x = rows.x + t * rows.x_stride_bytes;
-  if (rows.x_scales) {  // pre-quantized fp8: codes and scales as given
-    copy_row<true>(x, dst, n, s.hidden, lane);
-    copy_row<true>(reinterpret_cast<const char*>(rows.x_scales + t * rows.scales_stride), dst_scales, n,
-                   4 * (s.hidden / kFp8Block), lane);
-  } else if (rows.wire == WireFormat::bf16) {
-    copy_row<true>(x, dst, n, 2 * s.hidden, lane);
-  } else if (rows.wire == WireFormat::nvfp4) {
-    quantize_nvfp4_row(reinterpret_cast<const uint16_t*>(x), s.hidden, rows.nvfp4_global_scale, dst, n, lane);
-  } else {
-    quantize_fp8_row(reinterpret_cast<const uint16_t*>(x), s.hidden, rows.wire == WireFormat::fp8_ue8m0, dst, n, lane);
+  if (payloads > 0) {
+    const char* x = rows.x + t * rows.x_stride_bytes;
+    if (rows.x_scales) {  // pre-quantized fp8: codes and scales as given
+      copy_row<true>(x, dst, payloads, s.hidden, lane);
+      copy_row<true>(reinterpret_cast<const char*>(rows.x_scales + t * rows.scales_stride), dst_scales, payloads,
+                     4 * (s.hidden / kFp8Block), lane);
+    } else if (rows.wire == WireFormat::bf16) {
+      copy_row<true>(x, dst, payloads, 2 * s.hidden, lane);
+    } else if (rows.wire == WireFormat::nvfp4) {
+      quantize_nvfp4_row(reinterpret_cast<const uint16_t*>(x), s.hidden, rows.nvfp4_global_scale, dst, payloads, lane);
+    } else {
+      quantize_fp8_row(reinterpret_cast<const uint16_t*>(x), s.hidden, rows.wire == WireFormat::fp8_ue8m0, dst, payloads,
+                       lane);
+    }
   }
   for (int i = 0; i < n; ++i) {  // what the receiver needs to place the row
     const int r = to[i];
@@ -137,10 +144,39 @@ __device__ void place_payload(const char* payload, const RecvOutputs& out, const
   }
 }
 
+// The row of `token` into n output rows at once: from the window, or for this rank's own tokens
+// (own != null; no sender copied them) made from the input here, as a sender would have.
+__device__ void place_row(const Shape& s, const SendRows* own, const char* payload, int32_t token,
+                          const RecvOutputs& out, const int64_t* rows, int n, int lane) {
+  if (own == nullptr) return place_payload(payload, out, rows, n, lane);
+  char* xs[kRowGroup];
+  char* scales[kRowGroup];
+  char* global[kRowGroup];
+  for (int j = 0; j < n; ++j) {
+    xs[j] = out.x + rows[j] * out.x_bytes;
+    scales[j] = out.scales ? out.scales + rows[j] * out.scale_bytes : nullptr;
+    global[j] = out.global ? out.global + rows[j] * 4 : nullptr;
+  }
+  const char* x = own->x + token * own->x_stride_bytes;
+  if (own->x_scales) {  // pre-quantized fp8: codes and scales as given
+    copy_row<true>(x, xs, n, s.hidden, lane);
+    copy_row<true>(reinterpret_cast<const char*>(own->x_scales + token * own->scales_stride), scales, n,
+                   4 * (s.hidden / kFp8Block), lane);
+  } else if (own->wire == WireFormat::bf16) {
+    copy_row<true>(x, xs, n, 2 * s.hidden, lane);
+  } else if (own->wire == WireFormat::nvfp4) {
+    quantize_nvfp4(reinterpret_cast<const uint16_t*>(x), s.hidden, own->nvfp4_global_scale, n, lane,
+                   [&](int d) { return xs[d]; }, [&](int d) { return scales[d]; }, [&](int d) { return global[d]; });
+  } else {
+    quantize_fp8(reinterpret_cast<const uint16_t*>(x), s.hidden, own->wire == WireFormat::fp8_ue8m0, n, lane,
+                 [&](int d) { return xs[d]; }, [&](int d) { return reinterpret_cast<float*>(scales[d]); });
+  }
+}
+
 // Rank-major, one warp: received row `pos` of `source`'s stream to output row i. Every load
 // is issued before the row is copied and every store after, so their latencies overlap the copy.
 __device__ void receive_row_rank_major(const PeerWindows& w, const WindowMap& m, const Shape& s, const RecvArrays& r,
-                                       const RecvOutputs& out, int source, int64_t pos, int lane) {
+                                       const RecvOutputs& out, const SendRows* own, int source, int64_t pos, int lane) {
   const int64_t f = stream_slot(s, source, pos), i = r.rank_offsets[source] + pos;
   const char* payload = at_window<const char>(w, w.rank, m.fwd_payload + f * m.payload_stride);
   const int32_t token = at_window<const int32_t>(w, w.rank, m.fwd_token)[f];
@@ -153,7 +189,7 @@ __device__ void receive_row_rank_major(const PeerWindows& w, const WindowMap& m,
     weight[b] = k < s.topk ? at_window<const float>(w, w.rank, m.fwd_slot_weight)[f * s.topk + k] : 0.0f;
   }
   const bool kept = i < r.info[2];
-  if (kept) place_payload(payload, out, &i, 1, lane);
+  if (kept) place_row(s, own, payload, token, out, &i, 1, lane);
   if (lane == 0) {
     r.src_rank[i] = source;
     r.src_token[i] = token;
@@ -179,7 +215,7 @@ __device__ void receive_row_rank_major(const PeerWindows& w, const WindowMap& m,
 // row of each of its local experts. Lane k holds slot k (in blocks of 32 slots); the rows to
 // fill travel by ballot and shuffle, kRowGroup at a time per read of the row.
 __device__ void receive_row_expert_major(const PeerWindows& w, const WindowMap& m, const Shape& s, const RecvArrays& r,
-                                         const RecvOutputs& out, int source, int64_t pos, int lane) {
+                                         const RecvOutputs& out, const SendRows* own, int source, int64_t pos, int lane) {
   const int64_t f = stream_slot(s, source, pos), i = r.rank_offsets[source] + pos, capacity = r.info[2];
   const char* payload = at_window<const char>(w, w.rank, m.fwd_payload + f * m.payload_stride);
   const int32_t token = at_window<const int32_t>(w, w.rank, m.fwd_token)[f];
@@ -218,7 +254,7 @@ __device__ void receive_row_expert_major(const PeerWindows& w, const WindowMap& 
         }
         ++n;
       }
-      place_payload(payload, out, rows, n, lane);
+      place_row(s, own, payload, token, out, rows, n, lane);
     }
   }
 }
@@ -227,8 +263,8 @@ __device__ void receive_row_expert_major(const PeerWindows& w, const WindowMap& 
 // each waits for its chunk's flag.
 __global__ void __launch_bounds__(kRecvWarps * 32) dispatch_receive_kernel(PeerWindows w, WindowMap m, Shape s,
                                                                           RecvArrays r, RecvOutputs out, Layout layout,
-                                                                          const CallState* cs, uint64_t timeout_ns,
-                                                                          DeviceStatus* st) {
+                                                                          SendRows own, const CallState* cs,
+                                                                          uint64_t timeout_ns, DeviceStatus* st) {
   const uint32_t epoch = call_epoch(cs);
   const int lane = threadIdx.x % 32;
   const int64_t warp = blockIdx.x * static_cast<int64_t>(kRecvWarps) + threadIdx.x / 32;
@@ -249,8 +285,9 @@ __global__ void __launch_bounds__(kRecvWarps * 32) dispatch_receive_kernel(PeerW
                            static_cast<int32_t>(flag & ((1u << kRangeCountBits) - 1))};
     if (j == 0 && lane == 0) r.chunk_range[at] = range;
     if (j >= range.count) continue;
-    if (layout == Layout::rank_major) receive_row_rank_major(w, m, s, r, out, source, range.start + j, lane);
-    else receive_row_expert_major(w, m, s, r, out, source, range.start + j, lane);
+    const SendRows* mine = source == w.rank ? &own : nullptr;
+    if (layout == Layout::rank_major) receive_row_rank_major(w, m, s, r, out, mine, source, range.start + j, lane);
+    else receive_row_expert_major(w, m, s, r, out, mine, source, range.start + j, lane);
   }
 }
 
@@ -262,8 +299,9 @@ void dispatch_send(const Ctx& ctx, int blocks, const SendRows& rows, int64_t tok
                                                                  ctx.state, ctx.status);
 }
 
-void dispatch_receive(const Ctx& ctx, int blocks, const RecvArrays& r, const RecvOutputs& out, Layout layout) {
-  dispatch_receive_kernel<<<blocks, kRecvWarps * 32, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, out, layout,
+void dispatch_receive(const Ctx& ctx, int blocks, const RecvArrays& r, const RecvOutputs& out, Layout layout,
+                      const SendRows& own) {
+  dispatch_receive_kernel<<<blocks, kRecvWarps * 32, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, out, layout, own,
                                                                        ctx.state, ctx.timeout_ns, ctx.status);
 }
 
