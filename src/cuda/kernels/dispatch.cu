@@ -1,8 +1,8 @@
 // Dispatch's transfer. The sender moves each token once to every other destination rank's
 // window (quantizing on the way when the wire says so) and flags every finished chunk there; the
 // receiver, running at the same time on other SMs, places each flagged chunk's rows into the
-// outputs at positions fixed by the plans, taking this rank's own tokens straight from the
-// input (docs/performance.md).
+// outputs at positions fixed by the plans, copying this rank's own tokens straight from the
+// input when the wire needs no quantizing (docs/performance.md).
 #include "cuda/kernels/empty_rows.cuh"
 #include "cuda/kernels/launch.hpp"
 #include "cuda/kernels/row_copy.cuh"
@@ -20,8 +20,14 @@ __device__ int64_t stream_slot(const Shape& s, int source, int64_t pos) {
   return source * s.max_tokens + pos;
 }
 
-// One warp: token t of chunk c to every other rank that holds one of its slots (this rank's
-// receiver reads its own tokens from x), and the row's placing data to every such rank.
+// Own tokens skip the window when their wire row is a plain copy of the input (bf16, or fp8
+// given pre-quantized): the receiver copies them from x. Quantized on send (fp8, nvfp4), they
+// still go through the window: a quantizer in the receive loop would spill its registers (24
+// warps per block leave 80 registers a thread).
+__device__ bool own_rows_from_input(const SendRows& rows) { return rows.x_scales || rows.wire == WireFormat::bf16; }
+
+// One warp: token t of chunk c to every rank that holds one of its slots (this rank only when its
+// wire row is quantized here: see own_rows_from_input), and the row's placing data to every such rank.
 __device__ void send_token(const PeerWindows& w, const WindowMap& m, const Shape& s, const SendRows& rows,
                            const SendPlan& plan, int64_t c, int64_t t, int lane) {
   const ChunkPositions& p = plan.pos;
@@ -37,7 +43,7 @@ __device__ void send_token(const PeerWindows& w, const WindowMap& m, const Shape
     const int64_t pos = p.chunk_base[c * width + s.experts + d] + in_chunk;
     at[n] = stream_slot(s, w.rank, pos);
     to[n] = d;
-    if (d != w.rank) {
+    if (d != w.rank || !own_rows_from_input(rows)) {
       dst[payloads] = at_window<char>(w, d, m.fwd_payload + at[n] * m.payload_stride);
       dst_scales[payloads] = dst[payloads] + s.hidden;
       ++payloads;
@@ -129,48 +135,31 @@ __device__ void fill_empty_rows(const Shape& s, const RecvArrays& r, const RecvO
   });
 }
 
-// The payload (and its scales) into n output rows at once.
-__device__ void place_payload(const char* payload, const RecvOutputs& out, const int64_t* rows, int n, int lane) {
+
+// A row's codes, scales and 1/g (each null when the wire has none) into n output rows at once.
+__device__ void place_parts(const char* codes, const char* scales, const char* global, const RecvOutputs& out,
+                            const int64_t* rows, int n, int lane) {
   char* dst[kRowGroup];
   for (int j = 0; j < n; ++j) dst[j] = out.x + rows[j] * out.x_bytes;
-  copy_row(payload, dst, n, out.x_bytes, lane);
+  copy_row(codes, dst, n, out.x_bytes, lane);
   if (out.scales) {
     for (int j = 0; j < n; ++j) dst[j] = out.scales + rows[j] * out.scale_bytes;
-    copy_row(payload + out.x_bytes, dst, n, out.scale_bytes, lane);
+    copy_row(scales, dst, n, out.scale_bytes, lane);
   }
   if (out.global) {
     for (int j = 0; j < n; ++j) dst[j] = out.global + rows[j] * 4;
-    copy_row(payload + out.x_bytes + out.scale_bytes, dst, n, 4, lane);
+    copy_row(global, dst, n, 4, lane);
   }
 }
 
-// The row of `token` into n output rows at once: from the window, or for this rank's own tokens
-// (own != null; no sender copied them) made from the input here, as a sender would have.
-__device__ void place_row(const Shape& s, const SendRows* own, const char* payload, int32_t token,
-                          const RecvOutputs& out, const int64_t* rows, int n, int lane) {
-  if (own == nullptr) return place_payload(payload, out, rows, n, lane);
-  char* xs[kRowGroup];
-  char* scales[kRowGroup];
-  char* global[kRowGroup];
-  for (int j = 0; j < n; ++j) {
-    xs[j] = out.x + rows[j] * out.x_bytes;
-    scales[j] = out.scales ? out.scales + rows[j] * out.scale_bytes : nullptr;
-    global[j] = out.global ? out.global + rows[j] * 4 : nullptr;
-  }
-  const char* x = own->x + token * own->x_stride_bytes;
-  if (own->x_scales) {  // pre-quantized fp8: codes and scales as given
-    copy_row<true>(x, xs, n, s.hidden, lane);
-    copy_row<true>(reinterpret_cast<const char*>(own->x_scales + token * own->scales_stride), scales, n,
-                   4 * (s.hidden / kFp8Block), lane);
-  } else if (own->wire == WireFormat::bf16) {
-    copy_row<true>(x, xs, n, 2 * s.hidden, lane);
-  } else if (own->wire == WireFormat::nvfp4) {
-    quantize_nvfp4(reinterpret_cast<const uint16_t*>(x), s.hidden, own->nvfp4_global_scale, n, lane,
-                   [&](int d) { return xs[d]; }, [&](int d) { return scales[d]; }, [&](int d) { return global[d]; });
-  } else {
-    quantize_fp8(reinterpret_cast<const uint16_t*>(x), s.hidden, own->wire == WireFormat::fp8_ue8m0, n, lane,
-                 [&](int d) { return xs[d]; }, [&](int d) { return reinterpret_cast<float*>(scales[d]); });
-  }
+// The row of `token` into n output rows at once: the payload in the window (codes, scales and
+// 1/g back to back), or (own != null) the input row and its given scales.
+__device__ void place_row(const SendRows* own, const char* payload, int32_t token, const RecvOutputs& out,
+                          const int64_t* rows, int n, int lane) {
+  const char* codes = own ? own->x + token * own->x_stride_bytes : payload;
+  const char* scales = own ? reinterpret_cast<const char*>(own->x_scales + token * own->scales_stride)
+                           : payload + out.x_bytes;  // own: read only when the wire has scales (x_scales set)
+  place_parts(codes, scales, payload + out.x_bytes + out.scale_bytes, out, rows, n, lane);
 }
 
 // Rank-major, one warp: received row `pos` of `source`'s stream to output row i. Every load
@@ -189,7 +178,7 @@ __device__ void receive_row_rank_major(const PeerWindows& w, const WindowMap& m,
     weight[b] = k < s.topk ? at_window<const float>(w, w.rank, m.fwd_slot_weight)[f * s.topk + k] : 0.0f;
   }
   const bool kept = i < r.info[2];
-  if (kept) place_row(s, own, payload, token, out, &i, 1, lane);
+  if (kept) place_row(own, payload, token, out, &i, 1, lane);
   if (lane == 0) {
     r.src_rank[i] = source;
     r.src_token[i] = token;
@@ -254,7 +243,7 @@ __device__ void receive_row_expert_major(const PeerWindows& w, const WindowMap& 
         }
         ++n;
       }
-      place_row(s, own, payload, token, out, rows, n, lane);
+      place_row(own, payload, token, out, rows, n, lane);
     }
   }
 }
@@ -285,7 +274,7 @@ __global__ void __launch_bounds__(kRecvWarps * 32) dispatch_receive_kernel(PeerW
                            static_cast<int32_t>(flag & ((1u << kRangeCountBits) - 1))};
     if (j == 0 && lane == 0) r.chunk_range[at] = range;
     if (j >= range.count) continue;
-    const SendRows* mine = source == w.rank ? &own : nullptr;
+    const SendRows* mine = source == w.rank && own_rows_from_input(own) ? &own : nullptr;
     if (layout == Layout::rank_major) receive_row_rank_major(w, m, s, r, out, mine, source, range.start + j, lane);
     else receive_row_expert_major(w, m, s, r, out, mine, source, range.start + j, lane);
   }

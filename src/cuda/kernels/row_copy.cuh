@@ -62,10 +62,9 @@ __device__ inline void zero_row(char* const* dst, int n, int64_t bytes, int lane
 }
 
 // One 512-channel step of an fp8 row: lane's 16 values (when `on`) -> codes and its block's
-// scale, to rows d = 0..n-1 (codes(d): the row's codes, scales(d): its f32 scales). Every lane of
-// the warp calls it (the block amax is 3 shuffles).
-template <typename Codes, typename Scales>
-__device__ void fp8_step(const float* v, bool on, int64_t h, bool ue8m0, int n, int lane, Codes codes, Scales scales) {
+// scale. Every lane of the warp calls it (the block amax is 3 shuffles).
+__device__ inline void fp8_step(const float* v, bool on, int64_t h, int64_t hidden, bool ue8m0, char* const* dst, int n,
+                                int lane) {
   float amax = 0.0f;
   if (on)
     for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
@@ -79,21 +78,20 @@ __device__ void fp8_step(const float* v, bool on, int64_t h, bool ue8m0, int n, 
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(v[i + 1] * inv), "f"(v[i] * inv));
     packed[i / 4] |= static_cast<uint32_t>(pair) << (8 * (i % 4));
   }
-  const int4 packed_codes = make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]),
-                                      static_cast<int>(packed[2]), static_cast<int>(packed[3]));
+  const int4 codes = make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]), static_cast<int>(packed[2]),
+                               static_cast<int>(packed[3]));
   for (int d = 0; d < n; ++d) {
-    *reinterpret_cast<int4*>(codes(d) + h) = packed_codes;
-    if (lane % 8 == 0) scales(d)[h / kFp8Block] = scale;
+    *reinterpret_cast<int4*>(dst[d] + h) = codes;
+    if (lane % 8 == 0) reinterpret_cast<float*>(dst[d] + hidden)[h / kFp8Block] = scale;
   }
 }
 
-// fp8 codes [H] and f32 scales [H/128] of a bf16 row, to rows d = 0..n-1 (see fp8_step). A lane
-// owns 16 channels of a 512-channel step; the 8 lanes of a 128-channel block agree on its scale.
-// With an aligned row, kFp8Steps steps are loaded before any is converted, so a warp keeps 4 KiB
-// of the row in flight. Same arithmetic as the codec's row quantizer.
+// fp8 wire row (codes [H], then f32 scales [H/128]) of a bf16 row, to each of dst[0..n).
+// A lane owns 16 channels of a 512-channel step; the 8 lanes of a 128-channel block agree on
+// its scale. With an aligned row, kFp8Steps steps are loaded before any is converted, so a
+// warp keeps 4 KiB of the row in flight. Same arithmetic as the codec's row quantizer.
 constexpr int kFp8Steps = 4;
-template <typename Codes, typename Scales>
-__device__ void quantize_fp8(const uint16_t* x, int64_t hidden, bool ue8m0, int n, int lane, Codes codes, Scales scales) {
+__device__ inline void quantize_fp8_row(const uint16_t* x, int64_t hidden, bool ue8m0, char* const* dst, int n, int lane) {
   float v[16];
   if (!aligned16(x)) {
     for (int64_t base = 0; base < hidden; base += 512) {
@@ -101,7 +99,7 @@ __device__ void quantize_fp8(const uint16_t* x, int64_t hidden, bool ue8m0, int 
       const bool on = h < hidden;  // hidden % 128 == 0: a block's 8 lanes are all on or all off
       if (on)
         for (int i = 0; i < 16; ++i) v[i] = bf16_to_float(x[h + i]);
-      fp8_step(v, on, h, ue8m0, n, lane, codes, scales);
+      fp8_step(v, on, h, hidden, ue8m0, dst, n, lane);
     }
     return;
   }
@@ -126,16 +124,15 @@ __device__ void quantize_fp8(const uint16_t* x, int64_t hidden, bool ue8m0, int 
           v[2 * i] = bf16_to_float(static_cast<uint16_t>(a & 0xffffu));
           v[2 * i + 1] = bf16_to_float(static_cast<uint16_t>(a >> 16));
         }
-      fp8_step(v, on, h, ue8m0, n, lane, codes, scales);
+      fp8_step(v, on, h, hidden, ue8m0, dst, n, lane);
     }
   }
 }
 
-// nvfp4 codes [H/2], e4m3 block scales [H/16] and the f32 1/g of a bf16 row, to rows d = 0..n-1
-// (codes(d), scales(d), global(d)): a lane owns whole 16-channel blocks.
-template <typename Codes, typename Scales, typename Global>
-__device__ void quantize_nvfp4(const uint16_t* x, int64_t hidden, float given_scale, int n, int lane, Codes codes,
-                               Scales scales, Global global) {
+// nvfp4 wire row (codes [H/2], e4m3 block scales [H/16], f32 1/g) to each of dst[0..n): a lane
+// owns whole 16-channel blocks.
+__device__ inline void quantize_nvfp4_row(const uint16_t* x, int64_t hidden, float given_scale, char* const* dst, int n,
+                                          int lane) {
   float g = given_scale;
   if (!(g > 0.0f)) {
     float m = 0.0f;
@@ -155,28 +152,15 @@ __device__ void quantize_nvfp4(const uint16_t* x, int64_t hidden, float given_sc
     for (int i = 0; i < kNvfp4Block; i += 2)
       packed[i / 2] = static_cast<uint8_t>(float_to_e2m1(v[i] * f) | (float_to_e2m1(v[i + 1] * f) << 4));
     for (int d = 0; d < n; ++d) {
-      for (int i = 0; i < kNvfp4Block / 2; ++i) codes(d)[b * (kNvfp4Block / 2) + i] = static_cast<char>(packed[i]);
-      scales(d)[b] = static_cast<char>(s);
+      for (int i = 0; i < kNvfp4Block / 2; ++i) dst[d][b * (kNvfp4Block / 2) + i] = static_cast<char>(packed[i]);
+      dst[d][hidden / 2 + b] = static_cast<char>(s);
     }
   }
   if (lane == 0) {
     const float inv = 1.0f / g;
     for (int d = 0; d < n; ++d)
-      for (int i = 0; i < 4; ++i) global(d)[i] = reinterpret_cast<const char*>(&inv)[i];
+      for (int i = 0; i < 4; ++i) dst[d][hidden / 2 + hidden / kNvfp4Block + i] = reinterpret_cast<const char*>(&inv)[i];
   }
-}
-
-// The wire payload forms: codes, scales (and 1/g) back to back at each of dst[0..n).
-__device__ inline void quantize_fp8_row(const uint16_t* x, int64_t hidden, bool ue8m0, char* const* dst, int n, int lane) {
-  quantize_fp8(x, hidden, ue8m0, n, lane, [&](int d) { return dst[d]; },
-               [&](int d) { return reinterpret_cast<float*>(dst[d] + hidden); });
-}
-
-__device__ inline void quantize_nvfp4_row(const uint16_t* x, int64_t hidden, float given_scale, char* const* dst, int n,
-                                          int lane) {
-  quantize_nvfp4(x, hidden, given_scale, n, lane, [&](int d) { return dst[d]; },
-                 [&](int d) { return dst[d] + hidden / 2; },
-                 [&](int d) { return dst[d] + hidden / 2 + hidden / kNvfp4Block; });
 }
 
 constexpr int kSumUnroll = 4;   // 16-byte vectors per lane in flight per term
