@@ -362,9 +362,7 @@ std::vector<Record> run_low_latency(const Options& o, const Ranks& ranks, const 
     d.verify_error = verify::check_ll_dispatch(pw, all, r, 0.0f, got[r]);
   }
   for (int r = 0; r < p.ranks && c.verify_error.empty(); ++r) {
-    const auto want = verify::expected_ll_combine(p, all, ys, r, true);
-    c.verify_error = verify::compare_bits(outs[r].data<uint16_t>(), want.data(), static_cast<int64_t>(want.size()), 2,
-                                          "rank " + std::to_string(r) + " ll_combine out");
+    c.verify_error = verify::check_ll_combine(p, all, ys, r, true, outs[r], "rank " + std::to_string(r) + " ll_combine out");
   }
   d.verified = d.verify_error.empty();
   c.verified = c.verify_error.empty();

@@ -444,4 +444,13 @@ std::vector<uint16_t> expected_ll_combine(const Problem& p, const std::vector<in
   return out;
 }
 
+std::string check_ll_combine(const Problem& p, const std::vector<int64_t>& num_tokens,
+                             const std::vector<std::vector<uint16_t>>& y, int s, bool weighted, const Tensor& got,
+                             const std::string& what) {
+  const auto want = expected_ll_combine(p, num_tokens, y, s, weighted);
+  if (got.numel() != static_cast<int64_t>(want.size()))
+    return what + ": " + std::to_string(got.numel()) + " elements, expected " + std::to_string(want.size());
+  return compare_bits(got.data<uint16_t>(), want.data(), static_cast<int64_t>(want.size()), 2, what);
+}
+
 }  // namespace epx::verify

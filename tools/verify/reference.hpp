@@ -70,4 +70,9 @@ std::string check_ll_dispatch(const Problem& p, const std::vector<int64_t>& num_
 // Expected ll_combine output of rank s, given every rank's y [L, R*M, H].
 std::vector<uint16_t> expected_ll_combine(const Problem& p, const std::vector<int64_t>& num_tokens,
                                           const std::vector<std::vector<uint16_t>>& y, int s, bool weighted);
+// Empty when rank s's ll_combine output `got` (on the host) is exactly expected_ll_combine's, else
+// the first difference, named `what`.
+std::string check_ll_combine(const Problem& p, const std::vector<int64_t>& num_tokens,
+                             const std::vector<std::vector<uint16_t>>& y, int s, bool weighted, const Tensor& got,
+                             const std::string& what);
 }  // namespace epx::verify
