@@ -158,9 +158,8 @@ class CudaLowLatency final : public LowLatencyBackend {
     dispatch_pending_ = false;
     const int set = static_cast<int>((dispatch_calls_ - 1) % 2);
     const ll::Set& s = sets_[set];
-    mark(1);
     ll::dispatch(ctx(), fusing_ ? ll::kSendPhase | ll::kRecvPhase : ll::kRecvPhase, set, pending_route_, pending_rows_, s);
-    if (mark(2)) timer_.add(fusing_ ? "ll dispatch (one launch)" : "ll dispatch: send half to end", 0, 2);
+    if (mark(1)) timer_.add(fusing_ ? "ll dispatch (one launch)" : "ll dispatch: send half to end", 0, 1);
     const LowLatencyConfig& c = config();
     LowLatencyDispatchResult out;
     auto view = [&](void* p, DType t, std::initializer_list<int64_t> shape) {
@@ -227,7 +226,7 @@ class CudaLowLatency final : public LowLatencyBackend {
       throw Error(ErrorCode::invalid_argument, error);
     }
     const LowLatencyHandleState& h = handle.state();
-    mark(3);
+    mark(2);
     if (!fusing_) ll::combine(ctx(), ll::kSendPhase, set, sets_[h.set], in.y.ptr<const uint16_t>(), {});
     combine_pending_ = true;
     pending_combine_ = {handle.state_ptr(), in.weighted, in.topk_weights, in.y.ptr<const uint16_t>()};
@@ -242,10 +241,9 @@ class CudaLowLatency final : public LowLatencyBackend {
     uint16_t* out = sets_[set].out;
     const ll::Sums sums{pending_combine_.weighted ? w.ptr<const float>() : nullptr,
                         pending_combine_.weighted ? w.strides[0] : 0, pending_combine_.weighted, h.tokens, out};
-    mark(4);
     ll::combine(ctx(), fusing_ ? ll::kSendPhase | ll::kRecvPhase : ll::kRecvPhase, set, sets_[h.set], pending_combine_.y,
                 sums);
-    if (mark(5)) timer_.add(fusing_ ? "ll combine (one launch)" : "ll combine: send half to end", 3, 5);
+    if (mark(3)) timer_.add(fusing_ ? "ll combine (one launch)" : "ll combine: send half to end", 2, 3);
     pending_combine_ = {};
     return Tensor(memory_, TensorView::of(out, DType::bf16, {h.tokens, config().hidden}, DeviceKind::cuda, device_));
   }
@@ -310,13 +308,13 @@ class CudaLowLatency final : public LowLatencyBackend {
   }
 
   // Raises what an earlier call found on the device (calls never wait for the device).
-  std::string begin(const char* kind, int64_t index) {
+  void begin(const char* kind, int64_t index) {
     const std::string name = cat(kind, " #", index);
     if (broken_) fail(ErrorCode::peer_failed, name, " (rank ", rank_, "): the low-latency buffer already failed: ", broken_reason_);
     EPX_CUDA(cudaSetDevice(device_));
     DeviceStatus st;
     std::memcpy(&st, host_status_, sizeof st);
-    if (st.code == kStatusOk) return name;
+    if (st.code == kStatusOk) return;
     std::memset(host_status_, 0, sizeof(DeviceStatus));
     EPX_CUDA(cudaMemsetAsync(status_, 0, sizeof(DeviceStatus), stream_));
     const std::string who = cat("a low-latency call before ", name, " (rank ", rank_, "): ");
