@@ -608,7 +608,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
                           reinterpret_cast<int32_t*>(ptr(out.recv_topk_idx)),
                           reinterpret_cast<float*>(ptr(out.recv_topk_weights))};
   timer_.mark(4, side_stream_);
-  kernels::dispatch_receive(side, blocks_ - senders, dh->recv, ro, opt.layout);
+  kernels::dispatch_receive(side, blocks_ - senders, dh->recv, ro, opt.layout, rows);
   const auto host_launched = std::chrono::steady_clock::now();
   timer_.mark(5, side_stream_);
   EPX_CUDA(cudaEventRecord(join_, side_stream_));
@@ -743,7 +743,6 @@ CombineBackwardResult CudaBackend::combine_backward(const CombineBackwardInput& 
   wait(kSignalForward);
   CombineBackwardResult out;
   out.grad_y = device_tensor(DType::bf16, {h->recv.capacity, c.hidden});
-  EPX_CUDA(cudaMemsetAsync(out.grad_y.data<void>(), 0, static_cast<size_t>(out.grad_y.numel()) * 2, stream_));  // padding rows
   kernels::expand_grad(x, dh.recv, h->layout, opt.weighted, opt.weighted ? in.y.ptr<const uint16_t>() : nullptr,
                        opt.weighted ? in.y.strides[0] : 0, out.grad_y.data<uint16_t>());
   wait(kSignalReverse);

@@ -52,14 +52,15 @@ class CudaLowLatency final : public LowLatencyBackend {
     const int64_t expected = ll::kChunk * c.topk / c.num_experts;
     while (pack_parts_ < 8 && 2 * pack_parts_ < expected) pack_parts_ *= 2;
 
-    const int64_t m = c.max_tokens_per_rank, rows = 2 * local_ * slots_;
+    const int64_t m = c.max_tokens_per_rank, rows = 2 * slots_;  // one per (set, source, token)
     int64_t at = 0;
     auto take = [&](int64_t bytes) {
       const int64_t here = at;
       at += round16(bytes);
       return here;
     };
-    map_.flags = take(8 * 2 * 2 * ranks_);
+    map_.arrivals = take(8 * 2 * 2 * ranks_);
+    map_.errors = take(4 * 2 * 2 * ranks_);
     map_.counts = take(4 * 2 * ranks_ * local_ * chunks_);
     map_.ntok = take(4 * 2 * ranks_);
     map_.routes = take(4 * 2 * ranks_ * m * c.topk);
@@ -80,8 +81,8 @@ class CudaLowLatency final : public LowLatencyBackend {
     for (int s = 0; s < 2; ++s) EPX_CUDA(cudaMemset(sets_[s].recv_src, 0xff, static_cast<size_t>(8 * local_ * slots_)));
     EPX_CUDA(cudaMalloc(&status_, sizeof(DeviceStatus)));
     EPX_CUDA(cudaMemset(status_, 0, sizeof(DeviceStatus)));
-    EPX_CUDA(cudaMalloc(&done_, 4 * sizeof(uint32_t)));
-    EPX_CUDA(cudaMemset(done_, 0, 4 * sizeof(uint32_t)));
+    EPX_CUDA(cudaMalloc(&done_, 2 * sizeof(uint32_t)));
+    EPX_CUDA(cudaMemset(done_, 0, 2 * sizeof(uint32_t)));
     EPX_CUDA(cudaHostAlloc(&host_status_, sizeof(DeviceStatus), cudaHostAllocMapped));
     std::memset(host_status_, 0, sizeof(DeviceStatus));
     EPX_CUDA(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
@@ -140,7 +141,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     }
     if (!error.empty()) {
       // The peers' receive half stops with this rank's rejection; this rank's receive half still
-      // runs, so the set's flags are consumed (and reset) like those of any call.
+      // runs, so the set's arrival words are consumed (and reset) like those of any call.
       ll::reject(ctx(), ll::kDispatch, set, kStatusHostRejected);
       ll::dispatch(ctx(), ll::kRecvPhase, set, {}, {}, sets_[set]);
       throw Error(ErrorCode::invalid_argument, error);
@@ -219,7 +220,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     } catch (const Error& e) {
       error = e.what();
     }
-    if (!error.empty()) {  // as in dispatch_send: reject, then consume this call's flags
+    if (!error.empty()) {  // as in dispatch_send: reject, then consume this call's arrival words
       ll::reject(ctx(), ll::kCombine, set, kStatusHostRejected);
       ll::combine(ctx(), ll::kRecvPhase, set, sets_[0], nullptr, ll::Sums{nullptr, 0, false, 0, sets_[set].out});
       throw Error(ErrorCode::invalid_argument, error);
@@ -270,7 +271,6 @@ class CudaLowLatency final : public LowLatencyBackend {
       return p;
     };
     s.slot_expert = reinterpret_cast<int32_t*>(take(4 * m * c.topk));
-    s.chunk_count = reinterpret_cast<int32_t*>(take(4 * c.num_experts * chunks_));
     s.num_tokens = reinterpret_cast<int32_t*>(take(4));
     s.recv_x = take(rows * wire_.x_bytes);
     s.recv_scales = wire_.scale_bytes ? take(rows * wire_.scale_bytes) : nullptr;

@@ -1,8 +1,10 @@
 // Low-latency mode on the CUDA backend against the reference (the same checks as the CPU
 // backend's tests): rounds with changing token counts read on the device, every wire format,
-// EP1/EP2 over NCCL and EP4/EP8 on the shared-GPU transport, and a CUDA graph replayed with
-// fresh inputs.
+// EP1/EP2 over NCCL and EP4/EP8 on the shared-GPU transport, a CUDA graph replayed with fresh
+// inputs, and the errors only the device sees (a bad id, a peer that never comes).
 #include <cuda_runtime.h>
+
+#include <gmock/gmock.h>
 
 #include <barrier>
 #include <thread>
@@ -231,6 +233,90 @@ TEST(CudaLowLatencyGraphs, DispatchExpertCombineReplaysWithFreshInputs) {
     ASSERT_EQ(errors[r], "") << "rank " << r;
     EXPECT_EQ(mismatches[r], "") << "rank " << r;
   }
+}
+
+// Runs body(rank, buffer, x, idx) on the case's ranks (a buffer with the given timeout); returns
+// each rank's error ("" if none).
+template <typename Body>
+std::vector<std::string> on_ranks(const LlGpuCase& c, const verify::Problem& p, int64_t timeout_ms, Body body) {
+  const CudaWorld world = ll_world(c);
+  std::vector<std::string> errors(c.ranks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < c.ranks; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        cudaSetDevice(0);
+        DeviceArray x(p.inputs[r].x), idx(p.inputs[r].idx);
+        LowLatencyConfig cfg = ll_config(c);
+        cfg.timeout_ms = timeout_ms;
+        LowLatencyBuffer b(world.group(r), cfg);
+        body(r, b, x, idx);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
+LowLatencyDispatchInput ll_input(const LlGpuCase& c, const DeviceArray& x, const DeviceArray& idx) {
+  LowLatencyDispatchInput d;
+  d.x = device_view(x, DType::bf16, {c.tokens, c.hidden}, 0);
+  d.topk_idx = device_view(idx, DType::i32, {c.tokens, c.topk}, 0);
+  return d;
+}
+
+// An id out of range is found on the device: that call's results are not to be used, the next
+// call on every rank raises it (the bad rank its id, the others its rejection), and the call
+// after that works again.
+TEST(CudaLowLatencyErrors, ABadIdOnTheDeviceFailsEveryRankAndTheBufferGoesOn) {
+  const LlGpuCase c{true, 2, 256, 16, 8, 4, WireFormat::bf16};
+  const verify::Problem p = ll_problem(c, 31);
+  std::vector<std::string> raised(c.ranks), after(c.ranks);
+  const std::vector<int64_t> all(c.ranks, c.tokens);
+  const auto errors = on_ranks(c, p, 20000, [&](int r, LowLatencyBuffer& b, const DeviceArray& x, const DeviceArray& idx) {
+    std::vector<int32_t> bad = p.inputs[r].idx;
+    if (r == 1) bad[5 * c.topk + 2] = 99;
+    DeviceArray bad_idx(bad);
+    b.dispatch(ll_input(c, x, bad_idx));
+    b.synchronize();
+    try {
+      b.dispatch(ll_input(c, x, idx));
+    } catch (const Error& e) {
+      raised[r] = e.what();
+    }
+    const LowLatencyDispatchResult res = b.dispatch(ll_input(c, x, idx));
+    b.synchronize();
+    after[r] = verify::check_ll_dispatch(p, all, r, 0.0f, host_copy(res));
+  });
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
+  EXPECT_THAT(raised[1], testing::HasSubstr("topk_idx[5, 2] = 99 is out of range"));
+  EXPECT_THAT(raised[0], testing::HasSubstr("rank 1 rejected its input"));
+  EXPECT_EQ(after[0], "");
+  EXPECT_EQ(after[1], "");
+}
+
+// A rank that never calls: its peer's receive half gives up after timeout_ms, the next call says
+// so, and the buffer refuses every call after that.
+TEST(CudaLowLatencyErrors, AMissingPeerTimesOutInsteadOfHanging) {
+  const LlGpuCase c{true, 2, 256, 16, 8, 4, WireFormat::bf16};
+  const verify::Problem p = ll_problem(c, 32);
+  std::string seen;
+  const auto errors = on_ranks(c, p, 500, [&](int r, LowLatencyBuffer& b, const DeviceArray& x, const DeviceArray& idx) {
+    if (r == 1) return;  // rank 1 is "killed" after creating its buffer
+    for (int call = 0; call < 3; ++call) {
+      try {
+        b.dispatch(ll_input(c, x, idx));
+        b.synchronize();
+      } catch (const Error& e) {
+        seen += std::string(e.what()) + "\n";
+      }
+    }
+  });
+  EXPECT_EQ(errors[0], "");
+  EXPECT_THAT(seen, testing::HasSubstr("waited 500 ms for rank 1, which never arrived"));
+  EXPECT_THAT(seen, testing::HasSubstr("the low-latency buffer already failed"));
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // combine_backward: grad_out rows go to the expert ranks (each token once per rank, like
 // dispatch), become grad_y rows there (times the slot weight when weighted), and the weight
 // gradients (lane-order dots of docs/semantics.md) come back to the sources.
+#include "cuda/kernels/empty_rows.cuh"
 #include "cuda/kernels/launch.hpp"
 #include "cuda/kernels/row_copy.cuh"
 
@@ -8,8 +9,11 @@ namespace epx::detail::kernels {
 
 namespace {
 
-constexpr int kWarps = 8;
-constexpr int kChunk = 8;  // channels per lane step: 16 bytes of bf16
+constexpr int kWarps = 8;         // send_tokens
+constexpr int kExpandWarps = 16;  // expand_grad: more rows in flight per SM
+constexpr int kChunk = 8;         // channels per lane step: 16 bytes of bf16
+constexpr int kDotUnroll = 4;     // 16-byte vectors per lane and row loaded at once
+constexpr int kRowGroup = 8;      // grad_y rows one read of grad_out is written to at once
 
 __device__ void load_chunk(const uint16_t* row, int64_t h, int64_t hidden, float* v) {
   if (h + kChunk <= hidden && (reinterpret_cast<uintptr_t>(row + h) % 16) == 0) {
@@ -45,44 +49,113 @@ __global__ void __launch_bounds__(kWarps * 32) send_tokens_kernel(PeerWindows w,
 
 __device__ int64_t source_position(const RecvArrays& r, int64_t i) { return i - r.rank_offsets[r.src_rank[i]]; }
 
-// Warp per received row: grad_y rows from the forwarded grad_out, and (weighted) the weight
-// gradient of each slot as the specified lane-order dot, back to the source.
-__global__ void __launch_bounds__(kWarps * 32) expand_grad_kernel(PeerWindows w, WindowMap m, Shape s, RecvArrays r,
-                                                                 Layout layout, bool weighted, const uint16_t* y,
-                                                                 int64_t y_stride, uint16_t* grad_y, DeviceStatus* st) {
+// One slot's grad_y row, out = bf16(w * g), and the specified lane-order dot(g, y): lane l takes
+// the 8-channel vectors l, l + 32, ... in increasing order (fma per channel), then the warp's
+// xor-shuffle sum (docs/semantics.md). kDotUnroll vectors of each row are loaded before any is
+// used, so a warp keeps 2 x 2 KiB in flight instead of one 16-byte pair per round trip.
+__device__ float scale_and_dot(const uint16_t* g, const uint16_t* y, uint16_t* out, float w, int64_t hidden, int lane) {
+  float dot = 0.0f;
+  if (hidden % 8 == 0 && aligned16(g) && aligned16(y) && aligned16(out)) {
+    const int64_t vectors = hidden / 8;
+    for (int64_t base = 0; base < vectors; base += 32 * kDotUnroll) {
+      int4 gv[kDotUnroll], yv[kDotUnroll];
+#pragma unroll
+      for (int u = 0; u < kDotUnroll; ++u) {
+        const int64_t v = base + u * 32 + lane;
+        if (v < vectors) {
+          gv[u] = reinterpret_cast<const int4*>(g)[v];
+          yv[u] = reinterpret_cast<const int4*>(y)[v];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kDotUnroll; ++u) {
+        const int64_t v = base + u * 32 + lane;
+        if (v >= vectors) continue;
+        const uint16_t* gb = reinterpret_cast<const uint16_t*>(&gv[u]);
+        const uint16_t* yb = reinterpret_cast<const uint16_t*>(&yv[u]);
+        int4 o;
+        uint16_t* ob = reinterpret_cast<uint16_t*>(&o);
+#pragma unroll
+        for (int c = 0; c < kChunk; ++c) {
+          const float gf = bf16_to_float(gb[c]);
+          dot = __fmaf_rn(gf, bf16_to_float(yb[c]), dot);
+          ob[c] = float_to_bf16(__fmul_rn(w, gf));
+        }
+        reinterpret_cast<int4*>(out)[v] = o;
+      }
+    }
+  } else {  // any hidden and alignment: the same order, one vector at a time
+    for (int64_t h = lane * kChunk; h < hidden; h += 32 * kChunk) {
+      float gv[kChunk], yv[kChunk], o[kChunk];
+      load_chunk(g, h, hidden, gv);
+      load_chunk(y, h, hidden, yv);
+      for (int c = 0; c < kChunk && h + c < hidden; ++c) dot = __fmaf_rn(gv[c], yv[c], dot);
+      for (int c = 0; c < kChunk; ++c) o[c] = __fmul_rn(w, gv[c]);
+      store_chunk(out, h, hidden, o);
+    }
+  }
+  for (int o = 16; o >= 1; o /= 2) dot = __fadd_rn(dot, __shfl_xor_sync(0xffffffffu, dot, o));
+  return dot;
+}
+
+// Warp per received row i (grad_out of token src_token[i], forwarded once to this rank): its
+// grad_y rows, and (weighted, expert-major only) each local slot's weight gradient back to the
+// source. Rank-major: row i is grad_out as is. Expert-major unweighted: grad_out to every slot's
+// row, kRowGroup rows per read. Expert-major weighted: per slot, bf16(w * g) and the dot with y.
+// Rows that hold no token are zeroed here too.
+__global__ void __launch_bounds__(kExpandWarps * 32) expand_grad_kernel(PeerWindows w, WindowMap m, Shape s, RecvArrays r,
+                                                                       Layout layout, bool weighted, const uint16_t* y,
+                                                                       int64_t y_stride, uint16_t* grad_y,
+                                                                       DeviceStatus* st) {
   const int lane = threadIdx.x % 32;
+  const int64_t warp = blockIdx.x * static_cast<int64_t>(kExpandWarps) + threadIdx.x / 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kExpandWarps;
   const int64_t rows = failed(st) ? 0 : r.info[0], capacity = r.info[2];
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32; i < rows;
-       i += static_cast<int64_t>(gridDim.x) * kWarps) {
+  for_each_empty_row(s, r, layout, warp, warps, [&](int64_t row) {
+    char* dst = reinterpret_cast<char*>(grad_y + row * s.hidden);
+    zero_row(&dst, 1, 2 * s.hidden, lane);
+  });
+  for (int64_t i = warp; i < rows; i += warps) {
     const int src = r.src_rank[i];
     const int64_t pos = source_position(r, i);  // this row's place in the stream from src
-    const int64_t at = w.rank * s.max_tokens + pos;
     const uint16_t* g = at_window<const uint16_t>(w, w.rank, m.fwd_payload + (src * s.max_tokens + pos) * m.payload_stride);
-    float* slot_dst = at_window<float>(w, src, m.rev_slots + at * s.topk * 4);
-    for (int64_t k = 0; k < s.topk; ++k) {
-      const int64_t row = r.slot_row[i * s.topk + k];
-      const bool valid = row >= 0 && row < capacity;
-      if (valid) {  // rank-major: every local slot shares row i and writes the same grad_out
-        const float wk = r.slot_weight[i * s.topk + k];
-        float dot = 0.0f;
-        for (int64_t h = lane * kChunk; h < s.hidden; h += 32 * kChunk) {
-          float gv[kChunk], out[kChunk];
-          load_chunk(g, h, s.hidden, gv);
-          if (weighted) {
-            float yv[kChunk];
-            load_chunk(y + row * y_stride, h, s.hidden, yv);
-            for (int c = 0; c < kChunk && h + c < s.hidden; ++c) dot = __fmaf_rn(gv[c], yv[c], dot);
-            for (int c = 0; c < kChunk; ++c) out[c] = __fmul_rn(wk, gv[c]);
-          } else {
-            for (int c = 0; c < kChunk; ++c) out[c] = gv[c];
-          }
-          store_chunk(grad_y + row * s.hidden, h, s.hidden, out);
-        }
-        for (int o = 16; o >= 1; o /= 2) dot = __fadd_rn(dot, __shfl_xor_sync(0xffffffffu, dot, o));
-        if (lane == 0 && weighted) slot_dst[k] = dot;
-      } else if (lane == 0 && weighted) {
-        slot_dst[k] = 0.0f;
+    float* slot_dst = at_window<float>(w, src, m.rev_slots + (w.rank * s.max_tokens + pos) * s.topk * 4);
+    if (layout == Layout::rank_major) {  // every local slot's row is i (and weighted is refused)
+      bool any = false;
+      for (int64_t k = lane; k < s.topk; k += 32) {
+        const int64_t row = r.slot_row[i * s.topk + k];
+        any |= row >= 0 && row < capacity;
       }
+      if (__any_sync(0xffffffffu, any)) {
+        char* dst = reinterpret_cast<char*>(grad_y + i * s.hidden);
+        copy_row(reinterpret_cast<const char*>(g), &dst, 1, 2 * s.hidden, lane);
+      }
+      continue;
+    }
+    for (int64_t k0 = 0; k0 < s.topk; k0 += 32) {
+      const int64_t k = k0 + lane;
+      const int64_t row = k < s.topk ? r.slot_row[i * s.topk + k] : -1;
+      uint32_t todo = __ballot_sync(0xffffffffu, row >= 0 && row < capacity);
+      if (!weighted) {
+        while (todo) {
+          char* dst[kRowGroup];
+          int n = 0;
+          for (; todo && n < kRowGroup; todo &= todo - 1)
+            dst[n++] = reinterpret_cast<char*>(grad_y + __shfl_sync(0xffffffffu, row, __ffs(static_cast<int>(todo)) - 1) * s.hidden);
+          copy_row(reinterpret_cast<const char*>(g), dst, n, 2 * s.hidden, lane);
+        }
+        continue;
+      }
+      const float weight = k < s.topk ? r.slot_weight[i * s.topk + k] : 0.0f;
+      float mine = 0.0f;  // lane k's slot's dot
+      for (; todo; todo &= todo - 1) {
+        const int b = __ffs(static_cast<int>(todo)) - 1;
+        const int64_t row_b = __shfl_sync(0xffffffffu, row, b);
+        const float dot = scale_and_dot(g, y + row_b * y_stride, grad_y + row_b * s.hidden,
+                                        __shfl_sync(0xffffffffu, weight, b), s.hidden, lane);
+        if (lane == b) mine = dot;
+      }
+      if (k < s.topk) slot_dst[k] = mine;  // 0 for a slot without a row here
     }
   }
   block_done_signal(w, m, kSignalReverse);
@@ -115,7 +188,7 @@ void send_tokens(const Ctx& ctx, const SendRows& rows, int64_t tokens, const int
 
 void expand_grad(const Ctx& ctx, const RecvArrays& r, Layout layout, bool weighted, const uint16_t* y, int64_t y_stride,
                  uint16_t* grad_y) {
-  expand_grad_kernel<<<ctx.blocks, kWarps * 32, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, layout, weighted, y,
+  expand_grad_kernel<<<ctx.blocks, kExpandWarps * 32, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, layout, weighted, y,
                                                                   y_stride, grad_y, ctx.status);
 }
 

@@ -1,7 +1,9 @@
-// Dispatch's transfer. The sender moves each token once to every destination rank's window
-// (quantizing on the way when the wire says so) and flags every finished chunk there; the
+// Dispatch's transfer. The sender moves each token once to every other destination rank's
+// window (quantizing on the way when the wire says so) and flags every finished chunk there; the
 // receiver, running at the same time on other SMs, places each flagged chunk's rows into the
-// outputs at positions fixed by the plans (docs/performance.md).
+// outputs at positions fixed by the plans, copying this rank's own tokens straight from the
+// input when the wire needs no quantizing (docs/performance.md).
+#include "cuda/kernels/empty_rows.cuh"
 #include "cuda/kernels/launch.hpp"
 #include "cuda/kernels/row_copy.cuh"
 
@@ -18,7 +20,14 @@ __device__ int64_t stream_slot(const Shape& s, int source, int64_t pos) {
   return source * s.max_tokens + pos;
 }
 
-// One warp: token t of chunk c to every rank that holds one of its slots.
+// Own tokens skip the window when their wire row is a plain copy of the input (bf16, or fp8
+// given pre-quantized): the receiver copies them from x. Quantized on send (fp8, nvfp4), they
+// still go through the window: a quantizer in the receive loop would spill its registers (24
+// warps per block leave 80 registers a thread).
+__device__ bool own_rows_from_input(const SendRows& rows) { return rows.x_scales || rows.wire == WireFormat::bf16; }
+
+// One warp: token t of chunk c to every rank that holds one of its slots (this rank only when its
+// wire row is quantized here: see own_rows_from_input), and the row's placing data to every such rank.
 __device__ void send_token(const PeerWindows& w, const WindowMap& m, const Shape& s, const SendRows& rows,
                            const SendPlan& plan, int64_t c, int64_t t, int lane) {
   const ChunkPositions& p = plan.pos;
@@ -27,32 +36,37 @@ __device__ void send_token(const PeerWindows& w, const WindowMap& m, const Shape
   char* dst_scales[kMaxRanks];
   int64_t at[kMaxRanks];
   int to[kMaxRanks];
-  int n = 0;
+  int n = 0, payloads = 0;
   for (int d = 0; d < s.ranks; ++d) {
     const int32_t in_chunk = p.send_pos[t * s.ranks + d];
     if (in_chunk < 0) continue;
     const int64_t pos = p.chunk_base[c * width + s.experts + d] + in_chunk;
     at[n] = stream_slot(s, w.rank, pos);
     to[n] = d;
-    dst[n] = at_window<char>(w, d, m.fwd_payload + at[n] * m.payload_stride);
-    dst_scales[n] = dst[n] + s.hidden;
+    if (d != w.rank || !own_rows_from_input(rows)) {
+      dst[payloads] = at_window<char>(w, d, m.fwd_payload + at[n] * m.payload_stride);
+      dst_scales[payloads] = dst[payloads] + s.hidden;
+      ++payloads;
+    }
     ++n;
   }
   __syncwarp();  // every lane read send_pos before lane 0 turns it into stream positions
   if (lane == 0)
     for (int i = 0; i < n; ++i) p.send_pos[t * s.ranks + to[i]] = static_cast<int32_t>(at[i] - w.rank * s.max_tokens);
-  if (n == 0) return;
-  const char* x = rows.x + t * rows.x_stride_bytes;
-  if (rows.x_scales) {  // pre-quantized fp8: codes and scales as given
-    copy_row<true>(x, dst, n, s.hidden, lane);
-    copy_row<true>(reinterpret_cast<const char*>(rows.x_scales + t * rows.scales_stride), dst_scales, n,
-                   4 * (s.hidden / kFp8Block), lane);
-  } else if (rows.wire == WireFormat::bf16) {
-    copy_row<true>(x, dst, n, 2 * s.hidden, lane);
-  } else if (rows.wire == WireFormat::nvfp4) {
-    quantize_nvfp4_row(reinterpret_cast<const uint16_t*>(x), s.hidden, rows.nvfp4_global_scale, dst, n, lane);
-  } else {
-    quantize_fp8_row(reinterpret_cast<const uint16_t*>(x), s.hidden, rows.wire == WireFormat::fp8_ue8m0, dst, n, lane);
+  if (payloads > 0) {
+    const char* x = rows.x + t * rows.x_stride_bytes;
+    if (rows.x_scales) {  // pre-quantized fp8: codes and scales as given
+      copy_row<true>(x, dst, payloads, s.hidden, lane);
+      copy_row<true>(reinterpret_cast<const char*>(rows.x_scales + t * rows.scales_stride), dst_scales, payloads,
+                     4 * (s.hidden / kFp8Block), lane);
+    } else if (rows.wire == WireFormat::bf16) {
+      copy_row<true>(x, dst, payloads, 2 * s.hidden, lane);
+    } else if (rows.wire == WireFormat::nvfp4) {
+      quantize_nvfp4_row(reinterpret_cast<const uint16_t*>(x), s.hidden, rows.nvfp4_global_scale, dst, payloads, lane);
+    } else {
+      quantize_fp8_row(reinterpret_cast<const uint16_t*>(x), s.hidden, rows.wire == WireFormat::fp8_ue8m0, dst, payloads,
+                       lane);
+    }
   }
   for (int i = 0; i < n; ++i) {  // what the receiver needs to place the row
     const int r = to[i];
@@ -97,11 +111,10 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(PeerWindows
   }
 }
 
-// Output rows that hold no token: expert-major padding, and rows past num_rows in capacity mode.
+// Output rows that hold no token are zero, with no source.
 __device__ void fill_empty_rows(const Shape& s, const RecvArrays& r, const RecvOutputs& out, Layout layout,
                                 int64_t warp, int64_t warps, int lane) {
-  const int64_t capacity = r.info[2];
-  auto empty = [&](int64_t row) {
+  for_each_empty_row(s, r, layout, warp, warps, [&](int64_t row) {
     char* x = out.x + row * out.x_bytes;
     zero_row(&x, 1, out.x_bytes, lane);
     if (out.scales) {
@@ -119,34 +132,40 @@ __device__ void fill_empty_rows(const Shape& s, const RecvArrays& r, const RecvO
         out.topk_idx[row * s.topk + k] = -1;
         out.topk_weights[row * s.topk + k] = 0.0f;
       }
-  };
-  if (layout == Layout::expert_major)
-    for (int64_t l = 0; l < s.local_experts; ++l) {
-      const int64_t end = min(r.expert_offsets[l + 1], capacity);
-      for (int64_t row = r.expert_offsets[l] + r.tokens_per_expert[l] + warp; row < end; row += warps) empty(row);
-    }
-  for (int64_t row = r.info[1] + warp; row < capacity; row += warps) empty(row);
+  });
 }
 
-// The payload (and its scales) into n output rows at once.
-__device__ void place_payload(const char* payload, const RecvOutputs& out, const int64_t* rows, int n, int lane) {
+
+// A row's codes, scales and 1/g (each null when the wire has none) into n output rows at once.
+__device__ void place_parts(const char* codes, const char* scales, const char* global, const RecvOutputs& out,
+                            const int64_t* rows, int n, int lane) {
   char* dst[kRowGroup];
   for (int j = 0; j < n; ++j) dst[j] = out.x + rows[j] * out.x_bytes;
-  copy_row(payload, dst, n, out.x_bytes, lane);
+  copy_row(codes, dst, n, out.x_bytes, lane);
   if (out.scales) {
     for (int j = 0; j < n; ++j) dst[j] = out.scales + rows[j] * out.scale_bytes;
-    copy_row(payload + out.x_bytes, dst, n, out.scale_bytes, lane);
+    copy_row(scales, dst, n, out.scale_bytes, lane);
   }
   if (out.global) {
     for (int j = 0; j < n; ++j) dst[j] = out.global + rows[j] * 4;
-    copy_row(payload + out.x_bytes + out.scale_bytes, dst, n, 4, lane);
+    copy_row(global, dst, n, 4, lane);
   }
+}
+
+// The row of `token` into n output rows at once: the payload in the window (codes, scales and
+// 1/g back to back), or (own != null) the input row and its given scales.
+__device__ void place_row(const SendRows* own, const char* payload, int32_t token, const RecvOutputs& out,
+                          const int64_t* rows, int n, int lane) {
+  const char* codes = own ? own->x + token * own->x_stride_bytes : payload;
+  const char* scales = own ? reinterpret_cast<const char*>(own->x_scales + token * own->scales_stride)
+                           : payload + out.x_bytes;  // own: read only when the wire has scales (x_scales set)
+  place_parts(codes, scales, payload + out.x_bytes + out.scale_bytes, out, rows, n, lane);
 }
 
 // Rank-major, one warp: received row `pos` of `source`'s stream to output row i. Every load
 // is issued before the row is copied and every store after, so their latencies overlap the copy.
 __device__ void receive_row_rank_major(const PeerWindows& w, const WindowMap& m, const Shape& s, const RecvArrays& r,
-                                       const RecvOutputs& out, int source, int64_t pos, int lane) {
+                                       const RecvOutputs& out, const SendRows* own, int source, int64_t pos, int lane) {
   const int64_t f = stream_slot(s, source, pos), i = r.rank_offsets[source] + pos;
   const char* payload = at_window<const char>(w, w.rank, m.fwd_payload + f * m.payload_stride);
   const int32_t token = at_window<const int32_t>(w, w.rank, m.fwd_token)[f];
@@ -159,7 +178,7 @@ __device__ void receive_row_rank_major(const PeerWindows& w, const WindowMap& m,
     weight[b] = k < s.topk ? at_window<const float>(w, w.rank, m.fwd_slot_weight)[f * s.topk + k] : 0.0f;
   }
   const bool kept = i < r.info[2];
-  if (kept) place_payload(payload, out, &i, 1, lane);
+  if (kept) place_row(own, payload, token, out, &i, 1, lane);
   if (lane == 0) {
     r.src_rank[i] = source;
     r.src_token[i] = token;
@@ -185,7 +204,7 @@ __device__ void receive_row_rank_major(const PeerWindows& w, const WindowMap& m,
 // row of each of its local experts. Lane k holds slot k (in blocks of 32 slots); the rows to
 // fill travel by ballot and shuffle, kRowGroup at a time per read of the row.
 __device__ void receive_row_expert_major(const PeerWindows& w, const WindowMap& m, const Shape& s, const RecvArrays& r,
-                                         const RecvOutputs& out, int source, int64_t pos, int lane) {
+                                         const RecvOutputs& out, const SendRows* own, int source, int64_t pos, int lane) {
   const int64_t f = stream_slot(s, source, pos), i = r.rank_offsets[source] + pos, capacity = r.info[2];
   const char* payload = at_window<const char>(w, w.rank, m.fwd_payload + f * m.payload_stride);
   const int32_t token = at_window<const int32_t>(w, w.rank, m.fwd_token)[f];
@@ -224,7 +243,7 @@ __device__ void receive_row_expert_major(const PeerWindows& w, const WindowMap& 
         }
         ++n;
       }
-      place_payload(payload, out, rows, n, lane);
+      place_row(own, payload, token, out, rows, n, lane);
     }
   }
 }
@@ -233,8 +252,8 @@ __device__ void receive_row_expert_major(const PeerWindows& w, const WindowMap& 
 // each waits for its chunk's flag.
 __global__ void __launch_bounds__(kRecvWarps * 32) dispatch_receive_kernel(PeerWindows w, WindowMap m, Shape s,
                                                                           RecvArrays r, RecvOutputs out, Layout layout,
-                                                                          const CallState* cs, uint64_t timeout_ns,
-                                                                          DeviceStatus* st) {
+                                                                          SendRows own, const CallState* cs,
+                                                                          uint64_t timeout_ns, DeviceStatus* st) {
   const uint32_t epoch = call_epoch(cs);
   const int lane = threadIdx.x % 32;
   const int64_t warp = blockIdx.x * static_cast<int64_t>(kRecvWarps) + threadIdx.x / 32;
@@ -255,8 +274,9 @@ __global__ void __launch_bounds__(kRecvWarps * 32) dispatch_receive_kernel(PeerW
                            static_cast<int32_t>(flag & ((1u << kRangeCountBits) - 1))};
     if (j == 0 && lane == 0) r.chunk_range[at] = range;
     if (j >= range.count) continue;
-    if (layout == Layout::rank_major) receive_row_rank_major(w, m, s, r, out, source, range.start + j, lane);
-    else receive_row_expert_major(w, m, s, r, out, source, range.start + j, lane);
+    const SendRows* mine = source == w.rank && own_rows_from_input(own) ? &own : nullptr;
+    if (layout == Layout::rank_major) receive_row_rank_major(w, m, s, r, out, mine, source, range.start + j, lane);
+    else receive_row_expert_major(w, m, s, r, out, mine, source, range.start + j, lane);
   }
 }
 
@@ -268,8 +288,9 @@ void dispatch_send(const Ctx& ctx, int blocks, const SendRows& rows, int64_t tok
                                                                  ctx.state, ctx.status);
 }
 
-void dispatch_receive(const Ctx& ctx, int blocks, const RecvArrays& r, const RecvOutputs& out, Layout layout) {
-  dispatch_receive_kernel<<<blocks, kRecvWarps * 32, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, out, layout,
+void dispatch_receive(const Ctx& ctx, int blocks, const RecvArrays& r, const RecvOutputs& out, Layout layout,
+                      const SendRows& own) {
+  dispatch_receive_kernel<<<blocks, kRecvWarps * 32, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, out, layout, own,
                                                                        ctx.state, ctx.timeout_ns, ctx.status);
 }
 

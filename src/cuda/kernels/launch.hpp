@@ -128,7 +128,9 @@ struct RecvOutputs {
   int32_t* topk_idx;  // rank-major [capacity, K]
   float* topk_weights;
 };
-void dispatch_receive(const Ctx& ctx, int blocks, const RecvArrays& r, const RecvOutputs& out, Layout layout);
+// `own`: this rank's input rows, which the receiver places itself (no sender copies them).
+void dispatch_receive(const Ctx& ctx, int blocks, const RecvArrays& r, const RecvOutputs& out, Layout layout,
+                      const SendRows& own);
 
 // Combine and dispatch_backward in one kernel: `send_blocks` blocks return each received chunk
 // (partial sums of y in slot order; per-slot values from slot_values when not null: expert-major

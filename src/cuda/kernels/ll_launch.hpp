@@ -1,6 +1,6 @@
 // Host-side launchers of the low-latency kernels (docs/low-latency.md). Sets alternate per call
-// on the host (call n uses set n % 2), so a captured CUDA graph replays the same sets; flags are
-// reset by their receiver, so no counter carries over from one call to the next.
+// on the host (call n uses set n % 2), so a captured CUDA graph replays the same sets; arrival
+// words and counts are reset by their receiver, so nothing carries over from one call to the next.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -16,13 +16,14 @@ constexpr int kChunk = 32;
 
 // Offsets in every rank's low-latency window (the same on all ranks). M = max_tokens_per_rank.
 struct Map {
-  int64_t flags;           // uint64 [2 kinds][2 sets][R]: nonzero once that source's rows are here:
-                           // bit 0 set, its error code << 8; reset by the receiver
-  int64_t counts;          // int32 [2 sets][R][L][chunks]: rows each source wrote for each local expert
-                           // from each of its chunks of 32 tokens
+  int64_t arrivals;        // uint64 [2 kinds][2 sets][R]: each source's blocks done with the call
+                           // (low_latency.cu); reset by the receiver
+  int64_t errors;          // uint32 [2 kinds][2 sets][R]: each source's error code of the call, or 0
+  int64_t counts;          // int32 [2 sets][R][L][chunks]: each source's (token, local expert) pairs
+                           // per chunk of kChunk tokens, added by the source, zeroed by the receiver
   int64_t ntok;            // int32 [2 sets][R]: each source's token count
   int64_t routes;          // int32 [2 sets][R][M][K]: each source's checked expert ids (-1: none)
-  int64_t rows;            // [2 sets][L][R*M] wire rows of payload_stride bytes, slot (l, s*M + t)
+  int64_t rows;            // [2 sets][R][M] wire rows of payload_stride bytes: source s's token t
   int64_t payload_stride;
   int64_t ret;             // bf16 [2 sets][M][K][H]: expert rows back at their source
   int64_t total;
@@ -31,8 +32,6 @@ struct Map {
 // This rank's arrays of one set (ordinary device memory).
 struct Set {
   int32_t* slot_expert;   // [M*K] the dispatch's checked routing; -1 unused or past num_tokens
-  int32_t* chunk_count;   // [E][chunks] this rank's pairs per (expert, 32 tokens), counted by the send
-                          // half (0 between calls)
   int32_t* num_tokens;    // [1] rows that counted
   char* recv_x;           // [L][R*M] x_bytes
   char* recv_scales;      // [L][R*M] scale_bytes, or null
@@ -56,7 +55,7 @@ struct Ctx {
   int64_t x_bytes, scale_bytes, global_bytes;
   DeviceStatus* status;
   DeviceStatus* host_status;  // mapped host copy, written at the end of each receive half
-  uint32_t* done;  // [4] blocks finished of the current kernel of each kind/half; reset by the last
+  uint32_t* done;  // [2] blocks done with the receive phase of dispatch, combine; reset by the last
   uint64_t timeout_ns;
   int blocks;
   int pack_parts;  // warps sharing the rows of one receive unit (chunk of a source's tokens)
@@ -90,7 +89,7 @@ struct Sums {
 // launch instead of two).
 enum Phase : int { kSendPhase = 1, kRecvPhase = 2 };
 
-// A rank whose host rejected its input: its flags of this call carry the error, no rows.
+// A rank whose host rejected its input: its arrival of this call carries the error, no rows.
 void reject(const Ctx& c, Kind kind, int set, int32_t code);
 void dispatch(const Ctx& c, int phases, int set, const Route& route, const Rows& rows, const Set& s);
 void combine(const Ctx& c, int phases, int set, const Set& dispatched, const uint16_t* y, const Sums& sums);

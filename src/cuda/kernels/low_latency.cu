@@ -1,8 +1,11 @@
-// Low-latency mode (docs/low-latency.md): every (token, expert) pair travels to the slot
-// (local expert, source rank, token) of the expert rank's window, known without any count or
-// plan, so the send half starts moving rows at once, one warp per pair. Each source also copies
-// its checked routing and counts to every rank and then flags it; the receive half finds each
-// expert's tokens in the routings and packs them in (source rank, token) order.
+// Low-latency mode (docs/low-latency.md). Dispatch sends each token's wire row once to each rank
+// holding one of its experts, into slot (source rank, token) of that rank's window: known without
+// any count or plan, so the send half moves rows at its first instruction. With the row go the
+// source's checked routing (every rank gets all of it) and its rows per (expert, chunk of 32
+// tokens), added at the destination; each block counts itself in at every rank when it is done.
+// The receive half waits until every block of every source is in, then packs each local expert's
+// rows in (source rank, token) order, reading each row from its source's slot. Combine returns
+// every (token, expert) row to its source's (token, slot) place and sums them there in slot order.
 #include <cub/block/block_scan.cuh>
 
 #include "cuda/kernels/ll_launch.hpp"
@@ -16,6 +19,10 @@ constexpr int kWarps = 16;
 constexpr int64_t kSendSpan = 2048;  // channels of a row one warp returns in combine_send
 constexpr int64_t kSumSpan = 1024;   // channels of a token one warp sums in combine_recv
 constexpr unsigned kAll = 0xffffffffu;
+// A source's arrival word at a receiver: blocks in (bits 0..19), the source grid's size (bits
+// 20..39, added by its block 0). Complete when the size is there and every block is in.
+constexpr int kGridShift = 20;
+constexpr uint64_t kArrivedMask = (1ull << kGridShift) - 1;
 
 __device__ int64_t read_index(const Route& r, int64_t t, int64_t k) {
   return r.idx64 ? static_cast<const int64_t*>(r.topk_idx)[t * r.idx_stride + k]
@@ -33,38 +40,103 @@ __device__ int64_t token_count(const Ctx& c, const Route& r, bool reporter) {
   return n;
 }
 
-// Pair (t, k)'s expert, or -1: unused, past the token count, out of range or a repeat of an
-// earlier slot of the token (those two are reported; the first slot of a repeated expert keeps
-// it). Every lane of the warp calls it; lanes hold slots lane and lane + 32 (K <= 64), so the
-// token's ids are read in one step.
-__device__ int32_t checked_expert(const Ctx& c, const Route& r, int64_t n, int64_t t, int k, int lane) {
-  const int64_t lo = t < n && lane < c.topk ? read_index(r, t, lane) : -1;
-  const int64_t hi = t < n && lane + 32 < c.topk ? read_index(r, t, lane + 32) : -1;
-  const int64_t id = k < 32 ? __shfl_sync(kAll, lo, k) : __shfl_sync(kAll, hi, k - 32);
-  if (id == -1) return -1;
-  if (id < -1 || id >= c.experts) {
-    if (lane == 0) report(c.status, kStatusBadExpert, c.peers.rank, t, k, id);
-    return -1;
+// Token t's checked expert ids, lane i holding slots i (lo) and i + 32 (hi) (K <= 64): -1 for an
+// unused slot, a token at or past the count, an id out of range or a repeat of an earlier slot's
+// (the first slot of a repeated expert keeps it). The reporter warp reports the bad ones.
+struct Checked {
+  int32_t lo, hi;
+};
+
+__device__ Checked checked_route(const Ctx& c, const Route& r, int64_t n, int64_t t, int lane, bool reporter) {
+  int64_t id[2] = {t < n && lane < c.topk ? read_index(r, t, lane) : -1,
+                   t < n && lane + 32 < c.topk ? read_index(r, t, lane + 32) : -1};
+  int32_t out[2];
+  for (int h = 0; h < 2; ++h) {
+    const int k = lane + 32 * h;
+    out[h] = static_cast<int32_t>(id[h]);
+    if (id[h] < -1 || id[h] >= c.experts) {
+      if (reporter) report(c.status, kStatusBadExpert, c.peers.rank, t, k, id[h]);
+      out[h] = -1;
+    }
   }
-  const unsigned before_lo = __ballot_sync(kAll, lane < k && lo == id);
-  const unsigned before_hi = __ballot_sync(kAll, lane + 32 < k && hi == id);
-  if (before_lo == 0 && before_hi == 0) return static_cast<int32_t>(id);
-  if (lane == 0)
-    report(c.status, kStatusRepeatedExpert, c.peers.rank, t, before_lo ? __ffs(before_lo) - 1 : 31 + __ffs(before_hi), id);
-  return -1;
+  for (int j = 0; j < c.topk; ++j) {  // slot j's id to every lane: repeats of it in later slots
+    const int64_t idj = j < 32 ? __shfl_sync(kAll, id[0], j) : __shfl_sync(kAll, id[1], j - 32);
+    for (int h = 0; h < 2; ++h)
+      if (j < lane + 32 * h && out[h] >= 0 && idj == id[h]) {
+        if (reporter) report(c.status, kStatusRepeatedExpert, c.peers.rank, t, j, id[h]);
+        out[h] = -1;
+      }
+  }
+  return {out[0], out[1]};
 }
 
-__device__ int64_t set_rows(const Ctx& c, int set) { return static_cast<int64_t>(set) * c.local * c.peers.ranks * c.max_tokens; }
+__device__ int64_t chunks_of(const Ctx& c) { return (c.max_tokens + kChunk - 1) / kChunk; }
 
-__device__ uint64_t* flag_of(const Ctx& c, int owner, Kind kind, int set, int source) {
-  return at_window<uint64_t>(c.peers, owner, c.map.flags) + (static_cast<int64_t>(kind) * 2 + set) * c.peers.ranks + source;
+__device__ int64_t first_warp() { return blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32; }
+__device__ int64_t warps_in_grid() { return static_cast<int64_t>(gridDim.x) * kWarps; }
+
+// Word `source` of one of the window's per-(kind, set) arrays at rank `owner`.
+template <typename T>
+__device__ T* word_of(const Ctx& c, int64_t offset, int owner, Kind kind, int set, int source) {
+  return at_window<T>(c.peers, owner, offset) + (static_cast<int64_t>(kind) * 2 + set) * c.peers.ranks + source;
+}
+
+// The calling block is done with this call's writes to every rank: after a system-scope fence
+// (it orders the writes of all the block's threads, which __syncthreads made visible to thread 0),
+// it raises the call's error word at each rank if this rank found an error, then counts itself in.
+__device__ void block_arrived(const Ctx& c, Kind kind, int set) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  __threadfence_system();
+  int32_t code;
+  while ((code = *reinterpret_cast<volatile int32_t*>(&c.status->code)) == -1) {  // a report being written
+  }
+  if (code > 0) {
+    for (int d = 0; d < c.peers.ranks; ++d)
+      atomicMax_system(word_of<uint32_t>(c, c.map.errors, d, kind, set, c.peers.rank), static_cast<uint32_t>(code));
+    __threadfence_system();
+  }
+  const unsigned long long add = 1ull + (blockIdx.x == 0 ? static_cast<unsigned long long>(gridDim.x) << kGridShift : 0ull);
+  for (int d = 0; d < c.peers.ranks; ++d)
+    atomicAdd_system(word_of<unsigned long long>(c, c.map.arrivals, d, kind, set, c.peers.rank), add);
+}
+
+// Lanes 0..R-1 wait until every block of source `lane` is in; a source that found an error (or
+// was rejected by its host) stops the call. Returns the same in every lane.
+__device__ bool wait_sources(const Ctx& c, Kind kind, int set, int lane) {
+  int ok = 1;
+  if (lane < c.peers.ranks) {
+    cuda::atomic_ref<uint64_t, cuda::thread_scope_system> word(*word_of<uint64_t>(c, c.map.arrivals, c.peers.rank, kind, set, lane));
+    const uint64_t start = globaltimer_ns();
+    for (uint64_t v = word.load(cuda::memory_order_acquire);
+         (v >> kGridShift) == 0 || (v & kArrivedMask) != (v >> kGridShift); v = word.load(cuda::memory_order_acquire))
+      if (globaltimer_ns() - start > c.timeout_ns) {
+        report(c.status, kStatusTimeout, lane, kind + 1);
+        ok = 0;
+        break;
+      }
+    const uint32_t code = ok ? *reinterpret_cast<volatile uint32_t*>(word_of<uint32_t>(c, c.map.errors, c.peers.rank, kind, set, lane)) : 0;
+    if (code != 0) {
+      if (lane != c.peers.rank) report(c.status, kStatusPeerRejected, lane, code);
+      ok = 0;
+    }
+  }
+  return __all_sync(kAll, ok) != 0;
+}
+
+// Receiver's end of a call: every source's arrival and error words of this (kind, set) back to
+// zero for the call after next on the set, and the status to the host if something went wrong
+// (read at the host's next call; no call waits for the device).
+__device__ void end_call(const Ctx& c, Kind kind, int set) {
+  if (threadIdx.x < c.peers.ranks) {
+    *word_of<uint64_t>(c, c.map.arrivals, c.peers.rank, kind, set, threadIdx.x) = 0;
+    *word_of<uint32_t>(c, c.map.errors, c.peers.rank, kind, set, threadIdx.x) = 0;
+  }
+  if (threadIdx.x == 0 && *reinterpret_cast<volatile int32_t*>(&c.status->code) != 0) publish(c.status, c.host_status);
 }
 
 // True in every thread of the last block of the grid to finish (the counter is reset there, so
-// it starts from 0 at the next launch). Each block fences its writes at GPU scope before it
-// counts; the last block's system-scope fence before it flags the peers (flag_all) then orders
-// every block's writes before the flag, fences being cumulative (PTX memory model). One
-// system-scope fence per call instead of one per block.
+// it starts from 0 at the next launch). Each block fences its writes at GPU scope first.
 __device__ bool last_block(uint32_t* done) {
   __shared__ bool last;
   __syncthreads();
@@ -77,84 +149,42 @@ __device__ bool last_block(uint32_t* done) {
   return last;
 }
 
-// Sets this rank's flag at every rank: its rows (and counts) of this call are there.
-__device__ void flag_all(const Ctx& c, Kind kind, int set) {
-  if (threadIdx.x != 0) return;
-  __threadfence_system();
-  const int32_t code = *reinterpret_cast<volatile int32_t*>(&c.status->code);
-  const uint64_t value = 1u | (static_cast<uint64_t>(code > 0 ? code : 0) << 8);
-  for (int d = 0; d < c.peers.ranks; ++d) set_flag(flag_of(c, d, kind, set, c.peers.rank), value);
-}
-
-// Lanes 0..R-1 wait for every source's flag of this call; a flag with an error stops the call.
-__device__ bool wait_sources(const Ctx& c, Kind kind, int set, int lane) {
-  int ok = 1;
-  if (lane < c.peers.ranks) {
-    cuda::atomic_ref<uint64_t, cuda::thread_scope_system> f(*flag_of(c, c.peers.rank, kind, set, lane));
-    const uint64_t start = globaltimer_ns();
-    uint64_t v = 0;
-    while ((v = f.load(cuda::memory_order_acquire)) == 0) {
-      if (globaltimer_ns() - start > c.timeout_ns) {
-        report(c.status, kStatusTimeout, lane, kind + 1);
-        ok = 0;
-        break;
-      }
-    }
-    if (ok && (v >> 8) != 0) {
-      if (lane != c.peers.rank) report(c.status, kStatusPeerRejected, lane, static_cast<int64_t>(v >> 8));
-      ok = 0;
-    }
-  }
-  ok = __all_sync(0xffffffffu, ok);
-  __syncwarp();
-  return ok != 0;
-}
-
-__device__ int64_t first_warp() { return blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32; }
-__device__ int64_t warps_in_grid() { return static_cast<int64_t>(gridDim.x) * kWarps; }
-
-__device__ int64_t chunks_of(const Ctx& c) { return (c.max_tokens + kChunk - 1) / kChunk; }
-
-// Send phase. Warp per (token, slot) pair: its wire row to slot (local expert, this rank * M +
-// token) of the expert's rank; its checked expert id to every rank's copy of this rank's routing
-// (receivers find each token's slot there). Pairs are counted per (expert, chunk of 32 tokens);
-// the grid's last block sends the counts and the token count, then flags every rank.
+// Send phase. Warp per (token, destination rank): the token's checked routing to the
+// destination's copy of this source's; if one of its experts lives there, its wire row (once,
+// whatever the number of those experts) to slot (this rank, token) and one count per such
+// expert in the token's chunk. The destination-0 warp also keeps the routing for combine.
 __device__ void dispatch_send(const Ctx& c, int set, const Route& route, const Rows& rows, const Set& s) {
-  const int lane = threadIdx.x % 32, rank = c.peers.rank;
+  const int lane = threadIdx.x % 32, rank = c.peers.rank, ranks = c.peers.ranks;
   const bool first_thread = blockIdx.x == 0 && threadIdx.x == 0;
-  const int64_t n = token_count(c, route, first_thread);
+  const int64_t n = token_count(c, route, first_thread), chunks = chunks_of(c);
   if (first_thread) *s.num_tokens = static_cast<int32_t>(n);  // for combine_recv
-  const int64_t slots = c.peers.ranks * c.max_tokens, chunks = chunks_of(c);
-  const int64_t routes = c.map.routes + ((static_cast<int64_t>(set) * c.peers.ranks + rank) * c.max_tokens) * c.topk * 4;
-  for (int64_t p = first_warp(); p < route.tokens * c.topk; p += warps_in_grid()) {
-    const int64_t t = p / c.topk;
-    const int32_t e = checked_expert(c, route, n, t, static_cast<int>(p % c.topk), lane);
-    if (lane == 0) {
-      s.slot_expert[p] = e;
-      if (e >= 0) atomicAdd(&s.chunk_count[e * chunks + t / kChunk], 1);
+  if (blockIdx.x == 0 && threadIdx.x < ranks)
+    at_window<int32_t>(c.peers, threadIdx.x, c.map.ntok)[set * ranks + rank] = static_cast<int32_t>(n);
+  for (int64_t u = first_warp(); u < route.tokens * ranks; u += warps_in_grid()) {
+    const int64_t t = u / ranks;
+    const int d = static_cast<int>(u % ranks);
+    const Checked e = checked_route(c, route, n, t, lane, d == 0);
+    if (d == 0) {
+      if (lane < c.topk) s.slot_expert[t * c.topk + lane] = e.lo;
+      if (lane + 32 < c.topk) s.slot_expert[t * c.topk + lane + 32] = e.hi;
     }
-    if (t < n && lane < c.peers.ranks) at_window<int32_t>(c.peers, lane, routes)[p] = e;
-    if (e < 0) continue;
-    const int64_t slot = set_rows(c, set) + (e % c.local) * slots + rank * c.max_tokens + t;
-    char* dst = at_window<char>(c.peers, static_cast<int>(e / c.local), c.map.rows + slot * c.map.payload_stride);
+    if (t >= n) continue;
+    int32_t* routes = at_window<int32_t>(c.peers, d, c.map.routes) + ((static_cast<int64_t>(set) * ranks + rank) * c.max_tokens + t) * c.topk;
+    if (lane < c.topk) routes[lane] = e.lo;
+    if (lane + 32 < c.topk) routes[lane + 32] = e.hi;
+    int32_t* counts = at_window<int32_t>(c.peers, d, c.map.counts) + (static_cast<int64_t>(set) * ranks + rank) * c.local * chunks;
+    const bool lo_here = e.lo >= 0 && e.lo / c.local == d, hi_here = e.hi >= 0 && e.hi / c.local == d;
+    if (lo_here) atomicAdd(counts + (e.lo % c.local) * chunks + t / kChunk, 1);
+    if (hi_here) atomicAdd(counts + (e.hi % c.local) * chunks + t / kChunk, 1);
+    if (__ballot_sync(kAll, lo_here || hi_here) == 0) continue;
+    const int64_t slot = (static_cast<int64_t>(set) * ranks + rank) * c.max_tokens + t;
+    char* dst = at_window<char>(c.peers, d, c.map.rows + slot * c.map.payload_stride);
     const uint16_t* x = rows.x + t * rows.x_stride;
     if (c.wire == WireFormat::bf16) copy_row<true>(reinterpret_cast<const char*>(x), &dst, 1, 2 * c.hidden, lane);
     else if (c.wire == WireFormat::nvfp4) quantize_nvfp4_row(x, c.hidden, rows.nvfp4_global_scale, &dst, 1, lane);
     else quantize_fp8_row(x, c.hidden, c.wire == WireFormat::fp8_ue8m0, &dst, 1, lane);
   }
-  if (!last_block(c.done + 0)) return;
-  // The counts of destination d's experts are one contiguous run [d L chunks, (d + 1) L chunks);
-  // they start from zero again at the next call.
-  const int64_t run = c.local * chunks;
-  for (int64_t i = threadIdx.x; i < c.experts * chunks; i += blockDim.x) {
-    at_window<int32_t>(c.peers, static_cast<int>(i / run), c.map.counts)[(static_cast<int64_t>(set) * c.peers.ranks + rank) * run +
-                                                                          i % run] = s.chunk_count[i];
-    s.chunk_count[i] = 0;
-  }
-  if (threadIdx.x < c.peers.ranks)
-    at_window<int32_t>(c.peers, threadIdx.x, c.map.ntok)[set * c.peers.ranks + rank] = static_cast<int32_t>(n);
-  __syncthreads();
-  flag_all(c, kDispatch, set);
+  block_arrived(c, kDispatch, set);
 }
 
 // What this rank's window holds of one call (set) of dispatch: per source, its counts per
@@ -222,7 +252,7 @@ __device__ void pack_chunk(const Ctx& c, int set, const Set& s, const Arrived& a
     const int i = __ffs(left) - 1;
     const int64_t token = chunk * kChunk + i, u = l * slots + first + rank_in_chunk;
     const int32_t slot = __shfl_sync(kAll, k, i);
-    const int64_t from = set_rows(c, set) + l * slots + source * c.max_tokens + token;
+    const int64_t from = (static_cast<int64_t>(set) * c.peers.ranks + source) * c.max_tokens + token;
     const char* payload = at_window<const char>(c.peers, c.peers.rank, c.map.rows + from * c.map.payload_stride);
     char* x = s.recv_x + u * c.x_bytes;
     copy_row(payload, &x, 1, c.x_bytes, lane);
@@ -284,7 +314,7 @@ __device__ void dispatch_recv(const Ctx& c, int set, const Set& s) {
     if (u < pack_units) pack_chunk(c, set, s, a, u, lane);
     else clear_chunk(c, s, a, u - pack_units, lane);
   }
-  if (!last_block(c.done + 1)) return;
+  if (!last_block(c.done + 0)) return;
   using Scan = cub::BlockScan<int32_t, kWarps * 32>;
   __shared__ typename Scan::TempStorage scan;
   int32_t rows_before = 0;  // all experts' rows before this step of blockDim.x experts
@@ -307,11 +337,11 @@ __device__ void dispatch_recv(const Ctx& c, int set, const Set& s) {
     rows_before += step;
     __syncthreads();  // the scan storage is reused
   }
-  if (threadIdx.x == 0) {
-    s.row_start[c.local] = rows_before;
-    publish(c.status, c.host_status);  // the call's status, for the host's next call
-  }
-  if (threadIdx.x < c.peers.ranks) *flag_of(c, c.peers.rank, kDispatch, set, threadIdx.x) = 0;
+  if (threadIdx.x == 0) s.row_start[c.local] = rows_before;
+  // The sources add their counts for the call after next on this set from zero.
+  int32_t* counts = at_window<int32_t>(c.peers, c.peers.rank, c.map.counts) + set * c.peers.ranks * c.local * chunks_of(c);
+  for (int64_t i = threadIdx.x; i < c.peers.ranks * c.local * chunks_of(c); i += blockDim.x) counts[i] = 0;
+  end_call(c, kDispatch, set);
 }
 
 // One launch for either phase or both (the fused call): a block done sending goes on to
@@ -347,8 +377,7 @@ __device__ void combine_send(const Ctx& c, int set, const Set& d, const uint16_t
     char* dst = at_window<char>(c.peers, d.src_rank[u], c.map.ret + (at + h0) * 2);
     copy_row(reinterpret_cast<const char*>(y + u * c.hidden + h0), &dst, 1, 2 * min(kSendSpan, c.hidden - h0), lane);
   }
-  if (!last_block(c.done + 2)) return;
-  flag_all(c, kCombine, set);
+  block_arrived(c, kCombine, set);
 }
 
 // Receive phase. Warp per (token, kSumSpan channels): its returned rows in slot order (fma with
@@ -368,9 +397,8 @@ __device__ void combine_recv(const Ctx& c, int set, const Set& d, const Sums& su
       return t < n && d.slot_expert[t * c.topk + k] >= 0;
     }, sums.weighted, sums.out + t * c.hidden + h0, min(kSumSpan, c.hidden - h0), wide, lane);
   }
-  if (!last_block(c.done + 3)) return;
-  if (threadIdx.x == 0) publish(c.status, c.host_status);
-  if (threadIdx.x < c.peers.ranks) *flag_of(c, c.peers.rank, kCombine, set, threadIdx.x) = 0;
+  if (!last_block(c.done + 1)) return;
+  end_call(c, kCombine, set);
 }
 
 // As dispatch_kernel: either phase, or both.
@@ -379,11 +407,14 @@ __global__ void __launch_bounds__(kWarps * 32) combine_kernel(Ctx c, int phases,
   if (phases & kRecvPhase) combine_recv(c, set, d, sums);
 }
 
+// A host rejection: the call's error word at every rank, and a complete arrival of one block.
 __global__ void reject_kernel(Ctx c, Kind kind, int set, int32_t code) {
   if (threadIdx.x != 0) return;
+  for (int d = 0; d < c.peers.ranks; ++d)
+    atomicMax_system(word_of<uint32_t>(c, c.map.errors, d, kind, set, c.peers.rank), static_cast<uint32_t>(code));
   __threadfence_system();
   for (int d = 0; d < c.peers.ranks; ++d)
-    set_flag(flag_of(c, d, kind, set, c.peers.rank), 1u | (static_cast<uint64_t>(code) << 8));
+    atomicAdd_system(word_of<unsigned long long>(c, c.map.arrivals, d, kind, set, c.peers.rank), (1ull << kGridShift) + 1ull);
 }
 
 }  // namespace
