@@ -73,9 +73,11 @@ if want ll; then
   # dispatch and combine (ll-sweep.json), EP4 and EP8 on the shared-GPU transport (ll-shared.json).
   ranks=$(nvidia-smi -L | wc -l)
   bench() { timeout 120 ./build-gpu/epx-bench --backend cuda --preset ll "$@" >> "$OUT/ll.log" 2>&1 || echo "FAILED: $*" >> "$OUT/ll.log"; }
-  bench --ranks "$ranks" --wire fp8,bf16 --json "$OUT/ll.json"
-  for t in ${LL_SWEEP_TOKENS:-1 8 32 64 256 512}; do bench --ranks "$ranks" --tokens "$t" --wire fp8 --json "$OUT/ll-t$t.part"; done
-  for r in 4 8; do bench --shared-gpu --ranks "$r" --wire fp8 --json "$OUT/ll-r$r.part"; done
+  bench --ranks "$ranks" --ops ll_dispatch,ll_combine --wire fp8,bf16 --json "$OUT/ll.json"
+  for t in ${LL_SWEEP_TOKENS:-1 8 32 64 256 512}; do
+    bench --ranks "$ranks" --ops ll_dispatch,ll_combine --tokens "$t" --wire fp8 --json "$OUT/ll-t$t.part"
+  done
+  for r in 4 8; do bench --shared-gpu --ranks "$r" --wire fp8 ${LL_SHARED_ARGS:-} --json "$OUT/ll-r$r.part"; done
   python3 - "$OUT" <<'PY'
 import glob, json, sys
 out = sys.argv[1]

@@ -54,6 +54,14 @@ void time_calls(const Options& o, std::barrier<>& start, Staging& io, std::vecto
   }
 }
 
+// Every rank's error in one exception (a peer's "rank r rejected its input" points at rank r's).
+void throw_rank_errors(const std::vector<std::string>& errors) {
+  std::string all;
+  for (size_t r = 0; r < errors.size(); ++r)
+    if (!errors[r].empty()) all += (all.empty() ? "rank " : "\n  rank ") + std::to_string(r) + ": " + errors[r];
+  if (!all.empty()) throw Error(ErrorCode::internal, all);
+}
+
 // The ranks of the run: host threads of a HostWorld, or GPUs of a CudaWorld (one per GPU).
 struct Ranks {
   std::function<Group(int)> group;
@@ -159,8 +167,7 @@ std::vector<RankOutputs> run_config(const Options& o, const Ranks& ranks, const 
       }
     });
   for (auto& t : threads) t.join();
-  for (int r = 0; r < p.ranks; ++r)
-    if (!errors[r].empty()) throw Error(ErrorCode::internal, "rank " + std::to_string(r) + ": " + errors[r]);
+  throw_rank_errors(errors);
   return outs;
 }
 
@@ -261,6 +268,7 @@ Record base_record(const Options& o, const Ranks& ranks, const verify::Problem& 
   rec.gpu = ranks.gpu_name;
   rec.git_commit = EPX_GIT_COMMIT;
   if (o.shared_gpu) rec.transport = "shared-gpu";
+  if (o.backend == "cuda" && op.rfind("ll_", 0) == 0) rec.timing = o.ll_eager ? "eager" : "graph";
   std::vector<double> t(o.iters, 0.0);
   for (const auto* rank_times : times)
     for (int i = 0; i < o.iters; ++i) t[i] = std::max(t[i], (*rank_times)[i]);
@@ -317,7 +325,7 @@ std::vector<Record> run_low_latency(const Options& o, const Ranks& ranks, const 
         LowLatencyBuffer buffer(g, cfg);
         buffer.set_stream(io.stream());
         auto timed = [&](std::vector<double>& times, auto&& call) {
-          if (!io.on_gpu()) return time_calls(o, start, io, times, call);
+          if (!io.on_gpu() || o.ll_eager) return time_calls(o, start, io, times, call);
           // Kernel time, as decode runs it: kGraphCalls calls in one CUDA graph per replay, so
           // neither host launch time nor the ranks' start skew is in the per-call time.
           for (int i = 0; i < o.warmup; ++i) call();  // eager (EPX_PROFILE times their halves)
@@ -337,8 +345,7 @@ std::vector<Record> run_low_latency(const Options& o, const Ranks& ranks, const 
       }
     });
   for (auto& t : threads) t.join();
-  for (int r = 0; r < p.ranks; ++r)
-    if (!errors[r].empty()) throw Error(ErrorCode::internal, "rank " + std::to_string(r) + ": " + errors[r]);
+  throw_rank_errors(errors);
 
   const std::vector<int64_t> all(p.ranks, p.cfg.max_tokens_per_rank);
   double rows = 0, remote = 0;  // (token, expert) rows received per rank, and those from other ranks

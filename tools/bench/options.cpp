@@ -28,6 +28,8 @@ const char* kUsage = R"(epx-bench: dispatch and combine of one MoE layer over N 
   --sms N                 SM budget for GPU kernels (recorded; host ignores it)
   --shared-gpu            CUDA, low-latency ops: all ranks on GPU 0 over the tests' shared-GPU
                           transport (records say "transport": "shared-gpu"; a test transport's times)
+  --ll-eager              time low-latency calls one by one with events (host launch included)
+                          instead of as CUDA-graph replays of 10 calls
   --warmup N --iters N    untimed and timed repetitions (default 2 and 20; host 1 and 5)
   --seed N                random seed for inputs and routing
   --json FILE             write the records as a JSON list
@@ -77,6 +79,10 @@ Options parse_options(int argc, char** argv) {
     }
     if (flag == "--shared-gpu") {
       o.shared_gpu = true;
+      continue;
+    }
+    if (flag == "--ll-eager") {
+      o.ll_eager = true;
       continue;
     }
     if (i + 1 >= argc) usage_error(flag + " needs a value");

@@ -29,6 +29,7 @@ struct Options {
   std::string json;
   bool tokens_scaled = false;  // the host backend shrank the preset's token count
   bool shared_gpu = false;     // CUDA: every rank on GPU 0 (the tests' transport)
+  bool ll_eager = false;       // low-latency ops timed call by call (host launch included), not as graph replays
 };
 
 // Parses argv; prints usage and exits on --help or a bad flag.
