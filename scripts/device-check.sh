@@ -45,6 +45,15 @@ if want tests; then
   grep -E "^\[  (PASSED|FAILED)|^\[  FAILED  \]|Failure|Which is|Actual|Expected" "$OUT/gpu_tests.log" | head -60
   failed=$(grep -E '^\[  FAILED  \] .*\(' "$OUT/gpu_tests.log" | sed -E 's/^\[  FAILED  \] ([^ ,]*).*/\1/' | sort -u | tr '\n' ' ')
   note "gpu tests rc=$rc: $(grep -E '^\[  PASSED' "$OUT/gpu_tests.log") failed: ${failed:-none}"
+  # bf16 dispatch has two engines (SMs, copy-engine broadcast) chosen by shape: each forced on
+  # every high-throughput test once more.
+  for engine in sm copy; do
+    EPX_DISPATCH_ENGINE=$engine EPX_TIMEOUT_MS=${EPX_TIMEOUT_MS:-10000} timeout 300 ./build-gpu/tests/epx_gpu_tests \
+      --gtest_filter="${GTEST_FILTER:-Cuda*:-CudaLowLatency*}" > "$OUT/gpu_tests_$engine.log" 2>&1
+    rc=$?
+    failed=$(grep -E '^\[  FAILED  \] .*\(' "$OUT/gpu_tests_$engine.log" | sed -E 's/^\[  FAILED  \] ([^ ,]*).*/\1/' | sort -u | tr '\n' ' ')
+    note "gpu tests, dispatch engine $engine, rc=$rc: $(grep -E '^\[  PASSED' "$OUT/gpu_tests_$engine.log") failed: ${failed:-none}"
+  done
 fi
 if want sanitize; then
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do

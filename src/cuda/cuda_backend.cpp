@@ -23,7 +23,25 @@ constexpr int kDefaultBlocks = 24;
 
 int64_t round16(int64_t x) { return (x + 15) / 16 * 16; }
 
-WindowMap make_window_map(const BufferConfig& c, int ranks, const WireRow& wire) {
+// Copy-engine dispatch (kernels/broadcast.cu) for a bf16 wire where, with uniform routing, a token
+// goes to a given rank with probability >= 0.9: broadcasting whole inputs then moves at most ~10%
+// more bytes than the tokens need (EP2 at top-8 of 256: 0.996; EP8: 0.66, which stays on SMs).
+// EPX_DISPATCH_ENGINE=sm|copy overrides the choice (tests and measurements).
+bool use_broadcast(const BufferConfig& c, int ranks) {
+  if (c.wire != WireFormat::bf16 || ranks < 2) return false;
+  if (const char* v = std::getenv("EPX_DISPATCH_ENGINE")) {
+    const std::string engine = v;
+    require(engine == "sm" || engine == "copy", "EPX_DISPATCH_ENGINE must be 'sm' or 'copy', got '", engine, "'");
+    return engine == "copy";
+  }
+  const int64_t local = c.num_experts / ranks;
+  double miss = 1.0;  // P(none of a token's K distinct experts is on a given rank)
+  for (int64_t i = 0; i < c.topk; ++i)
+    miss *= std::max<double>(0.0, static_cast<double>(c.num_experts - local - i)) / static_cast<double>(c.num_experts - i);
+  return 1.0 - miss >= 0.9;
+}
+
+WindowMap make_window_map(const BufferConfig& c, int ranks, const WireRow& wire, bool broadcast) {
   WindowMap m{};
   const int64_t rows = ranks * c.max_tokens_per_rank;
   int64_t at = 0;
@@ -46,6 +64,13 @@ WindowMap make_window_map(const BufferConfig& c, int ranks, const WireRow& wire)
   m.fwd_slot_index = take(4 * rows * c.topk);
   m.rev_rows = take(2 * rows * c.hidden);
   m.rev_slots = take(4 * rows * c.topk);
+  m.bcast_stride = round16(2 * c.hidden);
+  m.bcast_rows = take(broadcast ? rows * m.bcast_stride : 0);
+  const int64_t piece = (c.max_tokens_per_rank + kMaxPieces - 1) / kMaxPieces;
+  m.piece_tokens = std::max<int64_t>(1, (piece + kChunkTokens - 1) / kChunkTokens * kChunkTokens);
+  m.bcast_flag = take(4 * ranks * kMaxPieces);
+  m.bcast_free = take(4 * ranks);
+  m.bcast_epoch_src = take(4);
   m.total = at;
   return m;
 }
@@ -176,7 +201,8 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   if (const char* v = std::getenv("EPX_SEND_BLOCKS"))  // tuning experiments (docs/performance.md)
     send_blocks_override_ = std::atoi(v);
   poison_outputs_ = std::getenv("EPX_POISON_OUTPUTS") != nullptr;
-  map_ = make_window_map(config, ranks_, wire_);
+  broadcast_ = use_broadcast(config, ranks_);
+  map_ = make_window_map(config, ranks_, wire_, broadcast_);
   // Everything that may synchronize the device comes before the collective window allocation:
   // once a rank returns from it, peers may already wait inside a call, and on a GPU shared by
   // several ranks a device-synchronizing call would wait for them (and they for us).
@@ -194,8 +220,10 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   owned_stream_ = std::shared_ptr<CUstream_st>(own, [](cudaStream_t st) { cudaStreamDestroy(st); });
   stream_ = own;
   EPX_CUDA(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
+  EPX_CUDA(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
   EPX_CUDA(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
   EPX_CUDA(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
+  EPX_CUDA(cudaEventCreateWithFlags(&copies_done_, cudaEventDisableTiming));
   // Outputs come from the buffer's own pool, which keeps its memory between calls (the default
   // pool hands it back to the driver at every synchronization).
   cudaMemPoolProps props{};
@@ -233,6 +261,7 @@ CudaBackend::~CudaBackend() {
   cudaSetDevice(device_);
   cudaStreamSynchronize(stream_);
   cudaStreamSynchronize(side_stream_);
+  cudaStreamSynchronize(copy_stream_);
   {
     std::lock_guard<std::mutex> lock(block_cache_->mutex);
     for (const auto& block : block_cache_->blocks) cudaFreeAsync(block.first, side_stream_);
@@ -248,7 +277,9 @@ CudaBackend::~CudaBackend() {
   cudaFreeHost(host_info_);
   cudaEventDestroy(fork_);
   cudaEventDestroy(join_);
+  cudaEventDestroy(copies_done_);
   cudaStreamDestroy(side_stream_);
+  cudaStreamDestroy(copy_stream_);
 }
 
 int CudaBackend::send_blocks(bool dispatch, Layout layout) const {
@@ -517,8 +548,18 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   } catch (const Error& e) {
     error = e.what();
   }
-  const int64_t signature = signature_of({static_cast<int64_t>(opt.layout)});
-  if (!error.empty()) reject(call, c.capacity_factor > 0.0 ? 2 : 1, error, tokens, signature);
+  const int64_t signature = signature_of({static_cast<int64_t>(opt.layout), broadcast_ ? 1 : 0});
+  if (!error.empty()) {
+    if (broadcast_) kernels::release_broadcast(ctx());  // peers' next broadcasts wait for this rank's receiver
+    reject(call, c.capacity_factor > 0.0 ? 2 : 1, error, tokens, signature);
+  }
+  if (broadcast_) {  // the copy engines start on the rows now; they need no plan
+    rows.broadcast = true;
+    EPX_CUDA(cudaEventRecord(fork_, stream_));
+    EPX_CUDA(cudaStreamWaitEvent(copy_stream_, fork_, 0));
+    kernels::broadcast_rows(ctx(), copy_stream_, rows.x, rows.x_stride_bytes, 2 * c.hidden, tokens);
+    EPX_CUDA(cudaEventRecord(copies_done_, copy_stream_));
+  }
 
   // The handle's arrays, sized for this call, zeroed (the chunk counts are sums).
   auto dh = std::make_shared<DeviceHandle>();
@@ -550,7 +591,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   const auto host_planned = std::chrono::steady_clock::now();
   EPX_CUDA(cudaEventRecord(fork_, stream_));
   EPX_CUDA(cudaStreamWaitEvent(side_stream_, fork_, 0));
-  const int senders = send_blocks(true, opt.layout);
+  const int senders = broadcast_ ? std::max(1, blocks_ / 8) : send_blocks(true, opt.layout);  // broadcast: placing data only
   kernels::dispatch_send(x, senders, rows, tokens, kernels::SendPlan{dh->slot_expert, dh->slot_weight, dh->pos});
   timer_.mark(2, stream_);
   const kernels::Ctx side = ctx(side_stream_);
@@ -613,6 +654,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   timer_.mark(5, side_stream_);
   EPX_CUDA(cudaEventRecord(join_, side_stream_));
   EPX_CUDA(cudaStreamWaitEvent(stream_, join_, 0));
+  if (broadcast_) EPX_CUDA(cudaStreamWaitEvent(stream_, copies_done_, 0));  // x is read until then
 
   // Small outputs: views into the handle's arrays (they live as long as the handle's memory).
   auto view = [&](int64_t* p, int64_t n) {

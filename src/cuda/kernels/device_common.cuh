@@ -141,6 +141,12 @@ __device__ inline bool warp_wait_flags(Word* flags, int64_t stride, int n, int f
   return ok != 0;
 }
 
+// Copy-engine dispatch: lanes d < R tell rank d that this rank has read every row of d's
+// broadcasts up to `epoch` (d's next broadcast may overwrite them).
+__device__ inline void release_broadcast_rows(const PeerWindows& w, const WindowMap& m, uint32_t epoch, int lane) {
+  if (lane < w.ranks) set_flag(at_window<uint32_t>(w, lane, m.bcast_free) + w.rank, epoch);
+}
+
 __device__ inline float warp_max(float v) {
   for (int o = 16; o >= 1; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;

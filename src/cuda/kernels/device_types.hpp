@@ -72,8 +72,18 @@ struct WindowMap {
   int64_t fwd_slot_index;   // int32 [R * max_tokens * K]: the pair's index among the source's pairs of that expert
   int64_t rev_rows;      // bf16 [R * max_tokens * H]
   int64_t rev_slots;     // f32 [R * max_tokens * K]
+  // Copy-engine dispatch (docs/performance.md): every source's whole input, copied here by its
+  // copy engines in pieces of piece_tokens tokens, each piece flagged after it.
+  int64_t bcast_rows;       // [R][max_tokens] rows of bcast_stride bytes (none when the buffer does not broadcast)
+  int64_t bcast_stride;
+  int64_t piece_tokens;
+  int64_t bcast_flag;       // uint32 [R][kMaxPieces]: the call epoch once source s's piece p is here
+  int64_t bcast_free;       // uint32 [R]: the epoch of the last dispatch whose rows rank d has read from this rank
+  int64_t bcast_epoch_src;  // uint32: this rank's current epoch, the value its flag copies carry
   int64_t total;
 };
+// Pieces a broadcast is cut into: the receivers start on a piece as soon as it is in.
+constexpr int kMaxPieces = 8;
 
 // Per buffer, in device memory: the number of the current call and what each signal counter
 // reaches after its current step. Kernels advance them, so a captured CUDA graph replays with
@@ -81,6 +91,8 @@ struct WindowMap {
 struct CallState {
   uint64_t call;                   // calls begun; the current call's epoch is this value (call index + 1)
   uint64_t targets[kSignalKinds];  // per signal kind
+  uint32_t bcast_epoch;            // the epoch of this rank's last broadcast (copy-engine dispatch)
+  uint32_t recv_blocks_done;       // dispatch receive blocks finished in this call (the last resets it)
 };
 
 // Sizes every kernel needs.

@@ -2,7 +2,9 @@
 // window (quantizing on the way when the wire says so) and flags every finished chunk there; the
 // receiver, running at the same time on other SMs, places each flagged chunk's rows into the
 // outputs at positions fixed by the plans, copying this rank's own tokens straight from the
-// input when the wire needs no quantizing (docs/performance.md).
+// input when the wire needs no quantizing (docs/performance.md). With a copy-engine broadcast
+// (broadcast.cu) the sender moves only each row's placing data and the receiver reads the row
+// from the source's broadcast once its piece is flagged.
 #include "cuda/kernels/empty_rows.cuh"
 #include "cuda/kernels/launch.hpp"
 #include "cuda/kernels/row_copy.cuh"
@@ -27,7 +29,8 @@ __device__ int64_t stream_slot(const Shape& s, int source, int64_t pos) {
 __device__ bool own_rows_from_input(const SendRows& rows) { return rows.x_scales || rows.wire == WireFormat::bf16; }
 
 // One warp: token t of chunk c to every rank that holds one of its slots (this rank only when its
-// wire row is quantized here: see own_rows_from_input), and the row's placing data to every such rank.
+// wire row is quantized here: see own_rows_from_input; other ranks not when the rows are
+// broadcast), and the row's placing data to every such rank.
 __device__ void send_token(const PeerWindows& w, const WindowMap& m, const Shape& s, const SendRows& rows,
                            const SendPlan& plan, int64_t c, int64_t t, int lane) {
   const ChunkPositions& p = plan.pos;
@@ -43,7 +46,7 @@ __device__ void send_token(const PeerWindows& w, const WindowMap& m, const Shape
     const int64_t pos = p.chunk_base[c * width + s.experts + d] + in_chunk;
     at[n] = stream_slot(s, w.rank, pos);
     to[n] = d;
-    if (d != w.rank || !own_rows_from_input(rows)) {
+    if (d == w.rank ? !own_rows_from_input(rows) : !rows.broadcast) {
       dst[payloads] = at_window<char>(w, d, m.fwd_payload + at[n] * m.payload_stride);
       dst_scales[payloads] = dst[payloads] + s.hidden;
       ++payloads;
@@ -165,10 +168,9 @@ __device__ void place_row(const SendRows* own, const char* payload, int32_t toke
 // Rank-major, one warp: received row `pos` of `source`'s stream to output row i. Every load
 // is issued before the row is copied and every store after, so their latencies overlap the copy.
 __device__ void receive_row_rank_major(const PeerWindows& w, const WindowMap& m, const Shape& s, const RecvArrays& r,
-                                       const RecvOutputs& out, const SendRows* own, int source, int64_t pos, int lane) {
+                                       const RecvOutputs& out, const SendRows* own, const char* payload, int32_t token,
+                                       int source, int64_t pos, int lane) {
   const int64_t f = stream_slot(s, source, pos), i = r.rank_offsets[source] + pos;
-  const char* payload = at_window<const char>(w, w.rank, m.fwd_payload + f * m.payload_stride);
-  const int32_t token = at_window<const int32_t>(w, w.rank, m.fwd_token)[f];
   constexpr int kBlocks = 2;  // topk <= 64: lane k holds slots k and 32 + k
   int32_t l[kBlocks];
   float weight[kBlocks];
@@ -204,10 +206,9 @@ __device__ void receive_row_rank_major(const PeerWindows& w, const WindowMap& m,
 // row of each of its local experts. Lane k holds slot k (in blocks of 32 slots); the rows to
 // fill travel by ballot and shuffle, kRowGroup at a time per read of the row.
 __device__ void receive_row_expert_major(const PeerWindows& w, const WindowMap& m, const Shape& s, const RecvArrays& r,
-                                         const RecvOutputs& out, const SendRows* own, int source, int64_t pos, int lane) {
+                                         const RecvOutputs& out, const SendRows* own, const char* payload, int32_t token,
+                                         int source, int64_t pos, int lane) {
   const int64_t f = stream_slot(s, source, pos), i = r.rank_offsets[source] + pos, capacity = r.info[2];
-  const char* payload = at_window<const char>(w, w.rank, m.fwd_payload + f * m.payload_stride);
-  const int32_t token = at_window<const int32_t>(w, w.rank, m.fwd_token)[f];
   if (lane == 0) {
     r.src_rank[i] = source;
     r.src_token[i] = token;
@@ -248,11 +249,24 @@ __device__ void receive_row_expert_major(const PeerWindows& w, const WindowMap& 
   }
 }
 
+// Where the receiver reads row `f` (token `token`) of `source`'s stream: the stream's payload,
+// or with a broadcast the source's copy of the token once its piece is flagged (null: the
+// wait failed).
+__device__ const char* payload_of(const PeerWindows& w, const WindowMap& m, const Shape& s, const SendRows& own,
+                                  int source, int64_t f, int32_t token, uint32_t epoch, uint64_t timeout_ns,
+                                  DeviceStatus* st, int lane) {
+  if (!own.broadcast || source == w.rank) return at_window<const char>(w, w.rank, m.fwd_payload + f * m.payload_stride);
+  uint32_t* piece = at_window<uint32_t>(w, w.rank, m.bcast_flag) + source * kMaxPieces + token / m.piece_tokens;
+  if (!warp_wait_flags(piece, 0, 1, source, epoch, timeout_ns, st, kSignalForward, lane)) return nullptr;
+  return at_window<const char>(w, w.rank, m.bcast_rows + (source * s.max_tokens + token) * m.bcast_stride);
+}
+
 // Warps take rows (chunk, source, row in chunk) in chunk order, so they follow the senders;
-// each waits for its chunk's flag.
+// each waits for its chunk's flag. With a broadcast they take this rank's own rows first (they
+// are in x already) and then each source's rows in token order, the order its pieces land.
 __global__ void __launch_bounds__(kRecvWarps * 32) dispatch_receive_kernel(PeerWindows w, WindowMap m, Shape s,
                                                                           RecvArrays r, RecvOutputs out, Layout layout,
-                                                                          SendRows own, const CallState* cs,
+                                                                          SendRows own, CallState* cs,
                                                                           uint64_t timeout_ns, DeviceStatus* st) {
   const uint32_t epoch = call_epoch(cs);
   const int lane = threadIdx.x % 32;
@@ -261,23 +275,43 @@ __global__ void __launch_bounds__(kRecvWarps * 32) dispatch_receive_kernel(PeerW
   fill_empty_rows(s, r, out, layout, warp, warps, lane);
   int64_t chunks = 0;
   for (int p = 0; p < w.ranks; ++p) chunks = max(chunks, static_cast<int64_t>(r.chunks_from[p]));
-  for (int64_t u = warp; u < chunks * w.ranks * kChunkTokens; u += warps) {
-    const int64_t j = u % kChunkTokens, c = u / kChunkTokens / w.ranks;
-    const int source = static_cast<int>(u / kChunkTokens % w.ranks);
+  const int64_t per_source = chunks * kChunkTokens;
+  for (int64_t u = warp; u < per_source * w.ranks; u += warps) {
+    const int64_t j = u % kChunkTokens;
+    const int64_t c = own.broadcast ? u % per_source / kChunkTokens : u / kChunkTokens / w.ranks;
+    const int source = static_cast<int>(own.broadcast ? (w.rank + u / per_source) % w.ranks : u / kChunkTokens % w.ranks);
     if (c >= r.chunks_from[source]) continue;
     const int64_t at = source * m.max_chunks + c;
     uint64_t flag = 0;
     if (!warp_wait_flags(at_window<uint64_t>(w, w.rank, m.fwd_chunk_flag) + at, 0, 1, source, epoch, timeout_ns, st,
                          kSignalForward, lane, &flag))
-      return;
+      break;
     const ChunkRange range{static_cast<int32_t>((flag & 0xffffffffu) >> kRangeCountBits),
                            static_cast<int32_t>(flag & ((1u << kRangeCountBits) - 1))};
     if (j == 0 && lane == 0) r.chunk_range[at] = range;
     if (j >= range.count) continue;
+    const int64_t pos = range.start + j, f = stream_slot(s, source, pos);
+    const int32_t token = at_window<const int32_t>(w, w.rank, m.fwd_token)[f];
+    const char* payload = payload_of(w, m, s, own, source, f, token, epoch, timeout_ns, st, lane);
+    if (!payload) break;
     const SendRows* mine = source == w.rank && own_rows_from_input(own) ? &own : nullptr;
-    if (layout == Layout::rank_major) receive_row_rank_major(w, m, s, r, out, mine, source, range.start + j, lane);
-    else receive_row_expert_major(w, m, s, r, out, mine, source, range.start + j, lane);
+    if (layout == Layout::rank_major) receive_row_rank_major(w, m, s, r, out, mine, payload, token, source, pos, lane);
+    else receive_row_expert_major(w, m, s, r, out, mine, payload, token, source, pos, lane);
   }
+  if (!own.broadcast) return;
+  // The last block to finish tells every source that its broadcast rows here are read (also in
+  // a failed call: the sources' next broadcasts wait for it).
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(&cs->recv_blocks_done, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last || threadIdx.x >= 32) return;
+  if (threadIdx.x == 0) cs->recv_blocks_done = 0;
+  __threadfence_system();
+  release_broadcast_rows(w, m, epoch, lane);
 }
 
 }  // namespace

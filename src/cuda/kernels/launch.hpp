@@ -41,6 +41,7 @@ void preload_receive_layout_kernels();
 void preload_dispatch_kernels();
 void preload_combine_kernels();
 void preload_combine_backward_kernels();
+void preload_broadcast_kernels();
 
 // Canonical routing: slot_expert/slot_weight [T*K], counts [E] (+= per expert; only the drop
 // rule needs them, so null skips the atomics), errors reported in ctx.status. counts must be zeroed.
@@ -82,7 +83,17 @@ struct SendRows {
   int64_t scales_stride = 0;
   WireFormat wire = WireFormat::bf16;
   float nvfp4_global_scale = 0.0f;
+  bool broadcast = false;  // dispatch: the rows reach other ranks by broadcast_rows, the sender moves only their placing data
 };
+
+// Copy-engine dispatch: on stream `copies`, waits until every rank has read this rank's previous
+// broadcast, then copies rows [0, tokens) of x (row_bytes each) into every other rank's
+// bcast_rows, piece by piece, each piece flagged in bcast_flag after it.
+void broadcast_rows(const Ctx& ctx, cudaStream_t copies, const char* x, int64_t x_stride_bytes, int64_t row_bytes,
+                    int64_t tokens);
+// Tells every rank that this rank read their broadcasts of this call (a dispatch whose receiver
+// does not run: its input was rejected on the host).
+void release_broadcast(const Ctx& ctx);
 
 // combine_backward's forward transfer: every bf16 row once to every rank holding one of its
 // slots (at its dispatch stream position send_pos), then signals kSignalForward.
