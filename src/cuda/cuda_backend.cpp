@@ -288,6 +288,7 @@ int CudaBackend::send_blocks(bool dispatch, Layout layout) const {
   // expert-major combine senders sum ~4 rows per token, so they get two thirds there.
   int send = blocks_ / 2;
   if (layout == Layout::expert_major) send = dispatch ? blocks_ / 3 : blocks_ * 2 / 3;
+  if (dispatch && broadcast_) send = std::max(1, blocks_ / 8);  // the senders move only placing data
   if (send_blocks_override_ > 0) send = send_blocks_override_;
   return std::clamp(send, 1, blocks_ - 1);
 }
@@ -591,7 +592,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   const auto host_planned = std::chrono::steady_clock::now();
   EPX_CUDA(cudaEventRecord(fork_, stream_));
   EPX_CUDA(cudaStreamWaitEvent(side_stream_, fork_, 0));
-  const int senders = broadcast_ ? std::max(1, blocks_ / 8) : send_blocks(true, opt.layout);  // broadcast: placing data only
+  const int senders = send_blocks(true, opt.layout);
   kernels::dispatch_send(x, senders, rows, tokens, kernels::SendPlan{dh->slot_expert, dh->slot_weight, dh->pos});
   timer_.mark(2, stream_);
   const kernels::Ctx side = ctx(side_stream_);
