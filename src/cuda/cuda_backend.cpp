@@ -23,22 +23,14 @@ constexpr int kDefaultBlocks = 24;
 
 int64_t round16(int64_t x) { return (x + 15) / 16 * 16; }
 
-// Copy-engine dispatch (kernels/broadcast.cu) for a bf16 wire where, with uniform routing, a token
-// goes to a given rank with probability >= 0.9: broadcasting whole inputs then moves at most ~10%
-// more bytes than the tokens need (EP2 at top-8 of 256: 0.996; EP8: 0.66, which stays on SMs).
-// EPX_DISPATCH_ENGINE=sm|copy overrides the choice (tests and measurements).
+// Copy-engine dispatch (kernels/broadcast.cu), bf16 wire only: opt-in with
+// EPX_DISPATCH_ENGINE=copy while it is slower than the SM path at every measured shape
+// (docs/performance.md); EPX_DISPATCH_ENGINE=sm or unset keeps the SM path.
 bool use_broadcast(const BufferConfig& c, int ranks) {
-  if (c.wire != WireFormat::bf16 || ranks < 2) return false;
-  if (const char* v = std::getenv("EPX_DISPATCH_ENGINE")) {
-    const std::string engine = v;
-    require(engine == "sm" || engine == "copy", "EPX_DISPATCH_ENGINE must be 'sm' or 'copy', got '", engine, "'");
-    return engine == "copy";
-  }
-  const int64_t local = c.num_experts / ranks;
-  double miss = 1.0;  // P(none of a token's K distinct experts is on a given rank)
-  for (int64_t i = 0; i < c.topk; ++i)
-    miss *= std::max<double>(0.0, static_cast<double>(c.num_experts - local - i)) / static_cast<double>(c.num_experts - i);
-  return 1.0 - miss >= 0.9;
+  const char* v = std::getenv("EPX_DISPATCH_ENGINE");
+  const std::string engine = v ? v : "sm";
+  require(engine == "sm" || engine == "copy", "EPX_DISPATCH_ENGINE must be 'sm' or 'copy', got '", engine, "'");
+  return engine == "copy" && c.wire == WireFormat::bf16 && ranks >= 2;
 }
 
 WindowMap make_window_map(const BufferConfig& c, int ranks, const WireRow& wire, bool broadcast) {
@@ -558,7 +550,9 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     rows.broadcast = true;
     EPX_CUDA(cudaEventRecord(fork_, stream_));
     EPX_CUDA(cudaStreamWaitEvent(copy_stream_, fork_, 0));
+    timer_.mark(6, copy_stream_);
     kernels::broadcast_rows(ctx(), copy_stream_, rows.x, rows.x_stride_bytes, 2 * c.hidden, tokens);
+    timer_.mark(7, copy_stream_);
     EPX_CUDA(cudaEventRecord(copies_done_, copy_stream_));
   }
 
@@ -696,6 +690,10 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     timer_.add("dispatch: receive kernel", 4, 5);
     timer_.add("dispatch: plan to received", 1, 5);
     timer_.add("dispatch: all", 0, 5);
+    if (broadcast_) {
+      timer_.add("dispatch: broadcast copies", 6, 7);
+      timer_.add("dispatch: broadcast to received", 6, 5);
+    }
     timer_.add_host("dispatch host: to plan enqueued", host_call, host_planned);
     timer_.add_host("dispatch host: sizes read", host_start, host_read);
     timer_.add_host("dispatch host: outputs alloc", host_read, host_allocated);
