@@ -63,6 +63,12 @@ WindowMap make_window_map(const BufferConfig& c, int ranks, const WireRow& wire,
   m.bcast_flag = take(4 * ranks * kMaxPieces);
   m.bcast_free = take(4 * ranks);
   m.bcast_epoch_src = take(4);
+  const int64_t placing = broadcast ? rows : 0;  // rows = R * max_tokens
+  m.meta_expert = take(4 * placing * c.topk);
+  m.meta_weight = take(4 * placing * c.topk);
+  m.meta_pos = take(4 * placing * ranks);
+  m.meta_index = take(4 * placing * c.topk);
+  m.meta_flag = take(4 * ranks);
   m.total = at;
   return m;
 }
@@ -212,7 +218,10 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   owned_stream_ = std::shared_ptr<CUstream_st>(own, [](cudaStream_t st) { cudaStreamDestroy(st); });
   stream_ = own;
   EPX_CUDA(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
-  EPX_CUDA(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
+  if (broadcast_) {
+    EPX_CUDA(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
+    EPX_CUDA(cudaEventCreateWithFlags(&broadcast_begun_, cudaEventDisableTiming));
+  }
   EPX_CUDA(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
   EPX_CUDA(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
   EPX_CUDA(cudaEventCreateWithFlags(&copies_done_, cudaEventDisableTiming));
@@ -253,7 +262,7 @@ CudaBackend::~CudaBackend() {
   cudaSetDevice(device_);
   cudaStreamSynchronize(stream_);
   cudaStreamSynchronize(side_stream_);
-  cudaStreamSynchronize(copy_stream_);
+  if (copy_stream_) cudaStreamSynchronize(copy_stream_);
   {
     std::lock_guard<std::mutex> lock(block_cache_->mutex);
     for (const auto& block : block_cache_->blocks) cudaFreeAsync(block.first, side_stream_);
@@ -271,7 +280,8 @@ CudaBackend::~CudaBackend() {
   cudaEventDestroy(join_);
   cudaEventDestroy(copies_done_);
   cudaStreamDestroy(side_stream_);
-  cudaStreamDestroy(copy_stream_);
+  if (copy_stream_) cudaStreamDestroy(copy_stream_);
+  if (broadcast_begun_) cudaEventDestroy(broadcast_begun_);
 }
 
 int CudaBackend::send_blocks(bool dispatch, Layout layout) const {
@@ -280,7 +290,6 @@ int CudaBackend::send_blocks(bool dispatch, Layout layout) const {
   // expert-major combine senders sum ~4 rows per token, so they get two thirds there.
   int send = blocks_ / 2;
   if (layout == Layout::expert_major) send = dispatch ? blocks_ / 3 : blocks_ * 2 / 3;
-  if (dispatch && broadcast_) send = std::max(1, blocks_ / 8);  // the senders move only placing data
   if (send_blocks_override_ > 0) send = send_blocks_override_;
   return std::clamp(send, 1, blocks_ - 1);
 }
@@ -551,6 +560,8 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     EPX_CUDA(cudaEventRecord(fork_, stream_));
     EPX_CUDA(cudaStreamWaitEvent(copy_stream_, fork_, 0));
     timer_.mark(6, copy_stream_);
+    kernels::begin_broadcast(ctx(), copy_stream_);
+    EPX_CUDA(cudaEventRecord(broadcast_begun_, copy_stream_));
     kernels::broadcast_rows(ctx(), copy_stream_, rows.x, rows.x_stride_bytes, 2 * c.hidden, tokens);
     timer_.mark(7, copy_stream_);
     EPX_CUDA(cudaEventRecord(copies_done_, copy_stream_));
@@ -578,6 +589,14 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     kernels::drop_slots(x, tokens, dh->slot_expert, dh->slot_weight, dh->expert_prefix, dh->drop_capacity, dh->dropped);
   }
   kernels::chunk_positions(x, tokens, dh->slot_expert, dh->pos);
+  const kernels::Placing mine{dh->slot_expert, dh->slot_weight, dh->pos.send_pos, dh->pos.slot_pos};
+  if (broadcast_) {  // the placing data goes out on the side stream while the plans are exchanged
+    kernels::finalize_positions(x, tokens, dh->slot_expert, dh->pos);
+    EPX_CUDA(cudaEventRecord(fork_, stream_));
+    EPX_CUDA(cudaStreamWaitEvent(side_stream_, fork_, 0));
+    EPX_CUDA(cudaStreamWaitEvent(side_stream_, broadcast_begun_, 0));
+    kernels::broadcast_placing(ctx(side_stream_), side_stream_, mine, tokens);
+  }
   exchange_plan(call, phase, tokens, signature, dh->pos.totals, width);
 
   // Senders start now on the call's stream; the receiver's layout, the output allocation (after
@@ -586,8 +605,9 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   const auto host_planned = std::chrono::steady_clock::now();
   EPX_CUDA(cudaEventRecord(fork_, stream_));
   EPX_CUDA(cudaStreamWaitEvent(side_stream_, fork_, 0));
-  const int senders = send_blocks(true, opt.layout);
-  kernels::dispatch_send(x, senders, rows, tokens, kernels::SendPlan{dh->slot_expert, dh->slot_weight, dh->pos});
+  const int senders = broadcast_ ? 0 : send_blocks(true, opt.layout);  // a broadcast needs no sender
+  if (senders > 0)
+    kernels::dispatch_send(x, senders, rows, tokens, kernels::SendPlan{dh->slot_expert, dh->slot_weight, dh->pos});
   timer_.mark(2, stream_);
   const kernels::Ctx side = ctx(side_stream_);
   const bool capacity_mode = c.mode == CapacityMode::capacity;
@@ -644,7 +664,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
                           reinterpret_cast<int32_t*>(ptr(out.recv_topk_idx)),
                           reinterpret_cast<float*>(ptr(out.recv_topk_weights))};
   timer_.mark(4, side_stream_);
-  kernels::dispatch_receive(side, blocks_ - senders, dh->recv, ro, opt.layout, rows);
+  kernels::dispatch_receive(side, blocks_ - senders, dh->recv, ro, opt.layout, rows, mine, phase);
   const auto host_launched = std::chrono::steady_clock::now();
   timer_.mark(5, side_stream_);
   EPX_CUDA(cudaEventRecord(join_, side_stream_));

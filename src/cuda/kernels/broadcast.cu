@@ -1,8 +1,12 @@
 // Copy-engine dispatch: each rank's whole input goes to every other rank's window through the
-// copy engines, so no SM moves a payload byte across the link. The copy runs in pieces, each
-// followed by a 4-byte copy of the call's epoch into the destination's flag of that piece, so the
-// receivers place a piece's rows while later pieces are still on the way. It pays where nearly
-// every token goes to every rank (EP2 at top-8 of 256: 99.6%); docs/performance.md.
+// copy engines, so no SM moves a byte across the link. The rows go in pieces, each followed by a
+// 4-byte copy of the call's epoch into the destination's flag of that piece, so the receivers
+// place a piece's rows while later pieces are still on the way; once its positions are known, each
+// rank's placing data (expert ids, weights, positions) follows the same way and the receivers work
+// out every row's place themselves. It pays where nearly every token goes to every rank (EP2 at
+// top-8 of 256: 99.6%); docs/performance.md.
+#include <algorithm>
+
 #include "cuda/kernels/device_common.cuh"
 #include "cuda/kernels/launch.hpp"
 #include "cuda/cuda_check.hpp"
@@ -34,18 +38,38 @@ __global__ void broadcast_begin_kernel(PeerWindows w, WindowMap m, CallState* cs
   }
 }
 
+// Thread per token: the positions the SM sender would have written, in place: send_pos becomes
+// each token's stream position at each rank, slot_pos each pair's index among this rank's pairs
+// of its expert (what combine and the receivers read).
+__global__ void finalize_positions_kernel(Shape s, int64_t tokens, const int32_t* slot_expert, ChunkPositions p) {
+  const int64_t width = s.experts + s.ranks;
+  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < tokens;
+       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int32_t* base = p.chunk_base + t / kChunkTokens * width;
+    for (int d = 0; d < s.ranks; ++d)
+      if (p.send_pos[t * s.ranks + d] >= 0) p.send_pos[t * s.ranks + d] += base[s.experts + d];
+    for (int64_t k = 0; k < s.topk; ++k) {
+      const int32_t e = slot_expert[t * s.topk + k];
+      if (e >= 0) p.slot_pos[t * s.topk + k] += base[e];
+    }
+  }
+}
+
 __global__ void broadcast_release_kernel(PeerWindows w, WindowMap m, const CallState* cs) {
   release_broadcast_rows(w, m, call_epoch(cs), threadIdx.x);
 }
 
 }  // namespace
 
+void begin_broadcast(const Ctx& ctx, cudaStream_t copies) {
+  broadcast_begin_kernel<<<1, 32, 0, copies>>>(ctx.peers, ctx.map, ctx.state, ctx.timeout_ns, ctx.status);
+  EPX_CUDA(cudaGetLastError());
+}
+
 void broadcast_rows(const Ctx& ctx, cudaStream_t copies, const char* x, int64_t x_stride_bytes, int64_t row_bytes,
                     int64_t tokens) {
   const PeerWindows& w = ctx.peers;
   const WindowMap& m = ctx.map;
-  broadcast_begin_kernel<<<1, 32, 0, copies>>>(w, m, ctx.state, ctx.timeout_ns, ctx.status);
-  EPX_CUDA(cudaGetLastError());
   const char* epoch = w.base[w.rank] + m.bcast_epoch_src;
   for (int64_t first = 0, piece = 0; first < tokens; first += m.piece_tokens, ++piece)
     for (int k = 1; k < w.ranks; ++k) {
@@ -60,10 +84,39 @@ void broadcast_rows(const Ctx& ctx, cudaStream_t copies, const char* x, int64_t 
     }
 }
 
+void finalize_positions(const Ctx& ctx, int64_t tokens, const int32_t* slot_expert, const ChunkPositions& p) {
+  if (tokens == 0) return;
+  const int blocks = static_cast<int>(std::min<int64_t>(ctx.blocks, (tokens + 255) / 256));
+  finalize_positions_kernel<<<blocks, 256, 0, ctx.stream>>>(ctx.shape, tokens, slot_expert, p);
+}
+
+void broadcast_placing(const Ctx& ctx, cudaStream_t copies, const Placing& mine, int64_t tokens) {
+  const PeerWindows& w = ctx.peers;
+  const WindowMap& m = ctx.map;
+  const Shape& s = ctx.shape;
+  const char* epoch = w.base[w.rank] + m.bcast_epoch_src;
+  for (int k = 1; k < w.ranks; ++k) {
+    const int d = (w.rank + k) % w.ranks;
+    auto copy = [&](int64_t offset, const void* from, int64_t per_token) {  // this rank's part of array `offset` at d
+      if (tokens == 0) return;
+      char* dst = w.base[d] + offset + w.rank * s.max_tokens * per_token * 4;
+      EPX_CUDA(cudaMemcpyAsync(dst, from, static_cast<size_t>(tokens * per_token * 4), cudaMemcpyDefault, copies));
+    };
+    copy(m.meta_expert, mine.expert, s.topk);
+    copy(m.meta_weight, mine.weight, s.topk);
+    copy(m.meta_pos, mine.pos, s.ranks);
+    copy(m.meta_index, mine.index, s.topk);
+    EPX_CUDA(cudaMemcpyAsync(w.base[d] + m.meta_flag + w.rank * sizeof(uint32_t), epoch, sizeof(uint32_t),
+                             cudaMemcpyDefault, copies));
+  }
+}
+
 void release_broadcast(const Ctx& ctx) {
   broadcast_release_kernel<<<1, 32, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.state);
 }
 
-void preload_broadcast_kernels() { preload(broadcast_begin_kernel, broadcast_release_kernel); }
+void preload_broadcast_kernels() {
+  preload(broadcast_begin_kernel, finalize_positions_kernel, broadcast_release_kernel);
+}
 
 }  // namespace epx::detail::kernels
