@@ -334,7 +334,7 @@ __device__ bool receive_broadcast(const PeerWindows& w, const WindowMap& m, cons
   if (t >= tokens) return true;
   const int32_t pos = p.pos[t * s.ranks + w.rank];
   if (pos < 0) return true;
-  const char* payload = nullptr;
+  const char* payload = own.x + t * own.x_stride_bytes;  // own tokens: the input row (bf16)
   if (source != w.rank) {
     uint32_t* piece = at_window<uint32_t>(w, w.rank, m.bcast_flag) + source * kMaxPieces + t / m.piece_tokens;
     if (!warp_wait_flags(piece, 0, 1, source, epoch, timeout_ns, st, kSignalForward, lane)) return false;
