@@ -306,10 +306,12 @@ CudaBackend::Call CudaBackend::begin_call(CallKind kind) {
   Call call{kind, calls_, cat(call_kind_name(kind), " #", calls_)};
   if (broken_) fail(ErrorCode::peer_failed, call.name, " (rank ", rank_, "): the group already failed: ", broken_reason_);
   EPX_CUDA(cudaSetDevice(device_));
-  check_earlier_calls(call);
+  check_earlier_calls(call);  // its timeout message tells the earlier call's host steps
+  host_steps_.begin();
   // The host's call count and the device's advance together (plan slots are found from either).
   ++calls_;
   kernels::begin_call(ctx());
+  host_steps_.mark("call begun");
   return call;
 }
 
@@ -352,7 +354,8 @@ void CudaBackend::raise(const DeviceStatus& st, const Call& call) {
       broken_ = true;
       broken_reason_ = cat(call.name, " (", steps[st.a % 3], "): rank ", rank_, " waited ", timeout_.count(),
                            " ms for rank(s) ", st.rank,
-                           ", which never arrived (crashed, hung, or called collective operations in a different order)");
+                           ", which never arrived (crashed, hung, or called collective operations in a different order); "
+                           "this rank's host reached the steps of this call at: ", host_steps_.summary());
       throw Error(ErrorCode::timeout, broken_reason_);
     }
     default:
@@ -576,6 +579,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   dh->memory = block.storage();
   Carver carve(block.data<char>());
   carve_handle(*dh, carve, tokens, c, ranks_, map_.max_chunks);
+  host_steps_.mark("handle allocated");
 
   // Sender's half of the layout; with dropping, a first plan exchange fixes what is kept.
   timer_.mark(0, stream_);
@@ -589,6 +593,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     kernels::drop_slots(x, tokens, dh->slot_expert, dh->slot_weight, dh->expert_prefix, dh->drop_capacity, dh->dropped);
   }
   kernels::chunk_positions(x, tokens, dh->slot_expert, dh->pos);
+  host_steps_.mark("positions launched");
   const kernels::Placing mine{dh->slot_expert, dh->slot_weight, dh->pos.send_pos, dh->pos.slot_pos};
   if (broadcast_) {  // the placing data goes out on the side stream while the plans are exchanged
     kernels::finalize_positions(x, tokens, dh->slot_expert, dh->pos);
@@ -598,6 +603,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     kernels::broadcast_placing(ctx(side_stream_), side_stream_, mine, tokens);
   }
   exchange_plan(call, phase, tokens, signature, dh->pos.totals, width);
+  host_steps_.mark("plan posted");
 
   // Senders start now on the call's stream; the receiver's layout, the output allocation (after
   // one host read of the sizes in blocking mode) and the receiver follow on the side stream.
@@ -665,6 +671,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
                           reinterpret_cast<float*>(ptr(out.recv_topk_weights))};
   timer_.mark(4, side_stream_);
   kernels::dispatch_receive(side, blocks_ - senders, dh->recv, ro, opt.layout, rows, mine, phase);
+  host_steps_.mark("receiver launched");
   const auto host_launched = std::chrono::steady_clock::now();
   timer_.mark(5, side_stream_);
   EPX_CUDA(cudaEventRecord(join_, side_stream_));
@@ -736,6 +743,7 @@ const HandleState& CudaBackend::start_handle_call(const Call& call, const Handle
   const int64_t signature = signature_of({options, h ? static_cast<int64_t>(h->layout) : -1});
   if (!error.empty()) reject(call, 1, error, h ? h->tokens : 0, signature);
   exchange_plan(call, 0, h->tokens, signature, nullptr, 0);
+  host_steps_.mark("plan posted");
   return *h;
 }
 

@@ -12,6 +12,7 @@
 #include "core/handle.hpp"
 #include "core/wire.hpp"
 #include "cuda/cuda_group.hpp"
+#include "cuda/host_steps.hpp"
 #include "cuda/kernels/launch.hpp"
 #include "cuda/phase_timer.hpp"
 
@@ -134,6 +135,7 @@ class CudaBackend final : public Backend {
   // A block of at least `bytes` on `stream`: a cached one if one fits, else from the pool.
   Tensor output_block(int64_t bytes, cudaStream_t stream);
   PhaseTimer timer_;  // EPX_PROFILE
+  HostSteps host_steps_;  // the current call's host steps, for timeout messages
   int64_t calls_ = 0;
   bool broken_ = false;
   std::string broken_reason_;
