@@ -4,7 +4,7 @@
 # sanitizer serializes kernels, so ranks waiting on each other could not progress), epx-bench.
 # Logs and JSON go to $OUT; a short summary is printed last.
 #   usage: [EPX_GIT_COMMIT=$(git rev-parse --short=12 HEAD)] [GTEST_FILTER=...] [GTEST_REPEAT=n] [BENCH_ARGS=...] [SANITIZE_TOOLS=...] \
-#          bash scripts/device-check.sh [tests|sanitize|bench|sweep|ll|all]...   (default: all but sweep)
+#          bash scripts/device-check.sh [tests|sanitize|bench|sweep|engines|ll|all]...   (default: all but sweep, engines)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
@@ -34,7 +34,7 @@ if ! cmake -S . -B build-gpu "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DEPX_
 fi
 note "built against NCCL in $NCCL_DIR"
 
-want() { [[ ( " $steps " == *" all "* && $1 != sweep ) || " $steps " == *" $1 "* ]]; }
+want() { [[ ( " $steps " == *" all "* && $1 != sweep && $1 != engines ) || " $steps " == *" $1 "* ]]; }
 
 if want tests; then
   # A lost flag or signal fails a test in 10 s instead of the 60 s default.
@@ -71,6 +71,17 @@ if want bench; then
   rc=$?
   cat "$OUT/bench.log" | tail -25
   note "epx-bench rc=$rc"
+fi
+if want engines; then
+  # The two bf16 dispatch engines side by side at the V3 shape, with EPX_PROFILE's per-step times
+  # (engines.log) and the records (engines-sm.json, engines-copy.json).
+  for engine in sm copy; do
+    echo "== dispatch engine $engine" >> "$OUT/engines.log"
+    EPX_DISPATCH_ENGINE=$engine EPX_PROFILE=1 timeout 120 ./build-gpu/epx-bench --backend cuda --ranks "$(nvidia-smi -L | wc -l)" \
+      --wire bf16 --ops dispatch --json "$OUT/engines-$engine.json" >> "$OUT/engines.log" 2>&1 || echo "FAILED: engine $engine" >> "$OUT/engines.log"
+  done
+  grep -E "^==|^dispatch |FAILED|broadcast|receive kernel|send kernel|routing" "$OUT/engines.log"
+  note "engines: $(grep -c '^dispatch ' "$OUT/engines.log") records, $(grep -c FAILED "$OUT/engines.log") failed"
 fi
 if want sweep; then
   bash scripts/perf-sweep.sh > /dev/null 2>&1
