@@ -212,7 +212,7 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   owned_stream_ = std::shared_ptr<CUstream_st>(own, [](cudaStream_t st) { cudaStreamDestroy(st); });
   stream_ = own;
   EPX_CUDA(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
-  EPX_CUDA(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
+  if (broadcast_) EPX_CUDA(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
   EPX_CUDA(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
   EPX_CUDA(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
   EPX_CUDA(cudaEventCreateWithFlags(&copies_done_, cudaEventDisableTiming));
@@ -253,7 +253,7 @@ CudaBackend::~CudaBackend() {
   cudaSetDevice(device_);
   cudaStreamSynchronize(stream_);
   cudaStreamSynchronize(side_stream_);
-  cudaStreamSynchronize(copy_stream_);
+  if (copy_stream_) cudaStreamSynchronize(copy_stream_);
   {
     std::lock_guard<std::mutex> lock(block_cache_->mutex);
     for (const auto& block : block_cache_->blocks) cudaFreeAsync(block.first, side_stream_);
@@ -271,7 +271,7 @@ CudaBackend::~CudaBackend() {
   cudaEventDestroy(join_);
   cudaEventDestroy(copies_done_);
   cudaStreamDestroy(side_stream_);
-  cudaStreamDestroy(copy_stream_);
+  if (copy_stream_) cudaStreamDestroy(copy_stream_);
 }
 
 int CudaBackend::send_blocks(bool dispatch, Layout layout) const {

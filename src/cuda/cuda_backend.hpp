@@ -117,7 +117,7 @@ class CudaBackend final : public Backend {
   std::shared_ptr<CUstream_st> owned_stream_;
   cudaStream_t stream_ = nullptr;
   cudaStream_t side_stream_ = nullptr;  // dispatch's receiver, beside the senders on stream_
-  cudaStream_t copy_stream_ = nullptr;  // copy-engine dispatch: the broadcast of x
+  cudaStream_t copy_stream_ = nullptr;  // copy-engine dispatch: the broadcast of x (made only then)
   cudaEvent_t fork_ = nullptr, join_ = nullptr, copies_done_ = nullptr;
   bool broadcast_ = false;  // dispatch moves bf16 rows by copy engine (kernels/broadcast.cu)
   std::shared_ptr<CUmemPoolHandle_st> pool_;  // outputs and handles; kept alive by every tensor from it
