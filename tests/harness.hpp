@@ -129,4 +129,19 @@ inline BufferConfig small_config(int64_t hidden, int64_t tokens, int64_t experts
   return c;
 }
 
+// Every round's low-latency dispatch and combine on every rank against the reference. Only the
+// counted rows travel: the reference sees each problem cut to its num_tokens (counts[round][rank]).
+inline void expect_ll_rounds_match(const std::vector<verify::Problem>& problems,
+                                   const std::vector<std::vector<int64_t>>& counts,
+                                   const std::vector<std::vector<std::vector<uint16_t>>>& ys,
+                                   const std::vector<std::vector<LowLatencyDispatchResult>>& got,
+                                   const std::vector<std::vector<Tensor>>& outs) {
+  for (size_t i = 0; i < problems.size(); ++i)
+    for (int r = 0; r < problems[i].ranks; ++r) {
+      ASSERT_EQ(verify::check_ll_dispatch(problems[i], counts[i], r, 0.0f, got[i][r]), "") << "round " << i;
+      ASSERT_EQ(verify::check_ll_combine(problems[i], counts[i], ys[i], r, true, outs[i][r], "ll_combine out"), "")
+          << "round " << i << " rank " << r;
+    }
+}
+
 }  // namespace epx::test

@@ -77,13 +77,7 @@ TEST_P(LowLatency, RoundsMatchTheReference) {
     }
   });
   for (int r = 0; r < c.ranks; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
-  for (int i = 0; i < rounds; ++i)
-    for (int r = 0; r < c.ranks; ++r) {
-      // Only the counted rows travel: the reference sees the problem cut to num_tokens.
-      ASSERT_EQ(verify::check_ll_dispatch(problems[i], counts[i], r, 0.0f, got[i][r]), "") << "round " << i;
-      ASSERT_EQ(verify::check_ll_combine(problems[i], counts[i], ys[i], r, true, outs[i][r], "ll_combine out"), "")
-          << "round " << i << " rank " << r;
-    }
+  expect_ll_rounds_match(problems, counts, ys, got, outs);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, LowLatency,

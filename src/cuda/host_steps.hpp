@@ -4,6 +4,7 @@
 // where its peers' waits ran out (docs/cuda.md, "Known gaps").
 #pragma once
 #include <chrono>
+#include <cstdio>
 #include <string>
 
 namespace epx::detail {

@@ -137,7 +137,6 @@ __device__ void fill_empty_rows(const Shape& s, const RecvArrays& r, const RecvO
   });
 }
 
-
 // A row's codes, scales and 1/g (each null when the wire has none) into n output rows at once.
 __device__ void place_parts(const char* codes, const char* scales, const char* global, const RecvOutputs& out,
                             const int64_t* rows, int n, int lane) {
