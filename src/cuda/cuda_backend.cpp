@@ -600,7 +600,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     EPX_CUDA(cudaEventRecord(fork_, stream_));
     EPX_CUDA(cudaStreamWaitEvent(side_stream_, fork_, 0));
     EPX_CUDA(cudaStreamWaitEvent(side_stream_, broadcast_begun_, 0));
-    kernels::broadcast_placing(ctx(side_stream_), side_stream_, mine, tokens);
+    kernels::broadcast_placing(ctx(side_stream_), mine, tokens);
   }
   exchange_plan(call, phase, tokens, signature, dh->pos.totals, width);
   host_steps_.mark("plan posted");

@@ -2,8 +2,8 @@
 // copy engines, so no SM moves a byte across the link. The rows go in pieces, each followed by a
 // 4-byte copy of the call's epoch into the destination's flag of that piece, so the receivers
 // place a piece's rows while later pieces are still on the way; once its positions are known, each
-// rank's placing data (expert ids, weights, positions) follows the same way and the receivers work
-// out every row's place themselves. It pays where nearly every token goes to every rank (EP2 at
+// rank's placing data (expert ids, weights, positions) follows by SM stores from a small kernel
+// and the receivers work out every row's place themselves. It pays where nearly every token goes to every rank (EP2 at
 // top-8 of 256: 99.6%); docs/performance.md.
 #include <algorithm>
 
@@ -14,6 +14,8 @@
 namespace epx::detail::kernels {
 
 namespace {
+
+constexpr int64_t kPlacingBlocks = 8;  // ~400 KB per peer at V3: a few microseconds
 
 // One warp, before the copies: lanes d < R wait until rank d has read the rows of this rank's
 // previous broadcast (it says so in bcast_free[d] here), then this broadcast's epoch goes where
@@ -55,6 +57,41 @@ __global__ void finalize_positions_kernel(Shape s, int64_t tokens, const int32_t
   }
 }
 
+// This rank's placing data into every other rank's meta_* arrays with coalesced stores, then its
+// meta_flag there (by the last block to finish). Not the copy engines: a copy would queue behind
+// the rows' pieces on the same engines, and no receiver could start before the last piece landed.
+__global__ void push_placing_kernel(PeerWindows w, WindowMap m, Shape s, Placing mine, int64_t tokens, CallState* cs) {
+  const int64_t pairs = tokens * s.topk, positions = tokens * s.ranks;
+  const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int k = 1; k < w.ranks; ++k) {
+    const int d = (w.rank + k) % w.ranks;
+    const int64_t at = w.rank * s.max_tokens;  // this rank's part of d's arrays
+    int32_t* expert = at_window<int32_t>(w, d, m.meta_expert) + at * s.topk;
+    float* weight = at_window<float>(w, d, m.meta_weight) + at * s.topk;
+    int32_t* index = at_window<int32_t>(w, d, m.meta_index) + at * s.topk;
+    int32_t* pos = at_window<int32_t>(w, d, m.meta_pos) + at * s.ranks;
+    for (int64_t i = first; i < pairs; i += stride) {
+      expert[i] = mine.expert[i];
+      weight[i] = mine.weight[i];
+      index[i] = mine.index[i];
+    }
+    for (int64_t i = first; i < positions; i += stride) pos[i] = mine.pos[i];
+  }
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();  // this block's stores (seen through the barrier) before the count
+    last = atomicAdd(&cs->placing_blocks_done, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last || threadIdx.x >= 32) return;
+  if (threadIdx.x == 0) cs->placing_blocks_done = 0;
+  __threadfence_system();
+  const int d = threadIdx.x;
+  if (d < w.ranks && d != w.rank) set_flag(at_window<uint32_t>(w, d, m.meta_flag) + w.rank, call_epoch(cs));
+}
+
 __global__ void broadcast_release_kernel(PeerWindows w, WindowMap m, const CallState* cs) {
   release_broadcast_rows(w, m, call_epoch(cs), threadIdx.x);
 }
@@ -90,25 +127,10 @@ void finalize_positions(const Ctx& ctx, int64_t tokens, const int32_t* slot_expe
   finalize_positions_kernel<<<blocks, 256, 0, ctx.stream>>>(ctx.shape, tokens, slot_expert, p);
 }
 
-void broadcast_placing(const Ctx& ctx, cudaStream_t copies, const Placing& mine, int64_t tokens) {
-  const PeerWindows& w = ctx.peers;
-  const WindowMap& m = ctx.map;
-  const Shape& s = ctx.shape;
-  const char* epoch = w.base[w.rank] + m.bcast_epoch_src;
-  for (int k = 1; k < w.ranks; ++k) {
-    const int d = (w.rank + k) % w.ranks;
-    auto copy = [&](int64_t offset, const void* from, int64_t per_token) {  // this rank's part of array `offset` at d
-      if (tokens == 0) return;
-      char* dst = w.base[d] + offset + w.rank * s.max_tokens * per_token * 4;
-      EPX_CUDA(cudaMemcpyAsync(dst, from, static_cast<size_t>(tokens * per_token * 4), cudaMemcpyDefault, copies));
-    };
-    copy(m.meta_expert, mine.expert, s.topk);
-    copy(m.meta_weight, mine.weight, s.topk);
-    copy(m.meta_pos, mine.pos, s.ranks);
-    copy(m.meta_index, mine.index, s.topk);
-    EPX_CUDA(cudaMemcpyAsync(w.base[d] + m.meta_flag + w.rank * sizeof(uint32_t), epoch, sizeof(uint32_t),
-                             cudaMemcpyDefault, copies));
-  }
+void broadcast_placing(const Ctx& ctx, const Placing& mine, int64_t tokens) {
+  const int blocks = static_cast<int>(std::clamp<int64_t>((tokens * ctx.shape.topk + 4095) / 4096, 1, kPlacingBlocks));
+  push_placing_kernel<<<blocks, 512, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, mine, tokens, ctx.state);
+  EPX_CUDA(cudaGetLastError());
 }
 
 void release_broadcast(const Ctx& ctx) {
@@ -116,7 +138,7 @@ void release_broadcast(const Ctx& ctx) {
 }
 
 void preload_broadcast_kernels() {
-  preload(broadcast_begin_kernel, finalize_positions_kernel, broadcast_release_kernel);
+  preload(broadcast_begin_kernel, finalize_positions_kernel, push_placing_kernel, broadcast_release_kernel);
 }
 
 }  // namespace epx::detail::kernels

@@ -15,7 +15,10 @@ namespace {
 
 constexpr int kSendWarps = 16;  // copy warps of a send block; one more warp flags finished chunks
 constexpr int kSendThreads = (kSendWarps + 1) * 32;
-constexpr int kRecvWarps = 24;
+// Receive warps per block: the copy-engine receiver works out each row's place itself and needs
+// more registers than 24 warps leave (80 a thread), so it runs 16 (128).
+template <bool kBroadcast>
+constexpr int kRecvWarps = kBroadcast ? 16 : 24;
 constexpr int kRowGroup = 8;  // output rows one read of a received row is written to at once
 
 __device__ int64_t stream_slot(const Shape& s, int source, int64_t pos) {
@@ -350,15 +353,15 @@ __device__ bool receive_broadcast(const PeerWindows& w, const WindowMap& m, cons
 // path pays the other's registers) they take this rank's own tokens first (they are in x
 // already) and then each source's tokens in order, the order its pieces land.
 template <bool kBroadcast>
-__global__ void __launch_bounds__(kRecvWarps * 32) dispatch_receive_kernel(PeerWindows w, WindowMap m, Shape s,
+__global__ void __launch_bounds__(kRecvWarps<kBroadcast> * 32) dispatch_receive_kernel(PeerWindows w, WindowMap m, Shape s,
                                                                           RecvArrays r, RecvOutputs out, Layout layout,
                                                                           SendRows own, Placing mine, int phase,
                                                                           CallState* cs, uint64_t timeout_ns,
                                                                           DeviceStatus* st) {
   const uint32_t epoch = call_epoch(cs);
   const int lane = threadIdx.x % 32;
-  const int64_t warp = blockIdx.x * static_cast<int64_t>(kRecvWarps) + threadIdx.x / 32;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kRecvWarps;
+  const int64_t warp = blockIdx.x * static_cast<int64_t>(kRecvWarps<kBroadcast>) + threadIdx.x / 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kRecvWarps<kBroadcast>;
   fill_empty_rows(s, r, out, layout, warp, warps, lane);
   int64_t chunks = 0;
   for (int p = 0; p < w.ranks; ++p) chunks = max(chunks, static_cast<int64_t>(r.chunks_from[p]));
@@ -405,8 +408,9 @@ void dispatch_send(const Ctx& ctx, int blocks, const SendRows& rows, int64_t tok
 void dispatch_receive(const Ctx& ctx, int blocks, const RecvArrays& r, const RecvOutputs& out, Layout layout,
                       const SendRows& own, const Placing& mine, int phase) {
   auto* kernel = own.broadcast ? dispatch_receive_kernel<true> : dispatch_receive_kernel<false>;
-  kernel<<<blocks, kRecvWarps * 32, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, out, layout, own, mine, phase,
-                                                     ctx.state, ctx.timeout_ns, ctx.status);
+  const int threads = 32 * (own.broadcast ? kRecvWarps<true> : kRecvWarps<false>);
+  kernel<<<blocks, threads, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, out, layout, own, mine, phase, ctx.state,
+                                             ctx.timeout_ns, ctx.status);
 }
 
 void preload_dispatch_kernels() {

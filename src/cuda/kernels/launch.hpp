@@ -87,9 +87,9 @@ struct Placing {
 // Copy-engine dispatch: send_pos and slot_pos made final in place (what the SM sender does as it
 // sends), so they form this rank's Placing with slot_expert and slot_weight.
 void finalize_positions(const Ctx& ctx, int64_t tokens, const int32_t* slot_expert, const ChunkPositions& p);
-// Copy-engine dispatch, on stream `copies` after begin_broadcast: this rank's placing data into
-// every other rank's meta_* arrays, then its meta_flag there.
-void broadcast_placing(const Ctx& ctx, cudaStream_t copies, const Placing& mine, int64_t tokens);
+// Copy-engine dispatch, on ctx.stream after begin_broadcast: this rank's placing data into every
+// other rank's meta_* arrays (SM stores: ~400 KB at V3), then its meta_flag there.
+void broadcast_placing(const Ctx& ctx, const Placing& mine, int64_t tokens);
 
 // The token rows a forward transfer sends.
 struct SendRows {
@@ -99,7 +99,7 @@ struct SendRows {
   int64_t scales_stride = 0;
   WireFormat wire = WireFormat::bf16;
   float nvfp4_global_scale = 0.0f;
-  bool broadcast = false;  // dispatch: rows and placing data reach other ranks by copy engine (no sender)
+  bool broadcast = false;  // dispatch: rows reach other ranks by copy engine, placing data by a small kernel (no sender)
 };
 
 // Copy-engine dispatch, on stream `copies`: begin_broadcast waits until every rank has read this
