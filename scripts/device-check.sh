@@ -86,11 +86,13 @@ fi
 if want timeline; then
   # nsys timeline of the V3 bf16 rank-major dispatch (TIMELINE_ENGINE: sm or copy), the last call:
   # which kernel and copy runs when, on which stream, to see what overlaps (timeline.log).
-  if command -v nsys > /dev/null; then
-    EPX_DISPATCH_ENGINE=${TIMELINE_ENGINE:-copy} timeout 200 nsys profile -o "$OUT/tl" --force-overwrite true -t cuda \
+  # No nsys on PATH there; Nsight Compute ships one.
+  nsys=$(command -v nsys || ls /opt/nvidia/nsight-compute/*/host/target-linux-x64/nsys 2> /dev/null | head -1)
+  if [ -n "$nsys" ]; then
+    EPX_DISPATCH_ENGINE=${TIMELINE_ENGINE:-copy} timeout 200 "$nsys" profile -o "$OUT/tl" --force-overwrite true -t cuda \
       ./build-gpu/epx-bench --backend cuda --ranks "$(nvidia-smi -L | wc -l)" --wire bf16 --layout "${TIMELINE_LAYOUT:-rank_major}" \
       --ops dispatch --warmup 1 --iters 3 > "$OUT/timeline-run.log" 2>&1
-    nsys stats --report cuda_gpu_trace --format csv --output "$OUT/tl" "$OUT/tl.nsys-rep" > /dev/null 2>&1
+    "$nsys" stats --report cuda_gpu_trace --format csv --output "$OUT/tl" "$OUT/tl.nsys-rep" > /dev/null 2>&1
     rm -f "$OUT"/tl.nsys-rep "$OUT"/tl.sqlite
     python3 scripts/timeline.py "$OUT"/tl_cuda_gpu_trace.csv "${TIMELINE_US:-1200}" > "$OUT/timeline.log" 2>&1 &&
       rm -f "$OUT"/tl_cuda_gpu_trace.csv  # kept when it could not be read

@@ -90,7 +90,7 @@ struct WindowMap {
   int64_t total;
 };
 // Pieces a broadcast is cut into: the receivers start on a piece as soon as it is in.
-constexpr int kMaxPieces = 8;
+constexpr int kMaxPieces = 16;
 
 // Per buffer, in device memory: the number of the current call and what each signal counter
 // reaches after its current step. Kernels advance them, so a captured CUDA graph replays with
