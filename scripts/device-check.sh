@@ -45,11 +45,11 @@ if want tests; then
   grep -E "^\[  (PASSED|FAILED)|^\[  FAILED  \]|Failure|Which is|Actual|Expected" "$OUT/gpu_tests.log" | head -60
   failed=$(grep -E '^\[  FAILED  \] .*\(' "$OUT/gpu_tests.log" | sed -E 's/^\[  FAILED  \] ([^ ,]*).*/\1/' | sort -u | tr '\n' ' ')
   note "gpu tests rc=$rc: $(grep -E '^\[  PASSED' "$OUT/gpu_tests.log") failed: ${failed:-none}"
-  # bf16 dispatch has a second engine, the copy-engine broadcast (opt-in): the high-throughput
-  # tests once more with it.
-  for engine in copy; do
+  # bf16 dispatch has two engines (SM stores; copy engines, the default at two ranks): the
+  # high-throughput tests once more with each forced, at every rank count.
+  for engine in sm copy; do
     EPX_DISPATCH_ENGINE=$engine EPX_TIMEOUT_MS=${EPX_TIMEOUT_MS:-10000} timeout 300 ./build-gpu/tests/epx_gpu_tests \
-      --gtest_filter="${GTEST_FILTER:-Cuda*:-CudaLowLatency*}" > "$OUT/gpu_tests_$engine.log" 2>&1
+      --gtest_filter="${ENGINE_FILTER:-*Cuda*:-*LowLatency*}" > "$OUT/gpu_tests_$engine.log" 2>&1
     rc=$?
     failed=$(grep -E '^\[  FAILED  \] .*\(' "$OUT/gpu_tests_$engine.log" | sed -E 's/^\[  FAILED  \] ([^ ,]*).*/\1/' | sort -u | tr '\n' ' ')
     note "gpu tests, dispatch engine $engine, rc=$rc: $(grep -E '^\[  PASSED' "$OUT/gpu_tests_$engine.log") failed: ${failed:-none}"

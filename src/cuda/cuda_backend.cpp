@@ -23,14 +23,17 @@ constexpr int kDefaultBlocks = 24;
 
 int64_t round16(int64_t x) { return (x + 15) / 16 * 16; }
 
-// Copy-engine dispatch (kernels/broadcast.cu), bf16 wire only: opt-in with
-// EPX_DISPATCH_ENGINE=copy while it is slower than the SM path at every measured shape
-// (docs/performance.md); EPX_DISPATCH_ENGINE=sm or unset keeps the SM path.
+// Copy-engine dispatch (kernels/broadcast.cu), bf16 wire only. EPX_DISPATCH_ENGINE=copy or sm
+// forces an engine; unset (auto), two ranks use the copy engines, where nearly every token goes
+// to the other rank and it was measured faster, and more ranks the SM path, since a broadcast
+// sends every token to every rank (docs/performance.md).
 bool use_broadcast(const BufferConfig& c, int ranks) {
   const char* v = std::getenv("EPX_DISPATCH_ENGINE");
-  const std::string engine = v ? v : "sm";
-  require(engine == "sm" || engine == "copy", "EPX_DISPATCH_ENGINE must be 'sm' or 'copy', got '", engine, "'");
-  return engine == "copy" && c.wire == WireFormat::bf16 && ranks >= 2;
+  const std::string engine = v ? v : "auto";
+  require(engine == "sm" || engine == "copy" || engine == "auto",
+          "EPX_DISPATCH_ENGINE must be 'auto', 'sm' or 'copy', got '", engine, "'");
+  if (c.wire != WireFormat::bf16 || ranks < 2 || engine == "sm") return false;
+  return engine == "copy" || ranks == 2;
 }
 
 WindowMap make_window_map(const BufferConfig& c, int ranks, const WireRow& wire, bool broadcast) {
@@ -58,9 +61,10 @@ WindowMap make_window_map(const BufferConfig& c, int ranks, const WireRow& wire,
   m.rev_slots = take(4 * rows * c.topk);
   m.bcast_stride = round16(2 * c.hidden);
   m.bcast_rows = take(broadcast ? rows * m.bcast_stride : 0);
-  // Pieces per broadcast: 8, or EPX_BCAST_PIECES (tuning experiments, docs/performance.md).
+  // Pieces per broadcast: 4, or EPX_BCAST_PIECES (tuning experiments). Each piece costs the host
+  // two copy calls before anything else of the call is enqueued (docs/performance.md).
   const char* pieces_env = std::getenv("EPX_BCAST_PIECES");
-  const int64_t pieces = std::clamp<int64_t>(pieces_env ? std::atoi(pieces_env) : 8, 1, kMaxPieces);
+  const int64_t pieces = std::clamp<int64_t>(pieces_env ? std::atoi(pieces_env) : 4, 1, kMaxPieces);
   const int64_t piece = (c.max_tokens_per_rank + pieces - 1) / pieces;
   m.piece_tokens = std::max<int64_t>(1, (piece + kChunkTokens - 1) / kChunkTokens * kChunkTokens);
   m.bcast_flag = take(4 * ranks * kMaxPieces);
