@@ -23,14 +23,17 @@ constexpr int kDefaultBlocks = 24;
 
 int64_t round16(int64_t x) { return (x + 15) / 16 * 16; }
 
-// Copy-engine dispatch (kernels/broadcast.cu), bf16 wire only: opt-in with
-// EPX_DISPATCH_ENGINE=copy while it is slower than the SM path at every measured shape
-// (docs/performance.md); EPX_DISPATCH_ENGINE=sm or unset keeps the SM path.
+// Copy-engine dispatch (kernels/broadcast.cu), bf16 wire only. EPX_DISPATCH_ENGINE=copy or sm
+// forces an engine; unset (auto), two ranks use the copy engines, where nearly every token goes
+// to the other rank and it was measured faster, and more ranks the SM path, since a broadcast
+// sends every token to every rank (docs/performance.md).
 bool use_broadcast(const BufferConfig& c, int ranks) {
   const char* v = std::getenv("EPX_DISPATCH_ENGINE");
-  const std::string engine = v ? v : "sm";
-  require(engine == "sm" || engine == "copy", "EPX_DISPATCH_ENGINE must be 'sm' or 'copy', got '", engine, "'");
-  return engine == "copy" && c.wire == WireFormat::bf16 && ranks >= 2;
+  const std::string engine = v ? v : "auto";
+  require(engine == "sm" || engine == "copy" || engine == "auto",
+          "EPX_DISPATCH_ENGINE must be 'auto', 'sm' or 'copy', got '", engine, "'");
+  if (c.wire != WireFormat::bf16 || ranks < 2 || engine == "sm") return false;
+  return engine == "copy" || ranks == 2;
 }
 
 WindowMap make_window_map(const BufferConfig& c, int ranks, const WireRow& wire, bool broadcast) {
@@ -58,11 +61,21 @@ WindowMap make_window_map(const BufferConfig& c, int ranks, const WireRow& wire,
   m.rev_slots = take(4 * rows * c.topk);
   m.bcast_stride = round16(2 * c.hidden);
   m.bcast_rows = take(broadcast ? rows * m.bcast_stride : 0);
-  const int64_t piece = (c.max_tokens_per_rank + kMaxPieces - 1) / kMaxPieces;
+  // Pieces per broadcast: 4, or EPX_BCAST_PIECES (tuning experiments). Each piece costs the host
+  // two copy calls before anything else of the call is enqueued (docs/performance.md).
+  const char* pieces_env = std::getenv("EPX_BCAST_PIECES");
+  const int64_t pieces = std::clamp<int64_t>(pieces_env ? std::atoi(pieces_env) : 4, 1, kMaxPieces);
+  const int64_t piece = (c.max_tokens_per_rank + pieces - 1) / pieces;
   m.piece_tokens = std::max<int64_t>(1, (piece + kChunkTokens - 1) / kChunkTokens * kChunkTokens);
   m.bcast_flag = take(4 * ranks * kMaxPieces);
   m.bcast_free = take(4 * ranks);
   m.bcast_epoch_src = take(4);
+  const int64_t placing = broadcast ? rows : 0;  // rows = R * max_tokens
+  m.meta_expert = take(4 * placing * c.topk);
+  m.meta_weight = take(4 * placing * c.topk);
+  m.meta_pos = take(4 * placing * ranks);
+  m.meta_index = take(4 * placing * c.topk);
+  m.meta_flag = take(4 * ranks);
   m.total = at;
   return m;
 }
@@ -212,7 +225,10 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   owned_stream_ = std::shared_ptr<CUstream_st>(own, [](cudaStream_t st) { cudaStreamDestroy(st); });
   stream_ = own;
   EPX_CUDA(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
-  if (broadcast_) EPX_CUDA(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
+  if (broadcast_) {
+    EPX_CUDA(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
+    EPX_CUDA(cudaEventCreateWithFlags(&broadcast_begun_, cudaEventDisableTiming));
+  }
   EPX_CUDA(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
   EPX_CUDA(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
   EPX_CUDA(cudaEventCreateWithFlags(&copies_done_, cudaEventDisableTiming));
@@ -272,6 +288,7 @@ CudaBackend::~CudaBackend() {
   cudaEventDestroy(copies_done_);
   cudaStreamDestroy(side_stream_);
   if (copy_stream_) cudaStreamDestroy(copy_stream_);
+  if (broadcast_begun_) cudaEventDestroy(broadcast_begun_);
 }
 
 int CudaBackend::send_blocks(bool dispatch, Layout layout) const {
@@ -280,7 +297,6 @@ int CudaBackend::send_blocks(bool dispatch, Layout layout) const {
   // expert-major combine senders sum ~4 rows per token, so they get two thirds there.
   int send = blocks_ / 2;
   if (layout == Layout::expert_major) send = dispatch ? blocks_ / 3 : blocks_ * 2 / 3;
-  if (dispatch && broadcast_) send = std::max(1, blocks_ / 8);  // the senders move only placing data
   if (send_blocks_override_ > 0) send = send_blocks_override_;
   return std::clamp(send, 1, blocks_ - 1);
 }
@@ -544,6 +560,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   } catch (const Error& e) {
     error = e.what();
   }
+  host_steps_.mark("validated");
   const int64_t signature = signature_of({static_cast<int64_t>(opt.layout), broadcast_ ? 1 : 0});
   if (!error.empty()) {
     if (broadcast_) kernels::release_broadcast(ctx());  // peers' next broadcasts wait for this rank's receiver
@@ -554,9 +571,12 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     EPX_CUDA(cudaEventRecord(fork_, stream_));
     EPX_CUDA(cudaStreamWaitEvent(copy_stream_, fork_, 0));
     timer_.mark(6, copy_stream_);
+    kernels::begin_broadcast(ctx(), copy_stream_);
+    EPX_CUDA(cudaEventRecord(broadcast_begun_, copy_stream_));
     kernels::broadcast_rows(ctx(), copy_stream_, rows.x, rows.x_stride_bytes, 2 * c.hidden, tokens);
     timer_.mark(7, copy_stream_);
     EPX_CUDA(cudaEventRecord(copies_done_, copy_stream_));
+    host_steps_.mark("broadcast enqueued");
   }
 
   // The handle's arrays, sized for this call, zeroed (the chunk counts are sums).
@@ -581,25 +601,37 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     exchange_plan(call, phase++, tokens, signature, dh->counts, c.num_experts, dh->expert_prefix, dh->drop_capacity);
     kernels::drop_slots(x, tokens, dh->slot_expert, dh->slot_weight, dh->expert_prefix, dh->drop_capacity, dh->dropped);
   }
+  host_steps_.mark("routing launched");
   kernels::chunk_positions(x, tokens, dh->slot_expert, dh->pos);
   host_steps_.mark("positions launched");
+  const kernels::Placing mine{dh->slot_expert, dh->slot_weight, dh->pos.send_pos, dh->pos.slot_pos};
+  if (broadcast_) {  // the placing data goes out on the side stream while the plans are exchanged
+    kernels::finalize_positions(x, tokens, dh->slot_expert, dh->pos);
+    EPX_CUDA(cudaEventRecord(fork_, stream_));
+    EPX_CUDA(cudaStreamWaitEvent(side_stream_, fork_, 0));
+    EPX_CUDA(cudaStreamWaitEvent(side_stream_, broadcast_begun_, 0));
+    kernels::broadcast_placing(ctx(side_stream_), mine, tokens);
+    host_steps_.mark("placing launched");
+  }
   exchange_plan(call, phase, tokens, signature, dh->pos.totals, width);
   host_steps_.mark("plan posted");
 
   // Senders start now on the call's stream; the receiver's layout, the output allocation (after
   // one host read of the sizes in blocking mode) and the receiver follow on the side stream.
   timer_.mark(1, stream_);
-  const auto host_planned = std::chrono::steady_clock::now();
   EPX_CUDA(cudaEventRecord(fork_, stream_));
   EPX_CUDA(cudaStreamWaitEvent(side_stream_, fork_, 0));
-  const int senders = send_blocks(true, opt.layout);
-  kernels::dispatch_send(x, senders, rows, tokens, kernels::SendPlan{dh->slot_expert, dh->slot_weight, dh->pos});
+  const int senders = broadcast_ ? 0 : send_blocks(true, opt.layout);  // a broadcast needs no sender
+  if (senders > 0)
+    kernels::dispatch_send(x, senders, rows, tokens, kernels::SendPlan{dh->slot_expert, dh->slot_weight, dh->pos});
+  host_steps_.mark("senders launched");
   timer_.mark(2, stream_);
   const kernels::Ctx side = ctx(side_stream_);
   const bool capacity_mode = c.mode == CapacityMode::capacity;
   kernels::receive_layout(side, phase, dh->recv, opt.layout, c.expert_alignment,
                           capacity_mode ? c.capacity_rows : 0);
   timer_.mark(3, side_stream_);
+  host_steps_.mark("layout launched");
 
   auto h = std::make_shared<HandleState>();
   h->owner = this;
@@ -618,13 +650,12 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   // min(K, L) times larger, so the sizes are read first (one host read while the senders run).
   const bool sizes_first = !capacity_mode && opt.layout == Layout::expert_major;
   int64_t capacity = capacity_mode ? c.capacity_rows : ranks_ * c.max_tokens_per_rank;
-  const auto host_start = std::chrono::steady_clock::now();
   if (sizes_first) {
     EPX_CUDA(cudaMemcpyAsync(host_info_, dh->recv.info, 4 * sizeof(int64_t), cudaMemcpyDeviceToHost, side_stream_));
     EPX_CUDA(cudaStreamSynchronize(side_stream_));
     capacity = host_info_[2];
+    host_steps_.mark("sizes read");
   }
-  const auto host_read = std::chrono::steady_clock::now();
   // Outputs, on the side stream; the receiver writes every row (padding and empty rows too).
   // All outputs in one allocation (one pool call; each tensor keeps the whole block alive).
   OutputBlock outputs(*this, side_stream_);
@@ -642,7 +673,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     outputs.add(&out.recv_topk_weights, DType::f32, {capacity, c.topk});
   }
   outputs.allocate();
-  const auto host_allocated = std::chrono::steady_clock::now();
+  host_steps_.mark("outputs allocated");
   auto ptr = [](const Tensor& t) { return t.defined() ? t.data<char>() : nullptr; };
   kernels::RecvOutputs ro{ptr(out.recv_x), ptr(out.recv_scales), ptr(out.recv_global_scale), wire_.x_bytes,
                           wire_.scale_bytes, wire_.global_bytes, out.recv_src.data<int32_t>(),
@@ -650,9 +681,8 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
                           reinterpret_cast<int32_t*>(ptr(out.recv_topk_idx)),
                           reinterpret_cast<float*>(ptr(out.recv_topk_weights))};
   timer_.mark(4, side_stream_);
-  kernels::dispatch_receive(side, blocks_ - senders, dh->recv, ro, opt.layout, rows);
+  kernels::dispatch_receive(side, blocks_ - senders, dh->recv, ro, opt.layout, rows, mine, phase);
   host_steps_.mark("receiver launched");
-  const auto host_launched = std::chrono::steady_clock::now();
   timer_.mark(5, side_stream_);
   EPX_CUDA(cudaEventRecord(join_, side_stream_));
   EPX_CUDA(cudaStreamWaitEvent(stream_, join_, 0));
@@ -679,6 +709,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   EPX_CUDA(cudaMemcpyAsync(host_info_, dh->recv.info, 4 * sizeof(int64_t), cudaMemcpyDeviceToHost, stream_));
   EPX_CUDA(cudaMemcpyAsync(host_info_ + 4, dh->dropped, sizeof(int64_t), cudaMemcpyDeviceToHost, stream_));
   sync_and_check(call);
+  host_steps_.mark("synced");
   out.num_rows = host_info_[1];
   out.overflow = host_info_[3] != 0;
   out.dropped_slots = host_info_[4];
@@ -701,10 +732,13 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
       timer_.add("dispatch: broadcast copies", 6, 7);
       timer_.add("dispatch: broadcast to received", 6, 5);
     }
-    timer_.add_host("dispatch host: to plan enqueued", host_call, host_planned);
-    timer_.add_host("dispatch host: sizes read", host_start, host_read);
-    timer_.add_host("dispatch host: outputs alloc", host_read, host_allocated);
-    timer_.add_host("dispatch host: receive launch", host_allocated, host_launched);
+    host_steps_.mark("returned");
+    // Each host step's time since the one before: where the host's part of a call goes.
+    int step_number = 0;
+    host_steps_.for_each([&](const char* step, double us) {
+      ++step_number;
+      timer_.add_host_us(cat("dispatch host ", step_number < 10 ? "0" : "", step_number, ": ", step), us);
+    });
     timer_.add_host("dispatch host: call", host_call, std::chrono::steady_clock::now());
   }
   return out;

@@ -119,6 +119,7 @@ class CudaBackend final : public Backend {
   cudaStream_t side_stream_ = nullptr;  // dispatch's receiver, beside the senders on stream_
   cudaStream_t copy_stream_ = nullptr;  // copy-engine dispatch: the broadcast of x (made only then)
   cudaEvent_t fork_ = nullptr, join_ = nullptr, copies_done_ = nullptr;
+  cudaEvent_t broadcast_begun_ = nullptr;  // copy-engine dispatch: the peers' regions are free
   bool broadcast_ = false;  // dispatch moves bf16 rows by copy engine (kernels/broadcast.cu)
   std::shared_ptr<CUmemPoolHandle_st> pool_;  // outputs and handles; kept alive by every tensor from it
   // Dispatch output blocks whose tensors are gone, for the next dispatch: a pool allocation

@@ -34,9 +34,12 @@ class PhaseTimer {
   }
   // Host wall time between two points.
   void add_host(const std::string& name, std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+    add_host_us(name, std::chrono::duration<double, std::micro>(b - a).count());
+  }
+  void add_host_us(const std::string& name, double us) {
     if (!on_) return;
     auto& t = totals_[name];
-    t.first += std::chrono::duration<double, std::micro>(b - a).count();
+    t.first += us;
     t.second += 1;
   }
   // Adds the time from mark a to mark b to `name` (waits for mark b).

@@ -1,8 +1,12 @@
 // Copy-engine dispatch: each rank's whole input goes to every other rank's window through the
-// copy engines, so no SM moves a payload byte across the link. The copy runs in pieces, each
-// followed by a 4-byte copy of the call's epoch into the destination's flag of that piece, so the
-// receivers place a piece's rows while later pieces are still on the way. It pays where nearly
-// every token goes to every rank (EP2 at top-8 of 256: 99.6%); docs/performance.md.
+// copy engines, so no SM moves a byte across the link. The rows go in pieces, each followed by a
+// 4-byte copy of the call's epoch into the destination's flag of that piece, so the receivers
+// place a piece's rows while later pieces are still on the way; once its positions are known, each
+// rank's placing data (expert ids, weights, positions) follows by SM stores from a small kernel
+// and the receivers work out every row's place themselves. It pays where nearly every token goes to every rank (EP2 at
+// top-8 of 256: 99.6%); docs/performance.md.
+#include <algorithm>
+
 #include "cuda/kernels/device_common.cuh"
 #include "cuda/kernels/launch.hpp"
 #include "cuda/cuda_check.hpp"
@@ -10,6 +14,8 @@
 namespace epx::detail::kernels {
 
 namespace {
+
+constexpr int64_t kPlacingBlocks = 8;  // ~400 KB per peer at V3: a few microseconds
 
 // One warp, before the copies: lanes d < R wait until rank d has read the rows of this rank's
 // previous broadcast (it says so in bcast_free[d] here), then this broadcast's epoch goes where
@@ -34,36 +40,109 @@ __global__ void broadcast_begin_kernel(PeerWindows w, WindowMap m, CallState* cs
   }
 }
 
+// Thread per token: the positions the SM sender would have written, in place: send_pos becomes
+// each token's stream position at each rank, slot_pos each pair's index among this rank's pairs
+// of its expert (what combine and the receivers read).
+__global__ void finalize_positions_kernel(Shape s, int64_t tokens, const int32_t* slot_expert, ChunkPositions p) {
+  const int64_t width = s.experts + s.ranks;
+  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < tokens;
+       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int32_t* base = p.chunk_base + t / kChunkTokens * width;
+    for (int d = 0; d < s.ranks; ++d)
+      if (p.send_pos[t * s.ranks + d] >= 0) p.send_pos[t * s.ranks + d] += base[s.experts + d];
+    for (int64_t k = 0; k < s.topk; ++k) {
+      const int32_t e = slot_expert[t * s.topk + k];
+      if (e >= 0) p.slot_pos[t * s.topk + k] += base[e];
+    }
+  }
+}
+
+// This rank's placing data into every other rank's meta_* arrays with coalesced stores, then its
+// meta_flag there (by the last block to finish). Not the copy engines: a copy would queue behind
+// the rows' pieces on the same engines, and no receiver could start before the last piece landed.
+__global__ void push_placing_kernel(PeerWindows w, WindowMap m, Shape s, Placing mine, int64_t tokens, CallState* cs) {
+  const int64_t pairs = tokens * s.topk, positions = tokens * s.ranks;
+  const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int k = 1; k < w.ranks; ++k) {
+    const int d = (w.rank + k) % w.ranks;
+    const int64_t at = w.rank * s.max_tokens;  // this rank's part of d's arrays
+    int32_t* expert = at_window<int32_t>(w, d, m.meta_expert) + at * s.topk;
+    float* weight = at_window<float>(w, d, m.meta_weight) + at * s.topk;
+    int32_t* index = at_window<int32_t>(w, d, m.meta_index) + at * s.topk;
+    int32_t* pos = at_window<int32_t>(w, d, m.meta_pos) + at * s.ranks;
+    for (int64_t i = first; i < pairs; i += stride) {
+      expert[i] = mine.expert[i];
+      weight[i] = mine.weight[i];
+      index[i] = mine.index[i];
+    }
+    for (int64_t i = first; i < positions; i += stride) pos[i] = mine.pos[i];
+  }
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();  // this block's stores (seen through the barrier) before the count
+    last = atomicAdd(&cs->placing_blocks_done, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last || threadIdx.x >= 32) return;
+  if (threadIdx.x == 0) cs->placing_blocks_done = 0;
+  __threadfence_system();
+  const int d = threadIdx.x;
+  if (d < w.ranks && d != w.rank) set_flag(at_window<uint32_t>(w, d, m.meta_flag) + w.rank, call_epoch(cs));
+}
+
 __global__ void broadcast_release_kernel(PeerWindows w, WindowMap m, const CallState* cs) {
   release_broadcast_rows(w, m, call_epoch(cs), threadIdx.x);
 }
 
 }  // namespace
 
+void begin_broadcast(const Ctx& ctx, cudaStream_t copies) {
+  broadcast_begin_kernel<<<1, 32, 0, copies>>>(ctx.peers, ctx.map, ctx.state, ctx.timeout_ns, ctx.status);
+  EPX_CUDA(cudaGetLastError());
+}
+
 void broadcast_rows(const Ctx& ctx, cudaStream_t copies, const char* x, int64_t x_stride_bytes, int64_t row_bytes,
                     int64_t tokens) {
   const PeerWindows& w = ctx.peers;
   const WindowMap& m = ctx.map;
-  broadcast_begin_kernel<<<1, 32, 0, copies>>>(w, m, ctx.state, ctx.timeout_ns, ctx.status);
-  EPX_CUDA(cudaGetLastError());
   const char* epoch = w.base[w.rank] + m.bcast_epoch_src;
   for (int64_t first = 0, piece = 0; first < tokens; first += m.piece_tokens, ++piece)
     for (int k = 1; k < w.ranks; ++k) {
       const int d = (w.rank + k) % w.ranks;
       const int64_t rows = std::min(m.piece_tokens, tokens - first);
       char* dst = w.base[d] + m.bcast_rows + (w.rank * ctx.shape.max_tokens + first) * m.bcast_stride;
-      EPX_CUDA(cudaMemcpy2DAsync(dst, static_cast<size_t>(m.bcast_stride), x + first * x_stride_bytes,
-                                 static_cast<size_t>(x_stride_bytes), static_cast<size_t>(row_bytes),
-                                 static_cast<size_t>(rows), cudaMemcpyDefault, copies));
+      const char* src = x + first * x_stride_bytes;
+      if (x_stride_bytes == row_bytes && m.bcast_stride == row_bytes)  // one block: the cheaper call
+        EPX_CUDA(cudaMemcpyAsync(dst, src, static_cast<size_t>(rows * row_bytes), cudaMemcpyDefault, copies));
+      else
+        EPX_CUDA(cudaMemcpy2DAsync(dst, static_cast<size_t>(m.bcast_stride), src, static_cast<size_t>(x_stride_bytes),
+                                   static_cast<size_t>(row_bytes), static_cast<size_t>(rows), cudaMemcpyDefault,
+                                   copies));
       char* flag = w.base[d] + m.bcast_flag + (w.rank * kMaxPieces + piece) * sizeof(uint32_t);
       EPX_CUDA(cudaMemcpyAsync(flag, epoch, sizeof(uint32_t), cudaMemcpyDefault, copies));
     }
+}
+
+void finalize_positions(const Ctx& ctx, int64_t tokens, const int32_t* slot_expert, const ChunkPositions& p) {
+  if (tokens == 0) return;
+  const int blocks = static_cast<int>(std::min<int64_t>(ctx.blocks, (tokens + 255) / 256));
+  finalize_positions_kernel<<<blocks, 256, 0, ctx.stream>>>(ctx.shape, tokens, slot_expert, p);
+}
+
+void broadcast_placing(const Ctx& ctx, const Placing& mine, int64_t tokens) {
+  const int blocks = static_cast<int>(std::clamp<int64_t>((tokens * ctx.shape.topk + 4095) / 4096, 1, kPlacingBlocks));
+  push_placing_kernel<<<blocks, 512, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, mine, tokens, ctx.state);
+  EPX_CUDA(cudaGetLastError());
 }
 
 void release_broadcast(const Ctx& ctx) {
   broadcast_release_kernel<<<1, 32, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.state);
 }
 
-void preload_broadcast_kernels() { preload(broadcast_begin_kernel, broadcast_release_kernel); }
+void preload_broadcast_kernels() {
+  preload(broadcast_begin_kernel, finalize_positions_kernel, push_placing_kernel, broadcast_release_kernel);
+}
 
 }  // namespace epx::detail::kernels

@@ -80,10 +80,17 @@ struct WindowMap {
   int64_t bcast_flag;       // uint32 [R][kMaxPieces]: the call epoch once source s's piece p is here
   int64_t bcast_free;       // uint32 [R]: the epoch of the last dispatch whose rows rank d has read from this rank
   int64_t bcast_epoch_src;  // uint32: this rank's current epoch, the value its flag copies carry
+  // ... and each source's placing data, copied after its positions (global expert ids; stream
+  // positions at every rank; each pair's index among the source's pairs of its expert).
+  int64_t meta_expert;      // int32 [R][max_tokens * K] (none when the buffer does not broadcast)
+  int64_t meta_weight;      // f32 [R][max_tokens * K]
+  int64_t meta_pos;         // int32 [R][max_tokens * R]
+  int64_t meta_index;       // int32 [R][max_tokens * K]
+  int64_t meta_flag;        // uint32 [R]: the call epoch once source s's placing data is here
   int64_t total;
 };
 // Pieces a broadcast is cut into: the receivers start on a piece as soon as it is in.
-constexpr int kMaxPieces = 8;
+constexpr int kMaxPieces = 16;
 
 // Per buffer, in device memory: the number of the current call and what each signal counter
 // reaches after its current step. Kernels advance them, so a captured CUDA graph replays with
@@ -93,6 +100,7 @@ struct CallState {
   uint64_t targets[kSignalKinds];  // per signal kind
   uint32_t bcast_epoch;            // the epoch of this rank's last broadcast (copy-engine dispatch)
   uint32_t recv_blocks_done;       // dispatch receive blocks finished in this call (the last resets it)
+  uint32_t placing_blocks_done;    // copy-engine dispatch: placing blocks finished (the last resets it)
 };
 
 // Sizes every kernel needs.

@@ -3,8 +3,8 @@
 // receiver, running at the same time on other SMs, places each flagged chunk's rows into the
 // outputs at positions fixed by the plans, copying this rank's own tokens straight from the
 // input when the wire needs no quantizing (docs/performance.md). With a copy-engine broadcast
-// (broadcast.cu) the sender moves only each row's placing data and the receiver reads the row
-// from the source's broadcast once its piece is flagged.
+// (broadcast.cu) there is no sender: the receiver takes every source's tokens from the copies of
+// its rows and placing data, each once flagged.
 #include "cuda/kernels/empty_rows.cuh"
 #include "cuda/kernels/launch.hpp"
 #include "cuda/kernels/row_copy.cuh"
@@ -15,7 +15,10 @@ namespace {
 
 constexpr int kSendWarps = 16;  // copy warps of a send block; one more warp flags finished chunks
 constexpr int kSendThreads = (kSendWarps + 1) * 32;
-constexpr int kRecvWarps = 24;
+// Receive warps per block: the copy-engine receiver works out each row's place itself and needs
+// more registers than 24 warps leave (80 a thread), so it runs 16 (128).
+template <bool kBroadcast>
+constexpr int kRecvWarps = kBroadcast ? 16 : 24;
 constexpr int kRowGroup = 8;  // output rows one read of a received row is written to at once
 
 __device__ int64_t stream_slot(const Shape& s, int source, int64_t pos) {
@@ -29,8 +32,7 @@ __device__ int64_t stream_slot(const Shape& s, int source, int64_t pos) {
 __device__ bool own_rows_from_input(const SendRows& rows) { return rows.x_scales || rows.wire == WireFormat::bf16; }
 
 // One warp: token t of chunk c to every rank that holds one of its slots (this rank only when its
-// wire row is quantized here: see own_rows_from_input; other ranks not when the rows are
-// broadcast), and the row's placing data to every such rank.
+// wire row is quantized here: see own_rows_from_input), and the row's placing data to every such rank.
 __device__ void send_token(const PeerWindows& w, const WindowMap& m, const Shape& s, const SendRows& rows,
                            const SendPlan& plan, int64_t c, int64_t t, int lane) {
   const ChunkPositions& p = plan.pos;
@@ -46,7 +48,7 @@ __device__ void send_token(const PeerWindows& w, const WindowMap& m, const Shape
     const int64_t pos = p.chunk_base[c * width + s.experts + d] + in_chunk;
     at[n] = stream_slot(s, w.rank, pos);
     to[n] = d;
-    if (d == w.rank ? !own_rows_from_input(rows) : !rows.broadcast) {
+    if (d != w.rank || !own_rows_from_input(rows)) {
       dst[payloads] = at_window<char>(w, d, m.fwd_payload + at[n] * m.payload_stride);
       dst_scales[payloads] = dst[payloads] + s.hidden;
       ++payloads;
@@ -164,19 +166,49 @@ __device__ void place_row(const SendRows* own, const char* payload, int32_t toke
   place_parts(codes, scales, payload + out.x_bytes + out.scale_bytes, out, rows, n, lane);
 }
 
+// A received row's slots: the stream's arrays (the sender wrote local experts, -1 elsewhere), or
+// a source's Placing (global ids: this rank keeps those of its own experts).
+struct RowSlots {
+  const int32_t* expert;
+  const float* weight;
+  const int32_t* index;
+  int64_t first;  // the row's first slot in the arrays
+  int local_of;   // -1: ids are local already; else the rank whose experts count as local
+};
+
+__device__ RowSlots stream_slots(const PeerWindows& w, const WindowMap& m, const Shape& s, int64_t f) {
+  return {at_window<const int32_t>(w, w.rank, m.fwd_slot_expert), at_window<const float>(w, w.rank, m.fwd_slot_weight),
+          at_window<const int32_t>(w, w.rank, m.fwd_slot_index), f * s.topk, -1};
+}
+
+// Slot k: local expert (or -1), weight (0 when not here) and index among the source's pairs of it.
+__device__ void slot_of(const RowSlots& rs, const Shape& s, int64_t k, int32_t& l, float& weight, int32_t& index) {
+  l = rs.expert[rs.first + k];
+  weight = rs.weight[rs.first + k];
+  index = rs.index[rs.first + k];
+  if (rs.local_of >= 0) {
+    const bool here = l >= 0 && l / s.local_experts == rs.local_of;
+    l = here ? static_cast<int32_t>(l % s.local_experts) : -1;
+    weight = here ? weight : 0.0f;
+    index = here ? index : 0;
+  }
+}
+
 // Rank-major, one warp: received row `pos` of `source`'s stream to output row i. Every load
 // is issued before the row is copied and every store after, so their latencies overlap the copy.
-__device__ void receive_row_rank_major(const PeerWindows& w, const WindowMap& m, const Shape& s, const RecvArrays& r,
-                                       const RecvOutputs& out, const SendRows* own, const char* payload, int32_t token,
-                                       int source, int64_t pos, int lane) {
-  const int64_t f = stream_slot(s, source, pos), i = r.rank_offsets[source] + pos;
+__device__ void receive_row_rank_major(const Shape& s, const RecvArrays& r, const RecvOutputs& out, const SendRows* own,
+                                       const char* payload, int32_t token, const RowSlots& slots, int source,
+                                       int64_t pos, int lane) {
+  const int64_t i = r.rank_offsets[source] + pos;
   constexpr int kBlocks = 2;  // topk <= 64: lane k holds slots k and 32 + k
   int32_t l[kBlocks];
   float weight[kBlocks];
   for (int b = 0; b < kBlocks; ++b) {
     const int64_t k = b * 32 + lane;
-    l[b] = k < s.topk ? at_window<const int32_t>(w, w.rank, m.fwd_slot_expert)[f * s.topk + k] : -1;
-    weight[b] = k < s.topk ? at_window<const float>(w, w.rank, m.fwd_slot_weight)[f * s.topk + k] : 0.0f;
+    int32_t index;
+    l[b] = -1;
+    weight[b] = 0.0f;
+    if (k < s.topk) slot_of(slots, s, k, l[b], weight[b], index);
   }
   const bool kept = i < r.info[2];
   if (kept) place_row(own, payload, token, out, &i, 1, lane);
@@ -204,10 +236,10 @@ __device__ void receive_row_rank_major(const PeerWindows& w, const WindowMap& m,
 // Expert-major, one warp: received row `pos` of `source`'s stream into the handle and the
 // row of each of its local experts. Lane k holds slot k (in blocks of 32 slots); the rows to
 // fill travel by ballot and shuffle, kRowGroup at a time per read of the row.
-__device__ void receive_row_expert_major(const PeerWindows& w, const WindowMap& m, const Shape& s, const RecvArrays& r,
-                                         const RecvOutputs& out, const SendRows* own, const char* payload, int32_t token,
-                                         int source, int64_t pos, int lane) {
-  const int64_t f = stream_slot(s, source, pos), i = r.rank_offsets[source] + pos, capacity = r.info[2];
+__device__ void receive_row_expert_major(const Shape& s, const RecvArrays& r, const RecvOutputs& out, const SendRows* own,
+                                         const char* payload, int32_t token, const RowSlots& slots, int source,
+                                         int64_t pos, int lane) {
+  const int64_t i = r.rank_offsets[source] + pos, capacity = r.info[2];
   if (lane == 0) {
     r.src_rank[i] = source;
     r.src_token[i] = token;
@@ -218,12 +250,9 @@ __device__ void receive_row_expert_major(const PeerWindows& w, const WindowMap& 
     float weight = 0.0f;
     int64_t row = -1;
     if (k < s.topk) {
-      const int64_t slot = f * s.topk + k;
-      l = at_window<const int32_t>(w, w.rank, m.fwd_slot_expert)[slot];
-      weight = at_window<const float>(w, w.rank, m.fwd_slot_weight)[slot];
-      if (l >= 0)
-        row = r.expert_offsets[l] + r.expert_base[source * s.local_experts + l] +
-              at_window<const int32_t>(w, w.rank, m.fwd_slot_index)[slot];
+      int32_t index;
+      slot_of(slots, s, k, l, weight, index);
+      if (l >= 0) row = r.expert_offsets[l] + r.expert_base[source * s.local_experts + l] + index;
       r.slot_expert[i * s.topk + k] = l;
       r.slot_weight[i * s.topk + k] = weight;
       r.slot_row[i * s.topk + k] = row;
@@ -248,56 +277,111 @@ __device__ void receive_row_expert_major(const PeerWindows& w, const WindowMap& 
   }
 }
 
-// Where the receiver reads row `f` (token `token`) of `source`'s stream: the stream's payload,
-// or with a broadcast the source's copy of the token once its piece is flagged (null: the
-// wait failed).
-__device__ const char* payload_of(const PeerWindows& w, const WindowMap& m, const Shape& s, const SendRows& own,
-                                  int source, int64_t f, int32_t token, uint32_t epoch, uint64_t timeout_ns,
-                                  DeviceStatus* st, int lane) {
-  if (!own.broadcast || source == w.rank) return at_window<const char>(w, w.rank, m.fwd_payload + f * m.payload_stride);
-  uint32_t* piece = at_window<uint32_t>(w, w.rank, m.bcast_flag) + source * kMaxPieces + token / m.piece_tokens;
-  if (!warp_wait_flags(piece, 0, 1, source, epoch, timeout_ns, st, kSignalForward, lane)) return nullptr;
-  return at_window<const char>(w, w.rank, m.bcast_rows + (source * s.max_tokens + token) * m.bcast_stride);
+// Places one received row (rank-major or expert-major).
+__device__ void receive_row(const Shape& s, const RecvArrays& r, const RecvOutputs& out, Layout layout,
+                            const SendRows* own, const char* payload, int32_t token, const RowSlots& slots, int source,
+                            int64_t pos, int lane) {
+  if (layout == Layout::rank_major) receive_row_rank_major(s, r, out, own, payload, token, slots, source, pos, lane);
+  else receive_row_expert_major(s, r, out, own, payload, token, slots, source, pos, lane);
+}
+
+// SM engine, one warp: row j of chunk c of `source`'s stream, once the sender flagged the chunk.
+// False: the wait failed.
+__device__ bool receive_streamed(const PeerWindows& w, const WindowMap& m, const Shape& s, const RecvArrays& r,
+                                 const RecvOutputs& out, Layout layout, const SendRows& own, int source, int64_t c,
+                                 int64_t j, uint32_t epoch, uint64_t timeout_ns, DeviceStatus* st, int lane) {
+  const int64_t at = source * m.max_chunks + c;
+  uint64_t flag = 0;
+  if (!warp_wait_flags(at_window<uint64_t>(w, w.rank, m.fwd_chunk_flag) + at, 0, 1, source, epoch, timeout_ns, st,
+                       kSignalForward, lane, &flag))
+    return false;
+  const ChunkRange range{static_cast<int32_t>((flag & 0xffffffffu) >> kRangeCountBits),
+                         static_cast<int32_t>(flag & ((1u << kRangeCountBits) - 1))};
+  if (j == 0 && lane == 0) r.chunk_range[at] = range;
+  if (j >= range.count) return true;
+  const int64_t pos = range.start + j, f = stream_slot(s, source, pos);
+  const int32_t token = at_window<const int32_t>(w, w.rank, m.fwd_token)[f];
+  const char* payload = at_window<const char>(w, w.rank, m.fwd_payload + f * m.payload_stride);
+  const SendRows* mine = source == w.rank && own_rows_from_input(own) ? &own : nullptr;
+  receive_row(s, r, out, layout, mine, payload, token, stream_slots(w, m, s, f), source, pos, lane);
+  return true;
+}
+
+// Copy-engine dispatch, one warp: token t (of `tokens`) of chunk c of `source`, from the copies of
+// its placing data and row (this rank's own: its arrays and x). The chunk's first warp also
+// records how many of its tokens come here. False: a wait failed.
+__device__ bool receive_broadcast(const PeerWindows& w, const WindowMap& m, const Shape& s, const RecvArrays& r,
+                                  const RecvOutputs& out, Layout layout, const SendRows& own, const Placing& mine,
+                                  int source, int64_t tokens, int64_t c, int64_t j, uint32_t epoch,
+                                  uint64_t timeout_ns, DeviceStatus* st, int lane) {
+  Placing p = mine;
+  if (source != w.rank) {
+    if (!warp_wait_flags(at_window<uint32_t>(w, w.rank, m.meta_flag) + source, 0, 1, source, epoch, timeout_ns, st,
+                         kSignalForward, lane))
+      return false;
+    const int64_t at = source * s.max_tokens;
+    p = {at_window<const int32_t>(w, w.rank, m.meta_expert) + at * s.topk,
+         at_window<const float>(w, w.rank, m.meta_weight) + at * s.topk,
+         at_window<const int32_t>(w, w.rank, m.meta_pos) + at * s.ranks,
+         at_window<const int32_t>(w, w.rank, m.meta_index) + at * s.topk};
+  }
+  if (j == 0) {  // the chunk's range in the stream to this rank, for the reverse transfer
+    const int64_t t = c * kChunkTokens + lane;
+    const int32_t pos = lane < kChunkTokens && t < tokens ? p.pos[t * s.ranks + w.rank] : -1;
+    const uint32_t here = __ballot_sync(0xffffffffu, pos >= 0);
+    const int32_t first = here ? __shfl_sync(0xffffffffu, pos, __ffs(static_cast<int>(here)) - 1) : 0;
+    if (lane == 0) r.chunk_range[source * m.max_chunks + c] = ChunkRange{first, __popc(here)};
+  }
+  const int64_t t = c * kChunkTokens + j;
+  if (t >= tokens) return true;
+  const int32_t pos = p.pos[t * s.ranks + w.rank];
+  if (pos < 0) return true;
+  const char* payload = own.x + t * own.x_stride_bytes;  // own tokens: the input row (bf16)
+  if (source != w.rank) {
+    uint32_t* piece = at_window<uint32_t>(w, w.rank, m.bcast_flag) + source * kMaxPieces + t / m.piece_tokens;
+    if (!warp_wait_flags(piece, 0, 1, source, epoch, timeout_ns, st, kSignalForward, lane)) return false;
+    payload = at_window<const char>(w, w.rank, m.bcast_rows + (source * s.max_tokens + t) * m.bcast_stride);
+  }
+  const RowSlots slots{p.expert, p.weight, p.index, t * s.topk, w.rank};
+  receive_row(s, r, out, layout, source == w.rank ? &own : nullptr, payload, static_cast<int32_t>(t), slots, source,
+              pos, lane);
+  return true;
 }
 
 // Warps take rows (chunk, source, row in chunk) in chunk order, so they follow the senders;
-// each waits for its chunk's flag. With a broadcast they take this rank's own rows first (they
-// are in x already) and then each source's rows in token order, the order its pieces land.
-__global__ void __launch_bounds__(kRecvWarps * 32) dispatch_receive_kernel(PeerWindows w, WindowMap m, Shape s,
+// each waits for its chunk's flag. With a broadcast (kBroadcast, one instance each so neither
+// path pays the other's registers) they take this rank's own tokens first (they are in x
+// already) and then each source's tokens in order, the order its pieces land.
+template <bool kBroadcast>
+__global__ void __launch_bounds__(kRecvWarps<kBroadcast> * 32) dispatch_receive_kernel(PeerWindows w, WindowMap m, Shape s,
                                                                           RecvArrays r, RecvOutputs out, Layout layout,
-                                                                          SendRows own, CallState* cs,
-                                                                          uint64_t timeout_ns, DeviceStatus* st) {
+                                                                          SendRows own, Placing mine, int phase,
+                                                                          CallState* cs, uint64_t timeout_ns,
+                                                                          DeviceStatus* st) {
   const uint32_t epoch = call_epoch(cs);
   const int lane = threadIdx.x % 32;
-  const int64_t warp = blockIdx.x * static_cast<int64_t>(kRecvWarps) + threadIdx.x / 32;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kRecvWarps;
+  const int64_t warp = blockIdx.x * static_cast<int64_t>(kRecvWarps<kBroadcast>) + threadIdx.x / 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kRecvWarps<kBroadcast>;
   fill_empty_rows(s, r, out, layout, warp, warps, lane);
   int64_t chunks = 0;
   for (int p = 0; p < w.ranks; ++p) chunks = max(chunks, static_cast<int64_t>(r.chunks_from[p]));
   const int64_t per_source = chunks * kChunkTokens;
+  const int slot = plan_slot(cs, phase);
   for (int64_t u = warp; u < per_source * w.ranks; u += warps) {
     const int64_t j = u % kChunkTokens;
-    const int64_t c = own.broadcast ? u % per_source / kChunkTokens : u / kChunkTokens / w.ranks;
-    const int source = static_cast<int>(own.broadcast ? (w.rank + u / per_source) % w.ranks : u / kChunkTokens % w.ranks);
+    const int64_t c = kBroadcast ? u % per_source / kChunkTokens : u / kChunkTokens / w.ranks;
+    const int source = static_cast<int>(kBroadcast ? (w.rank + u / per_source) % w.ranks : u / kChunkTokens % w.ranks);
     if (c >= r.chunks_from[source]) continue;
-    const int64_t at = source * m.max_chunks + c;
-    uint64_t flag = 0;
-    if (!warp_wait_flags(at_window<uint64_t>(w, w.rank, m.fwd_chunk_flag) + at, 0, 1, source, epoch, timeout_ns, st,
-                         kSignalForward, lane, &flag))
+    if constexpr (kBroadcast) {
+      const int64_t tokens =
+          at_window<const PlanHeader>(w, w.rank, m.plans + (slot * w.ranks + source) * m.plan_stride)->tokens;
+      if (!receive_broadcast(w, m, s, r, out, layout, own, mine, source, tokens, c, j, epoch, timeout_ns, st, lane))
+        break;
+    } else if (!receive_streamed(w, m, s, r, out, layout, own, source, c, j, epoch, timeout_ns, st, lane)) {
       break;
-    const ChunkRange range{static_cast<int32_t>((flag & 0xffffffffu) >> kRangeCountBits),
-                           static_cast<int32_t>(flag & ((1u << kRangeCountBits) - 1))};
-    if (j == 0 && lane == 0) r.chunk_range[at] = range;
-    if (j >= range.count) continue;
-    const int64_t pos = range.start + j, f = stream_slot(s, source, pos);
-    const int32_t token = at_window<const int32_t>(w, w.rank, m.fwd_token)[f];
-    const char* payload = payload_of(w, m, s, own, source, f, token, epoch, timeout_ns, st, lane);
-    if (!payload) break;
-    const SendRows* mine = source == w.rank && own_rows_from_input(own) ? &own : nullptr;
-    if (layout == Layout::rank_major) receive_row_rank_major(w, m, s, r, out, mine, payload, token, source, pos, lane);
-    else receive_row_expert_major(w, m, s, r, out, mine, payload, token, source, pos, lane);
+    }
   }
-  if (!own.broadcast) return;
+  if constexpr (!kBroadcast) return;
   // The last block to finish tells every source that its broadcast rows here are read (also in
   // a failed call: the sources' next broadcasts wait for it).
   __shared__ bool last;
@@ -322,11 +406,15 @@ void dispatch_send(const Ctx& ctx, int blocks, const SendRows& rows, int64_t tok
 }
 
 void dispatch_receive(const Ctx& ctx, int blocks, const RecvArrays& r, const RecvOutputs& out, Layout layout,
-                      const SendRows& own) {
-  dispatch_receive_kernel<<<blocks, kRecvWarps * 32, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, out, layout, own,
-                                                                       ctx.state, ctx.timeout_ns, ctx.status);
+                      const SendRows& own, const Placing& mine, int phase) {
+  auto* kernel = own.broadcast ? dispatch_receive_kernel<true> : dispatch_receive_kernel<false>;
+  const int threads = 32 * (own.broadcast ? kRecvWarps<true> : kRecvWarps<false>);
+  kernel<<<blocks, threads, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, out, layout, own, mine, phase, ctx.state,
+                                             ctx.timeout_ns, ctx.status);
 }
 
-void preload_dispatch_kernels() { preload(dispatch_send_kernel, dispatch_receive_kernel); }
+void preload_dispatch_kernels() {
+  preload(dispatch_send_kernel, dispatch_receive_kernel<false>, dispatch_receive_kernel<true>);
+}
 
 }  // namespace epx::detail::kernels

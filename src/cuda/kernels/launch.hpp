@@ -75,6 +75,22 @@ struct ChunkPositions {
 };
 void chunk_positions(const Ctx& ctx, int64_t tokens, const int32_t* slot_expert, const ChunkPositions& p);
 
+// A rank's placing data in its own arrays: slot_expert (global ids or -1) [T*K], slot weights
+// [T*K], stream positions at each rank (or -1) [T*R], each pair's index among the rank's pairs of
+// its expert [T*K].
+struct Placing {
+  const int32_t* expert;
+  const float* weight;
+  const int32_t* pos;
+  const int32_t* index;
+};
+// Copy-engine dispatch: send_pos and slot_pos made final in place (what the SM sender does as it
+// sends), so they form this rank's Placing with slot_expert and slot_weight.
+void finalize_positions(const Ctx& ctx, int64_t tokens, const int32_t* slot_expert, const ChunkPositions& p);
+// Copy-engine dispatch, on ctx.stream after begin_broadcast: this rank's placing data into every
+// other rank's meta_* arrays (SM stores: ~400 KB at V3), then its meta_flag there.
+void broadcast_placing(const Ctx& ctx, const Placing& mine, int64_t tokens);
+
 // The token rows a forward transfer sends.
 struct SendRows {
   const char* x = nullptr;  // bf16 rows, or fp8 codes when prequantized
@@ -83,12 +99,13 @@ struct SendRows {
   int64_t scales_stride = 0;
   WireFormat wire = WireFormat::bf16;
   float nvfp4_global_scale = 0.0f;
-  bool broadcast = false;  // dispatch: the rows reach other ranks by broadcast_rows, the sender moves only their placing data
+  bool broadcast = false;  // dispatch: rows reach other ranks by copy engine, placing data by a small kernel (no sender)
 };
 
-// Copy-engine dispatch: on stream `copies`, waits until every rank has read this rank's previous
-// broadcast, then copies rows [0, tokens) of x (row_bytes each) into every other rank's
-// bcast_rows, piece by piece, each piece flagged in bcast_flag after it.
+// Copy-engine dispatch, on stream `copies`: begin_broadcast waits until every rank has read this
+// rank's previous broadcast; broadcast_rows (after it) copies rows [0, tokens) of x (row_bytes
+// each) into every other rank's bcast_rows, piece by piece, each piece flagged in bcast_flag.
+void begin_broadcast(const Ctx& ctx, cudaStream_t copies);
 void broadcast_rows(const Ctx& ctx, cudaStream_t copies, const char* x, int64_t x_stride_bytes, int64_t row_bytes,
                     int64_t tokens);
 // Tells every rank that this rank read their broadcasts of this call (a dispatch whose receiver
@@ -139,9 +156,11 @@ struct RecvOutputs {
   int32_t* topk_idx;  // rank-major [capacity, K]
   float* topk_weights;
 };
-// `own`: this rank's input rows, which the receiver places itself (no sender copies them).
+// `own`: this rank's input rows, which the receiver places itself (no sender copies them). With
+// own.broadcast every row's place comes from its source's Placing (this rank's: `mine`) and the
+// plans of this call's `phase` give each source's token count.
 void dispatch_receive(const Ctx& ctx, int blocks, const RecvArrays& r, const RecvOutputs& out, Layout layout,
-                      const SendRows& own);
+                      const SendRows& own, const Placing& mine, int phase);
 
 // Combine and dispatch_backward in one kernel: `send_blocks` blocks return each received chunk
 // (partial sums of y in slot order; per-slot values from slot_values when not null: expert-major
