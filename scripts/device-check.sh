@@ -4,7 +4,7 @@
 # sanitizer serializes kernels, so ranks waiting on each other could not progress), epx-bench.
 # Logs and JSON go to $OUT; a short summary is printed last.
 #   usage: [EPX_GIT_COMMIT=$(git rev-parse --short=12 HEAD)] [GTEST_FILTER=...] [GTEST_REPEAT=n] [BENCH_ARGS=...] [SANITIZE_TOOLS=...] \
-#          bash scripts/device-check.sh [tests|sanitize|bench|sweep|engines|timeline|ll|all]...   (default: all but sweep, engines, timeline)
+#          bash scripts/device-check.sh [tests|sanitize|bench|sweep|engines|ll|all]...   (default: all but sweep, engines)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
@@ -34,7 +34,7 @@ if ! cmake -S . -B build-gpu "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DEPX_
 fi
 note "built against NCCL in $NCCL_DIR"
 
-want() { [[ ( " $steps " == *" all "* && $1 != sweep && $1 != engines && $1 != timeline ) || " $steps " == *" $1 "* ]]; }
+want() { [[ ( " $steps " == *" all "* && $1 != sweep && $1 != engines ) || " $steps " == *" $1 "* ]]; }
 
 if want tests; then
   # A lost flag or signal fails a test in 10 s instead of the 60 s default.
@@ -82,25 +82,6 @@ if want engines; then
   done
   grep -E "^==|^dispatch |FAILED|broadcast|receive kernel|send kernel|routing" "$OUT/engines.log"
   note "engines: $(grep -c '^dispatch ' "$OUT/engines.log") records, $(grep -c FAILED "$OUT/engines.log") failed"
-fi
-if want timeline; then
-  # nsys timeline of the V3 bf16 rank-major dispatch (TIMELINE_ENGINE: sm or copy), the last call:
-  # which kernel and copy runs when, on which stream, to see what overlaps (timeline.log).
-  # No nsys on PATH there; Nsight Compute ships one.
-  nsys=$(command -v nsys || ls /opt/nvidia/nsight-compute/*/host/target-linux-x64/nsys 2> /dev/null | head -1)
-  if [ -n "$nsys" ]; then
-    EPX_DISPATCH_ENGINE=${TIMELINE_ENGINE:-copy} timeout 200 "$nsys" profile -o "$OUT/tl" --force-overwrite true -t cuda \
-      ./build-gpu/epx-bench --backend cuda --ranks "$(nvidia-smi -L | wc -l)" --wire bf16 --layout "${TIMELINE_LAYOUT:-rank_major}" \
-      --ops dispatch --warmup 1 --iters 3 > "$OUT/timeline-run.log" 2>&1
-    "$nsys" stats --report cuda_gpu_trace --format csv --output "$OUT/tl" "$OUT/tl.nsys-rep" > /dev/null 2>&1
-    rm -f "$OUT"/tl.nsys-rep "$OUT"/tl.sqlite
-    python3 scripts/timeline.py "$OUT"/tl_cuda_gpu_trace.csv "${TIMELINE_US:-1200}" > "$OUT/timeline.log" 2>&1 &&
-      rm -f "$OUT"/tl_cuda_gpu_trace.csv  # kept when it could not be read
-    tail -80 "$OUT/timeline.log"
-    note "timeline: $(wc -l < "$OUT/timeline.log") lines"
-  else
-    note "timeline: no nsys on this machine"
-  fi
 fi
 if want sweep; then
   bash scripts/perf-sweep.sh > /dev/null 2>&1
