@@ -24,16 +24,17 @@ constexpr int kDefaultBlocks = 24;
 int64_t round16(int64_t x) { return (x + 15) / 16 * 16; }
 
 // Copy-engine dispatch (kernels/broadcast.cu). EPX_DISPATCH_ENGINE=copy or sm forces an engine;
-// unset (auto), a bf16 wire at two ranks uses the copy engines, where nearly every token goes to
-// the other rank and it was measured faster, and everything else the SM path: a broadcast sends
-// every token to every rank, and quantized wires were not measured yet (docs/performance.md).
+// unset (auto), bf16 and fp8 wires at two ranks use the copy engines, where nearly every token
+// goes to the other rank and they were measured faster; everything else the SM path: a broadcast
+// sends every token to every rank, and nvfp4 by copy engine was not measured against the SM
+// engine (docs/performance.md).
 bool use_broadcast(const BufferConfig& c, int ranks) {
   const char* v = std::getenv("EPX_DISPATCH_ENGINE");
   const std::string engine = v ? v : "auto";
   require(engine == "sm" || engine == "copy" || engine == "auto",
           "EPX_DISPATCH_ENGINE must be 'auto', 'sm' or 'copy', got '", engine, "'");
   if (ranks < 2 || engine == "sm") return false;
-  return engine == "copy" || (ranks == 2 && c.wire == WireFormat::bf16);
+  return engine == "copy" || (ranks == 2 && c.wire != WireFormat::nvfp4);
 }
 
 WindowMap make_window_map(const BufferConfig& c, int ranks, const WireRow& wire, bool broadcast) {
