@@ -45,7 +45,7 @@ if want tests; then
   grep -E "^\[  (PASSED|FAILED)|^\[  FAILED  \]|Failure|Which is|Actual|Expected" "$OUT/gpu_tests.log" | head -60
   failed=$(grep -E '^\[  FAILED  \] .*\(' "$OUT/gpu_tests.log" | sed -E 's/^\[  FAILED  \] ([^ ,]*).*/\1/' | sort -u | tr '\n' ' ')
   note "gpu tests rc=$rc: $(grep -E '^\[  PASSED' "$OUT/gpu_tests.log") failed: ${failed:-none}"
-  # bf16 dispatch has two engines (SM stores; copy engines, the default at two ranks): the
+  # Dispatch has two engines (SM stores; copy engines, the default for bf16 and fp8 at two ranks): the
   # high-throughput tests once more with each forced, at every rank count.
   for engine in sm copy; do
     EPX_DISPATCH_ENGINE=$engine EPX_TIMEOUT_MS=${EPX_TIMEOUT_MS:-10000} timeout 300 ./build-gpu/tests/epx_gpu_tests \

@@ -23,17 +23,18 @@ constexpr int kDefaultBlocks = 24;
 
 int64_t round16(int64_t x) { return (x + 15) / 16 * 16; }
 
-// Copy-engine dispatch (kernels/broadcast.cu), bf16 wire only. EPX_DISPATCH_ENGINE=copy or sm
-// forces an engine; unset (auto), two ranks use the copy engines, where nearly every token goes
-// to the other rank and it was measured faster, and more ranks the SM path, since a broadcast
-// sends every token to every rank (docs/performance.md).
+// Copy-engine dispatch (kernels/broadcast.cu). EPX_DISPATCH_ENGINE=copy or sm forces an engine;
+// unset (auto), bf16 and fp8 wires at two ranks use the copy engines, where nearly every token
+// goes to the other rank and they were measured faster; everything else the SM path: a broadcast
+// sends every token to every rank, and nvfp4 by copy engine was not measured against the SM
+// engine (docs/performance.md).
 bool use_broadcast(const BufferConfig& c, int ranks) {
   const char* v = std::getenv("EPX_DISPATCH_ENGINE");
   const std::string engine = v ? v : "auto";
   require(engine == "sm" || engine == "copy" || engine == "auto",
           "EPX_DISPATCH_ENGINE must be 'auto', 'sm' or 'copy', got '", engine, "'");
-  if (c.wire != WireFormat::bf16 || ranks < 2 || engine == "sm") return false;
-  return engine == "copy" || ranks == 2;
+  if (ranks < 2 || engine == "sm") return false;
+  return engine == "copy" || (ranks == 2 && c.wire != WireFormat::nvfp4);
 }
 
 WindowMap make_window_map(const BufferConfig& c, int ranks, const WireRow& wire, bool broadcast) {
@@ -59,7 +60,7 @@ WindowMap make_window_map(const BufferConfig& c, int ranks, const WireRow& wire,
   m.fwd_slot_index = take(4 * rows * c.topk);
   m.rev_rows = take(2 * rows * c.hidden);
   m.rev_slots = take(4 * rows * c.topk);
-  m.bcast_stride = round16(2 * c.hidden);
+  m.bcast_stride = round16(wire.bytes());
   m.bcast_rows = take(broadcast ? rows * m.bcast_stride : 0);
   // Pieces per broadcast: 4, or EPX_BCAST_PIECES (tuning experiments). Each piece costs the host
   // two copy calls before anything else of the call is enqueued (docs/performance.md).
@@ -572,8 +573,17 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     EPX_CUDA(cudaStreamWaitEvent(copy_stream_, fork_, 0));
     timer_.mark(6, copy_stream_);
     kernels::begin_broadcast(ctx(), copy_stream_);
+    const char* from = rows.x;  // bf16: x itself
+    int64_t from_stride = rows.x_stride_bytes, row_bytes = wire_.bytes();
+    if (c.wire != WireFormat::bf16) {  // quantized (or given fp8) rows wait in this rank's window
+      kernels::encode_rows(ctx(copy_stream_), rows, tokens);
+      from = window_->local() + map_.bcast_rows + rank_ * c.max_tokens_per_rank * map_.bcast_stride;
+      from_stride = row_bytes = map_.bcast_stride;
+    }
+    // The placing data and the receivers wait for this: the peers read this rank's previous
+    // broadcast, and its own encoded rows are in place.
     EPX_CUDA(cudaEventRecord(broadcast_begun_, copy_stream_));
-    kernels::broadcast_rows(ctx(), copy_stream_, rows.x, rows.x_stride_bytes, 2 * c.hidden, tokens);
+    kernels::broadcast_rows(ctx(), copy_stream_, from, from_stride, row_bytes, tokens);
     timer_.mark(7, copy_stream_);
     EPX_CUDA(cudaEventRecord(copies_done_, copy_stream_));
     host_steps_.mark("broadcast enqueued");

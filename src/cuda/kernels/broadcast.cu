@@ -3,12 +3,15 @@
 // 4-byte copy of the call's epoch into the destination's flag of that piece, so the receivers
 // place a piece's rows while later pieces are still on the way; once its positions are known, each
 // rank's placing data (expert ids, weights, positions) follows by SM stores from a small kernel
-// and the receivers work out every row's place themselves. It pays where nearly every token goes to every rank (EP2 at
+// and the receivers work out every row's place themselves. bf16 rows go straight from x; other
+// wire formats are first encoded (quantized, or fp8 codes and scales as given) into this rank's own
+// part of bcast_rows, and go from there. It pays where nearly every token goes to every rank (EP2 at
 // top-8 of 256: 99.6%); docs/performance.md.
 #include <algorithm>
 
 #include "cuda/kernels/device_common.cuh"
 #include "cuda/kernels/launch.hpp"
+#include "cuda/kernels/row_copy.cuh"
 #include "cuda/cuda_check.hpp"
 
 namespace epx::detail::kernels {
@@ -37,6 +40,29 @@ __global__ void broadcast_begin_kernel(PeerWindows w, WindowMap m, CallState* cs
   if (lane == 0) {
     cs->bcast_epoch = call_epoch(cs);
     *at_window<uint32_t>(w, w.rank, m.bcast_epoch_src) = call_epoch(cs);
+  }
+}
+
+// Warp per token: this rank's wire rows (quantized from bf16 x, or fp8 codes and scales as given)
+// into its own part of bcast_rows, from where the copy engines send them and its receivers read
+// its own tokens.
+__global__ void encode_rows_kernel(PeerWindows w, WindowMap m, Shape s, SendRows rows, int64_t tokens) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32; t < tokens; t += warps) {
+    char* dst = at_window<char>(w, w.rank, m.bcast_rows + (w.rank * s.max_tokens + t) * m.bcast_stride);
+    const char* x = rows.x + t * rows.x_stride_bytes;
+    if (rows.x_scales) {
+      char* scales = dst + s.hidden;
+      copy_row<true>(x, &dst, 1, s.hidden, lane);
+      copy_row<true>(reinterpret_cast<const char*>(rows.x_scales + t * rows.scales_stride), &scales, 1,
+                     4 * (s.hidden / kFp8Block), lane);
+    } else if (rows.wire == WireFormat::nvfp4) {
+      quantize_nvfp4_row(reinterpret_cast<const uint16_t*>(x), s.hidden, rows.nvfp4_global_scale, &dst, 1, lane);
+    } else {
+      quantize_fp8_row(reinterpret_cast<const uint16_t*>(x), s.hidden, rows.wire == WireFormat::fp8_ue8m0, &dst, 1,
+                       lane);
+    }
   }
 }
 
@@ -103,6 +129,13 @@ void begin_broadcast(const Ctx& ctx, cudaStream_t copies) {
   EPX_CUDA(cudaGetLastError());
 }
 
+void encode_rows(const Ctx& ctx, const SendRows& rows, int64_t tokens) {
+  if (tokens == 0) return;
+  const int blocks = static_cast<int>(std::min<int64_t>(ctx.blocks, (tokens + 15) / 16));
+  encode_rows_kernel<<<blocks, 512, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, rows, tokens);
+  EPX_CUDA(cudaGetLastError());
+}
+
 void broadcast_rows(const Ctx& ctx, cudaStream_t copies, const char* x, int64_t x_stride_bytes, int64_t row_bytes,
                     int64_t tokens) {
   const PeerWindows& w = ctx.peers;
@@ -142,7 +175,7 @@ void release_broadcast(const Ctx& ctx) {
 }
 
 void preload_broadcast_kernels() {
-  preload(broadcast_begin_kernel, finalize_positions_kernel, push_placing_kernel, broadcast_release_kernel);
+  preload(broadcast_begin_kernel, encode_rows_kernel, finalize_positions_kernel, push_placing_kernel, broadcast_release_kernel);
 }
 
 }  // namespace epx::detail::kernels

@@ -336,15 +336,16 @@ __device__ bool receive_broadcast(const PeerWindows& w, const WindowMap& m, cons
   if (t >= tokens) return true;
   const int32_t pos = p.pos[t * s.ranks + w.rank];
   if (pos < 0) return true;
-  const char* payload = own.x + t * own.x_stride_bytes;  // own tokens: the input row (bf16)
+  // Own tokens' bf16 rows come from x; every other row (and own quantized rows, which encode_rows
+  // wrote before this kernel) from bcast_rows.
+  const bool from_x = source == w.rank && own.wire == WireFormat::bf16;
+  const char* payload = at_window<const char>(w, w.rank, m.bcast_rows + (source * s.max_tokens + t) * m.bcast_stride);
   if (source != w.rank) {
     uint32_t* piece = at_window<uint32_t>(w, w.rank, m.bcast_flag) + source * kMaxPieces + t / m.piece_tokens;
     if (!warp_wait_flags(piece, 0, 1, source, epoch, timeout_ns, st, kSignalForward, lane)) return false;
-    payload = at_window<const char>(w, w.rank, m.bcast_rows + (source * s.max_tokens + t) * m.bcast_stride);
   }
   const RowSlots slots{p.expert, p.weight, p.index, t * s.topk, w.rank};
-  receive_row(s, r, out, layout, source == w.rank ? &own : nullptr, payload, static_cast<int32_t>(t), slots, source,
-              pos, lane);
+  receive_row(s, r, out, layout, from_x ? &own : nullptr, payload, static_cast<int32_t>(t), slots, source, pos, lane);
   return true;
 }
 

@@ -106,6 +106,9 @@ struct SendRows {
 // rank's previous broadcast; broadcast_rows (after it) copies rows [0, tokens) of x (row_bytes
 // each) into every other rank's bcast_rows, piece by piece, each piece flagged in bcast_flag.
 void begin_broadcast(const Ctx& ctx, cudaStream_t copies);
+// Copy-engine dispatch of a quantized wire, on ctx.stream after begin_broadcast: this rank's wire
+// rows [0, tokens) into its own part of bcast_rows (broadcast_rows then sends them from there).
+void encode_rows(const Ctx& ctx, const SendRows& rows, int64_t tokens);
 void broadcast_rows(const Ctx& ctx, cudaStream_t copies, const char* x, int64_t x_stride_bytes, int64_t row_bytes,
                     int64_t tokens);
 // Tells every rank that this rank read their broadcasts of this call (a dispatch whose receiver
