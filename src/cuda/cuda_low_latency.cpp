@@ -1,6 +1,7 @@
 // Low-latency mode on the CUDA backend: host side of src/cuda/kernels/low_latency.cu. The
 // buffer owns every array (window, two sets of outputs); results are views into the set of
 // their call, valid until the receive half of the call after next (docs/low-latency.md).
+#include <chrono>
 #include <cstring>
 
 #include "core/check.hpp"
@@ -89,6 +90,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     stream_ = own_stream_;
     EPX_CUDA(cudaDeviceSynchronize());
     window_ = state->allocate(rank_, static_cast<size_t>(map_.total), timeout_);  // collective, zero-filled
+    last_begin_ = std::chrono::steady_clock::now();
   }
 
   ~CudaLowLatency() override {
@@ -310,6 +312,10 @@ class CudaLowLatency final : public LowLatencyBackend {
   // Raises what an earlier call found on the device (calls never wait for the device).
   void begin(const char* kind, int64_t index) {
     const std::string name = cat(kind, " #", index);
+    const auto now = std::chrono::steady_clock::now();
+    previous_gap_ms_ = gap_ms_;
+    gap_ms_ = std::chrono::duration<double, std::milli>(now - last_begin_).count();
+    last_begin_ = now;
     if (broken_) fail(ErrorCode::peer_failed, name, " (rank ", rank_, "): the low-latency buffer already failed: ", broken_reason_);
     EPX_CUDA(cudaSetDevice(device_));
     DeviceStatus st;
@@ -331,7 +337,11 @@ class CudaLowLatency final : public LowLatencyBackend {
       case kStatusTimeout:
         broken_ = true;
         broken_reason_ = cat(who, "waited ", timeout_.count(), " ms for rank ", st.rank,
-                             ", which never arrived (crashed, hung, or called collective operations in a different order)");
+                             ", which never arrived (crashed, hung, or called collective operations in a different order); "
+                             "this rank's host began the call before ", name, " ", static_cast<int64_t>(previous_gap_ms_),
+                             " ms after its previous call or the buffer's creation (a gap near the timeout on the rank "
+                             "that never arrived: its host was held up; short gaps everywhere: the device held its "
+                             "kernel back)");
         throw Error(ErrorCode::timeout, broken_reason_);
       default:
         fail(ErrorCode::internal, who, "device reported status ", st.code);
@@ -343,6 +353,10 @@ class CudaLowLatency final : public LowLatencyBackend {
   int64_t chunks_;  // the kernels count rows per chunk of ll::kChunk source tokens
   WireRow wire_;
   std::chrono::milliseconds timeout_;
+  // When this rank's host began its last call (or made the buffer), and how long after the one
+  // before it began the current and the previous call: timeout messages say it (docs/cuda.md).
+  std::chrono::steady_clock::time_point last_begin_;
+  double gap_ms_ = 0.0, previous_gap_ms_ = 0.0;
   ll::Map map_{};
   ll::Set sets_[2]{};
   std::shared_ptr<void> memory_;  // both sets' arrays; results keep it alive
