@@ -1,5 +1,7 @@
 // EPX_PROFILE=1: CUDA events between the steps of each call, averaged per step and printed to
-// stderr when the buffer goes. A measuring aid for docs/performance.md; off (no events) by default.
+// stderr when the buffer goes, with the host's steps (steady clock). EPX_PROFILE=host: the host's
+// steps only, without the events' own host cost (~2-5 us per record, and the reads at the end of
+// a call). A measuring aid for docs/performance.md; off by default.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -15,7 +17,8 @@ class PhaseTimer {
  public:
   static constexpr int kMarks = 8;
   PhaseTimer() : on_(std::getenv("EPX_PROFILE") != nullptr) {
-    if (on_)
+    events_ = on_ && std::string(std::getenv("EPX_PROFILE")) != "host";
+    if (events_)
       for (cudaEvent_t& e : marks_) cudaEventCreate(&e);
   }
   PhaseTimer(const PhaseTimer&) = delete;
@@ -25,12 +28,13 @@ class PhaseTimer {
     for (const auto& [name, total] : totals_)
       std::fprintf(stderr, "epx profile: %-28s %9.1f us (mean of %d)\n", name.c_str(), total.first / total.second,
                    total.second);
-    for (cudaEvent_t e : marks_) cudaEventDestroy(e);
+    if (events_)
+      for (cudaEvent_t e : marks_) cudaEventDestroy(e);
   }
   bool on() const { return on_; }
   // Records mark i on stream s.
   void mark(int i, cudaStream_t s) {
-    if (on_) cudaEventRecord(marks_[i], s);
+    if (events_) cudaEventRecord(marks_[i], s);
   }
   // Host wall time between two points.
   void add_host(const std::string& name, std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
@@ -44,7 +48,7 @@ class PhaseTimer {
   }
   // Adds the time from mark a to mark b to `name` (waits for mark b).
   void add(const std::string& name, int a, int b) {
-    if (!on_) return;
+    if (!events_) return;
     float ms = 0;
     cudaEventSynchronize(marks_[b]);
     if (cudaEventElapsedTime(&ms, marks_[a], marks_[b]) != cudaSuccess) return;
@@ -55,6 +59,7 @@ class PhaseTimer {
 
  private:
   bool on_;
+  bool events_ = false;  // GPU marks too (EPX_PROFILE set, not "host")
   cudaEvent_t marks_[kMarks] = {};
   std::map<std::string, std::pair<double, int>> totals_;
 };
