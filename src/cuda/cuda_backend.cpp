@@ -805,21 +805,7 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
   kernels::CombineArgs a{in.y.ptr<const uint16_t>(), in.y.strides[0], opt.weighted, nullptr, 0,
                          in.shared_out.defined() ? in.shared_out.ptr<const uint16_t>() : nullptr,
                          in.shared_out.defined() ? in.shared_out.strides[0] : 0, out.out.data<uint16_t>(), nullptr};
-  // Copy-engine combine (blocking rank-major: the host knows where each source's rows start in y).
-  // The copies start after the plan exchange: every rank is in this call, so its previous reader
-  // of rev_rows is done.
-  const bool by_copy = copy_combine_ && h->layout == Layout::rank_major && !h->recv.rank_offsets.empty();
-  if (by_copy) {
-    a.by_copy = true;
-    a.own_rows = in.y.ptr<const uint16_t>() + h->recv.rank_offsets[rank_] * in.y.strides[0];
-    EPX_CUDA(cudaEventRecord(fork_, stream_));
-    EPX_CUDA(cudaStreamWaitEvent(copy_stream_, fork_, 0));
-    timer_.mark(4, copy_stream_);
-    kernels::return_rows(ctx(), copy_stream_, static_cast<const char*>(in.y.data), in.y.strides[0] * 2,
-                         h->recv.rank_offsets, reinterpret_cast<const char*>(call_state_) + offsetof(CallState, call));
-    timer_.mark(5, copy_stream_);
-    EPX_CUDA(cudaEventRecord(copies_done_, copy_stream_));
-  }
+  const bool by_copy = start_copy_return(*h, in.y, TensorView{}, a);
   timer_.mark(2, stream_);
   kernels::combine(ctx(), by_copy ? 0 : send_blocks(false, h->layout), dh.recv, h->layout, h->tokens, dh.pos.send_pos,
                    dh.slot_expert, a);
@@ -837,11 +823,36 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
   return out;
 }
 
+// Copy-engine return (blocking rank-major, where the host knows where each source's rows start):
+// the copies of every other rank's rows (and slot values) go on the copy stream once the plans
+// are exchanged (every rank is in this call, so its previous reader of rev_rows is done), and `a`
+// turns to reducing only. False: this call returns its rows with SM stores.
+bool CudaBackend::start_copy_return(const HandleState& h, const TensorView& rows, const TensorView& slot_values,
+                                    kernels::CombineArgs& a) {
+  if (!copy_combine_ || h.layout != Layout::rank_major || h.recv.rank_offsets.empty()) return false;
+  const int64_t own = h.recv.rank_offsets[rank_];
+  a.by_copy = true;
+  a.own_rows = rows.ptr<const uint16_t>() + own * rows.strides[0];
+  if (slot_values.defined()) a.own_slot_values = slot_values.ptr<const float>() + own * slot_values.strides[0];
+  EPX_CUDA(cudaEventRecord(fork_, stream_));
+  EPX_CUDA(cudaStreamWaitEvent(copy_stream_, fork_, 0));
+  timer_.mark(4, copy_stream_);
+  const kernels::ReturnRows r{static_cast<const char*>(rows.data), rows.strides[0] * 2,
+                              slot_values.defined() ? static_cast<const char*>(slot_values.data) : nullptr,
+                              slot_values.defined() ? slot_values.strides[0] * 4 : 0};
+  kernels::return_rows(ctx(), copy_stream_, r, h.recv.rank_offsets,
+                       reinterpret_cast<const char*>(call_state_) + offsetof(CallState, call));
+  timer_.mark(5, copy_stream_);
+  EPX_CUDA(cudaEventRecord(copies_done_, copy_stream_));
+  return true;
+}
+
 DispatchBackwardResult CudaBackend::dispatch_backward(const DispatchBackwardInput& in, const Handle& handle) {
   const Call call = begin_call(kDispatchBackward);
   const BufferConfig& c = config();
   const bool with_weights = in.grad_recv_weights.defined();
-  const HandleState* h = &start_handle_call(call, handle, with_weights, [&](const HandleState& state) {
+  const int64_t options = (with_weights ? 1 : 0) + (copy_combine_ ? 2 : 0);  // the engine: see combine
+  const HandleState* h = &start_handle_call(call, handle, options, [&](const HandleState& state) {
     validate_dispatch_backward(in, state, c, DeviceKind::cuda);
   });
   const DeviceHandle& dh = device_of(*h);
@@ -853,7 +864,10 @@ DispatchBackwardResult CudaBackend::dispatch_backward(const DispatchBackwardInpu
                          with_weights ? gw.ptr<const float>() : nullptr, with_weights ? gw.strides[0] : 0,
                          nullptr, 0, out.grad_x.data<uint16_t>(),
                          with_weights ? out.grad_topk_weights.data<float>() : nullptr};
-  kernels::combine(ctx(), send_blocks(false, h->layout), dh.recv, h->layout, h->tokens, dh.pos.send_pos, dh.slot_expert, a);
+  const bool by_copy = start_copy_return(*h, in.grad_recv_x, gw, a);
+  kernels::combine(ctx(), by_copy ? 0 : send_blocks(false, h->layout), dh.recv, h->layout, h->tokens, dh.pos.send_pos,
+                   dh.slot_expert, a);
+  if (by_copy) EPX_CUDA(cudaStreamWaitEvent(stream_, copies_done_, 0));  // the inputs are read until then
   if (c.mode == CapacityMode::blocking) sync_and_check(call);
   else kernels::publish_status(ctx(), host_status_);
   return out;

@@ -98,7 +98,9 @@ __device__ void reduce_token(const PeerWindows& w, const WindowMap& m, const Sha
       float v = 0.0f;
       if (e >= 0) {
         const int d = static_cast<int>(e / s.local_experts);
-        v = rev_slots[(d * s.max_tokens + send_pos[t * w.ranks + d]) * s.topk + k];
+        const int32_t pos = send_pos[t * w.ranks + d];
+        v = a.by_copy && d == w.rank ? a.own_slot_values[pos * a.slot_values_stride + k]
+                                     : rev_slots[(d * s.max_tokens + pos) * s.topk + k];
       }
       a.slot_out[t * s.topk + k] = v;
     }

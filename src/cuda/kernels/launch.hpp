@@ -181,20 +181,29 @@ struct CombineArgs {
   int64_t shared_stride;
   uint16_t* out;
   float* slot_out;
-  // Copy-engine combine (rank-major, rows only): the expert ranks' copy engines return their rows,
-  // flagged per piece (rev_piece_flag), and this rank's own tokens' rows are read from y where they
-  // start (own_rows: y's row rank_offsets[rank], then by stream position). No block returns rows.
+  // Copy-engine return (rank-major): the expert ranks' copy engines return their rows and slot
+  // values, flagged per piece (rev_piece_flag), and this rank's own tokens' are read where they
+  // start in y and slot_values (own_*: row rank_offsets[rank], then by stream position). No
+  // block returns rows.
   bool by_copy = false;
   const uint16_t* own_rows = nullptr;
+  const float* own_slot_values = nullptr;
 };
 void combine(const Ctx& ctx, int send_blocks, const RecvArrays& r, Layout layout, int64_t tokens,
              const int32_t* send_pos, const int32_t* slot_expert, const CombineArgs& a);
-// Copy-engine combine, on stream `copies`: y's rows of each other rank (rows [rank_offsets[d],
-// rank_offsets[d+1]) of y, in its stream order) into that rank's rev_rows, in pieces of
+// Copy-engine return (combine, dispatch_backward), on stream `copies`: y's rows of each other rank
+// (rows [rank_offsets[d], rank_offsets[d+1]) of y, in its stream order) into that rank's rev_rows,
+// and their K slot values (f32, when slot_values is given) into its rev_slots, in pieces of
 // piece_tokens rows, each followed by a 4-byte copy of the call's epoch (read from `epoch`, the
 // low half of CallState::call) into the piece's flag there. rank_offsets: the host's copy.
-void return_rows(const Ctx& ctx, cudaStream_t copies, const char* y, int64_t y_stride_bytes,
-                 const std::vector<int64_t>& rank_offsets, const void* epoch);
+struct ReturnRows {
+  const char* y;
+  int64_t y_stride_bytes;
+  const char* slot_values;  // or null
+  int64_t slot_stride_bytes;
+};
+void return_rows(const Ctx& ctx, cudaStream_t copies, const ReturnRows& rows, const std::vector<int64_t>& rank_offsets,
+                 const void* epoch);
 // Source side of combine_backward: per-slot values returned by the expert ranks into slot_out [T*K].
 void gather_slot_values(const Ctx& ctx, int64_t tokens, const int32_t* send_pos, const int32_t* slot_expert,
                         float* slot_out);
