@@ -3,8 +3,8 @@
 // each chunk; the source's reduce warps, in the same kernel on other SMs, add a token's rows in
 // rank order (then the shared expert) as soon as its chunk is back from every rank. Sums follow
 // docs/semantics.md, so results equal the CPU backend's bit for bit.
-// Copy-engine combine (a.by_copy): the expert ranks' copy engines bring y's rows (return_rows in
-// broadcast.cu) and every block reduces, waiting per piece. The rows arrive as y holds them, -0
+// Copy-engine return (a.by_copy): the expert ranks' copy engines bring y's rows (return_rows,
+// copy_return.cpp) and every block reduces, waiting per piece. The rows arrive as y holds them, -0
 // included, where the returning warps write bf16(0 + y): the same sums, since a sum from +0 never
 // tells -0 from +0.
 #include "cuda/kernels/launch.hpp"
