@@ -417,11 +417,9 @@ void CudaBackend::exchange_plan(const Call& call, int phase, int64_t tokens, int
                                 int64_t count_len, int64_t* expert_prefix, int64_t* drop_capacity) {
   const PlanHeader h = plan_header(call, "", tokens, signature);
   const kernels::Ctx c = ctx();
-  kernels::post_plan(c, h, counts, count_len, phase);
-  kernels::wait_signals(c, kSignalPlan, 1);
-  kernels::check_plans(c, h, phase, expert_prefix != nullptr,
-                       expert_prefix ? config().capacity_factor : 0.0, expert_prefix,
-                       drop_capacity ? drop_capacity : scratch_);
+  kernels::exchange_plan(c, h, counts, count_len, phase, expert_prefix != nullptr,
+                         expert_prefix ? config().capacity_factor : 0.0, expert_prefix,
+                         drop_capacity ? drop_capacity : scratch_);
 }
 
 void CudaBackend::wait(int kind) {

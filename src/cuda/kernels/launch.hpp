@@ -59,10 +59,11 @@ void post_plan(const Ctx& ctx, const PlanHeader& header, const int64_t* counts, 
 // Advances the target of signal `kind` by `increment` and (when `wait`) waits for every rank's
 // counter to reach it.
 void wait_signals(const Ctx& ctx, int kind, uint64_t increment, bool wait = true);
-// Checks every rank's plan of this call's `phase`: same call, no rejected input. Fills drop_capacity
-// (when capacity_factor > 0, else -1) and per-expert prefix counts of lower ranks [E].
-void check_plans(const Ctx& ctx, const PlanHeader& mine, int phase, bool with_counts, double capacity_factor,
-                 int64_t* expert_prefix, int64_t* drop_capacity);
+// The plan exchange of this call's `phase` in one launch: post_plan, wait_signals(kSignalPlan, 1),
+// then checks every rank's plan: same call, no rejected input. Fills drop_capacity (when
+// capacity_factor > 0, else -1) and, with_counts, per-expert prefix counts of lower ranks [E].
+void exchange_plan(const Ctx& ctx, const PlanHeader& mine, const int64_t* counts, int64_t count_len, int phase,
+                   bool with_counts, double capacity_factor, int64_t* expert_prefix, int64_t* drop_capacity);
 // The drop rule on this rank's slots; adds the dropped count to *dropped.
 void drop_slots(const Ctx& ctx, int64_t tokens, int32_t* slot_expert, float* slot_weight, const int64_t* expert_prefix,
                 const int64_t* drop_capacity, int64_t* dropped);
