@@ -81,6 +81,12 @@ if want engines; then
       --ranks "$(nvidia-smi -L | wc -l)" --wire bf16,fp8 --ops dispatch,combine --json "$OUT/engines-$engine.json" \
       >> "$OUT/engines.log" 2>&1 || echo "FAILED: engine $engine" >> "$OUT/engines.log"
   done
+  # The host's steps without CUDA events (EPX_PROFILE=host), with the default engines and at one rank.
+  for ranks in "$(nvidia-smi -L | wc -l)" 1; do
+    echo "== host steps, $ranks ranks, default engines" >> "$OUT/engines.log"
+    EPX_PROFILE=host timeout 120 ./build-gpu/epx-bench --backend cuda --ranks "$ranks" --wire bf16 --layout rank_major \
+      --ops dispatch,combine >> "$OUT/engines.log" 2>&1 || echo "FAILED: host steps at $ranks ranks" >> "$OUT/engines.log"
+  done
   grep -E "^==|^dispatch |^combine |FAILED|broadcast|receive kernel|send kernel|routing|combine: " "$OUT/engines.log"
   note "engines: $(grep -cE '^(dispatch|combine) ' "$OUT/engines.log") records, $(grep -c FAILED "$OUT/engines.log") failed"
 fi
