@@ -24,6 +24,17 @@ constexpr int kDefaultBlocks = 24;
 
 int64_t round16(int64_t x) { return (x + 15) / 16 * 16; }
 
+// A tuning variable: unset gives `fallback`; set, it must be an integer in [lo, hi].
+int64_t env_integer(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
+  const char* v = std::getenv(name);
+  if (!v) return fallback;
+  char* end = nullptr;
+  const long long n = std::strtoll(v, &end, 10);
+  require(end != v && *end == '\0' && n >= lo && n <= hi, name, " must be an integer in [", lo, ", ", hi, "], got '", v,
+          "'");
+  return n;
+}
+
 // Copy-engine dispatch (kernels/broadcast.cu). EPX_DISPATCH_ENGINE=copy or sm forces an engine;
 // unset (auto), bf16 and fp8 wires at two ranks use the copy engines, where nearly every token
 // goes to the other rank and they were measured faster; everything else the SM path: a broadcast
@@ -76,8 +87,7 @@ WindowMap make_window_map(const BufferConfig& c, int ranks, const WireRow& wire,
   m.bcast_rows = take(broadcast ? rows * m.bcast_stride : 0);
   // Pieces per broadcast: 4, or EPX_BCAST_PIECES (tuning experiments). Each piece costs the host
   // two copy calls before anything else of the call is enqueued (docs/performance.md).
-  const char* pieces_env = std::getenv("EPX_BCAST_PIECES");
-  const int64_t pieces = std::clamp<int64_t>(pieces_env ? std::atoi(pieces_env) : 4, 1, kMaxPieces);
+  const int64_t pieces = env_integer("EPX_BCAST_PIECES", 4, 1, kMaxPieces);
   const int64_t piece = (c.max_tokens_per_rank + pieces - 1) / pieces;
   m.piece_tokens = std::max<int64_t>(1, (piece + kChunkTokens - 1) / kChunkTokens * kChunkTokens);
   m.bcast_flag = take(4 * ranks * kMaxPieces);
@@ -216,8 +226,8 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   // block must be resident at once, and each role needs one.
   require(blocks_ >= 2 && blocks_ <= sms, "buffer: num_sms must be in [2, ", sms, "] on cuda:", device_,
           " (at least one block sends and one receives; all must fit on the GPU at once), got ", blocks_);
-  if (const char* v = std::getenv("EPX_SEND_BLOCKS"))  // tuning experiments (docs/performance.md)
-    send_blocks_override_ = std::atoi(v);
+  // Tuning experiments (docs/performance.md); unset: the measured split (send_blocks()).
+  send_blocks_override_ = static_cast<int>(env_integer("EPX_SEND_BLOCKS", 0, 1, blocks_ - 1));
   poison_outputs_ = std::getenv("EPX_POISON_OUTPUTS") != nullptr;
   broadcast_ = use_broadcast(config, ranks_);
   copy_combine_ = use_copy_combine(ranks_);
