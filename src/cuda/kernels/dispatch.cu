@@ -368,15 +368,7 @@ __global__ void __launch_bounds__(kRecvWarps<kBroadcast> * 32) dispatch_receive_
   if constexpr (!kBroadcast) return;
   // The last block to finish tells every source that its broadcast rows here are read (also in
   // a failed call: the sources' next broadcasts wait for it).
-  __shared__ bool last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    last = atomicAdd(&cs->recv_blocks_done, 1u) == gridDim.x - 1;
-  }
-  __syncthreads();
-  if (!last || threadIdx.x >= 32) return;
-  if (threadIdx.x == 0) cs->recv_blocks_done = 0;
+  if (!last_block(&cs->recv_blocks_done) || threadIdx.x >= 32) return;
   __threadfence_system();
   release_broadcast_rows(w, m, epoch, lane);
 }
