@@ -93,7 +93,7 @@ __global__ void push_placing_kernel(PeerWindows w, WindowMap m, Shape s, Placing
     }
     for (int64_t i = first; i < positions; i += stride) pos[i] = mine.pos[i];
   }
-  if (!last_block(&cs->placing_blocks_done) || threadIdx.x >= 32) return;
+  if (!last_block<true>(&cs->placing_blocks_done) || threadIdx.x >= 32) return;
   __threadfence_system();
   const int d = threadIdx.x;
   if (d < w.ranks && d != w.rank) set_flag(at_window<uint32_t>(w, d, m.meta_flag) + w.rank, call_epoch(cs));

@@ -143,12 +143,15 @@ __device__ inline bool warp_wait_flags(Word* flags, int64_t stride, int n, int f
 
 // Every thread of a block calls it once at its end: true in the last block of the grid to get
 // here, whose threads then see every block's writes (each block fences them after a barrier
-// before it counts itself in *count). That block resets *count for the next launch.
+// before it counts itself in *count: at system scope when the blocks wrote into peers' memory
+// that the last block then flags). That block resets *count for the next launch.
+template <bool kSystemScope = false>
 __device__ inline bool last_block(uint32_t* count) {
   __shared__ bool last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence_system();
+    if constexpr (kSystemScope) __threadfence_system();
+    else __threadfence();
     last = atomicAdd(count, 1u) == gridDim.x - 1;
     if (last) *count = 0;
   }
