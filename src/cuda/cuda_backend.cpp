@@ -22,8 +22,6 @@ namespace {
 
 constexpr int kDefaultBlocks = 24;
 
-int64_t round16(int64_t x) { return (x + 15) / 16 * 16; }
-
 // A tuning variable: unset gives `fallback`; set, it must be an integer in [lo, hi].
 int64_t env_integer(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
   const char* v = std::getenv(name);
