@@ -22,8 +22,6 @@ namespace {
 
 constexpr int kDefaultBlocks = 24;
 
-int64_t round16(int64_t x) { return (x + 15) / 16 * 16; }
-
 // A tuning variable: unset gives `fallback`; set, it must be an integer in [lo, hi].
 int64_t env_integer(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
   const char* v = std::getenv(name);
@@ -40,11 +38,17 @@ int64_t env_integer(const char* name, int64_t fallback, int64_t lo, int64_t hi) 
 // goes to the other rank and they were measured faster; everything else the SM path: a broadcast
 // sends every token to every rank, and nvfp4 by copy engine was not measured against the SM
 // engine (docs/performance.md).
-bool use_broadcast(const BufferConfig& c, int ranks) {
-  const char* v = std::getenv("EPX_DISPATCH_ENGINE");
+// An engine variable: 'auto' when unset, else 'auto', 'sm' or 'copy'.
+std::string engine_setting(const char* name) {
+  const char* v = std::getenv(name);
   const std::string engine = v ? v : "auto";
-  require(engine == "sm" || engine == "copy" || engine == "auto",
-          "EPX_DISPATCH_ENGINE must be 'auto', 'sm' or 'copy', got '", engine, "'");
+  require(engine == "sm" || engine == "copy" || engine == "auto", name, " must be 'auto', 'sm' or 'copy', got '",
+          engine, "'");
+  return engine;
+}
+
+bool use_broadcast(const BufferConfig& c, int ranks) {
+  const std::string engine = engine_setting("EPX_DISPATCH_ENGINE");
   if (ranks < 2 || engine == "sm") return false;
   return engine == "copy" || (ranks == 2 && c.wire != WireFormat::nvfp4);
 }
@@ -52,10 +56,7 @@ bool use_broadcast(const BufferConfig& c, int ranks) {
 // Copy-engine combine (blocking, rank-major): EPX_COMBINE_ENGINE=copy or sm forces an engine;
 // unset (auto), two ranks return y's rows by copy engine (docs/performance.md).
 bool use_copy_combine(int ranks) {
-  const char* v = std::getenv("EPX_COMBINE_ENGINE");
-  const std::string engine = v ? v : "auto";
-  require(engine == "sm" || engine == "copy" || engine == "auto",
-          "EPX_COMBINE_ENGINE must be 'auto', 'sm' or 'copy', got '", engine, "'");
+  const std::string engine = engine_setting("EPX_COMBINE_ENGINE");
   return ranks >= 2 && (engine == "copy" || (engine == "auto" && ranks == 2));
 }
 

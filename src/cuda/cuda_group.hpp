@@ -3,6 +3,7 @@
 #pragma once
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -10,6 +11,9 @@
 #include "cuda/transport/window.hpp"
 
 namespace epx::detail {
+
+// Window parts start at 16-byte boundaries (kernels move rows with 16-byte vectors).
+inline int64_t round16(int64_t x) { return (x + 15) / 16 * 16; }
 
 // One rank's share of a collective allocation. Zero-filled before any peer can write to it.
 class SymmetricWindow {

@@ -22,8 +22,6 @@ namespace {
 
 constexpr int64_t kMaxLlExperts = 4096;  // the layout kernel's shared-memory counts
 
-int64_t round16(int64_t x) { return (x + 15) / 16 * 16; }
-
 class CudaLowLatency final : public LowLatencyBackend {
  public:
   CudaLowLatency(const Group& group, const LowLatencyConfig& c)

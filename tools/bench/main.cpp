@@ -81,19 +81,19 @@ Ranks make_ranks(const Options& o) {
   if (gpus < 1) throw Error(ErrorCode::unsupported, "epx-bench: --backend cuda but no GPU is visible");
   cudaDeviceProp prop;
   cudaGetDeviceProperties(&prop, 0);
+  std::shared_ptr<CudaWorld> world;
   if (o.shared_gpu) {
-    auto world = std::make_shared<CudaWorld>(CudaWorld::shared_gpu(o.ranks, 0));
-    return {[world](int r) { return world->group(r); }, [](const Group& g) { return cuda_device(g); }, prop.name,
-            prop.multiProcessorCount};
+    world = std::make_shared<CudaWorld>(CudaWorld::shared_gpu(o.ranks, 0));
+  } else {
+    if (o.ranks > gpus)  // the shared-GPU transport is for tests (--shared-gpu)
+      throw Error(ErrorCode::invalid_argument, "epx-bench: --ranks " + std::to_string(o.ranks) + " but only " +
+                                                   std::to_string(gpus) +
+                                                   " GPU(s) visible; the CUDA backend runs one rank per GPU (--shared-gpu "
+                                                   "puts every rank on GPU 0, for the low-latency ops)");
+    std::vector<int> devices;
+    for (int d = 0; d < o.ranks; ++d) devices.push_back(d);
+    world = std::make_shared<CudaWorld>(devices);
   }
-  if (o.ranks > gpus)  // the shared-GPU transport is for tests (--shared-gpu)
-    throw Error(ErrorCode::invalid_argument, "epx-bench: --ranks " + std::to_string(o.ranks) + " but only " +
-                                                 std::to_string(gpus) +
-                                                 " GPU(s) visible; the CUDA backend runs one rank per GPU (--shared-gpu "
-                                                 "puts every rank on GPU 0, for the low-latency ops)");
-  std::vector<int> devices;
-  for (int d = 0; d < o.ranks; ++d) devices.push_back(d);
-  auto world = std::make_shared<CudaWorld>(devices);
   return {[world](int r) { return world->group(r); }, [](const Group& g) { return cuda_device(g); }, prop.name,
           prop.multiProcessorCount};
 #else

@@ -11,7 +11,7 @@
 
 #include "cuda/kernels/device_common.cuh"
 #include "cuda/kernels/launch.hpp"
-#include "cuda/kernels/row_copy.cuh"
+#include "cuda/kernels/wire_encode.cuh"
 #include "cuda/cuda_check.hpp"
 
 namespace epx::detail::kernels {
@@ -51,18 +51,7 @@ __global__ void encode_rows_kernel(PeerWindows w, WindowMap m, Shape s, SendRows
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
   for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32; t < tokens; t += warps) {
     char* dst = at_window<char>(w, w.rank, m.bcast_rows + (w.rank * s.max_tokens + t) * m.bcast_stride);
-    const char* x = rows.x + t * rows.x_stride_bytes;
-    if (rows.x_scales) {
-      char* scales = dst + s.hidden;
-      copy_row<true>(x, &dst, 1, s.hidden, lane);
-      copy_row<true>(reinterpret_cast<const char*>(rows.x_scales + t * rows.scales_stride), &scales, 1,
-                     4 * (s.hidden / kFp8Block), lane);
-    } else if (rows.wire == WireFormat::nvfp4) {
-      quantize_nvfp4_row(reinterpret_cast<const uint16_t*>(x), s.hidden, rows.nvfp4_global_scale, &dst, 1, lane);
-    } else {
-      quantize_fp8_row(reinterpret_cast<const uint16_t*>(x), s.hidden, rows.wire == WireFormat::fp8_ue8m0, &dst, 1,
-                       lane);
-    }
+    encode_wire_row(rows, t, s.hidden, &dst, 1, lane);
   }
 }
 
@@ -104,15 +93,7 @@ __global__ void push_placing_kernel(PeerWindows w, WindowMap m, Shape s, Placing
     }
     for (int64_t i = first; i < positions; i += stride) pos[i] = mine.pos[i];
   }
-  __shared__ bool last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();  // this block's stores (seen through the barrier) before the count
-    last = atomicAdd(&cs->placing_blocks_done, 1u) == gridDim.x - 1;
-  }
-  __syncthreads();
-  if (!last || threadIdx.x >= 32) return;
-  if (threadIdx.x == 0) cs->placing_blocks_done = 0;
+  if (!last_block<true>(&cs->placing_blocks_done) || threadIdx.x >= 32) return;
   __threadfence_system();
   const int d = threadIdx.x;
   if (d < w.ranks && d != w.rank) set_flag(at_window<uint32_t>(w, d, m.meta_flag) + w.rank, call_epoch(cs));
@@ -146,13 +127,7 @@ void broadcast_rows(const Ctx& ctx, cudaStream_t copies, const char* x, int64_t 
       const int d = (w.rank + k) % w.ranks;
       const int64_t rows = std::min(m.piece_tokens, tokens - first);
       char* dst = w.base[d] + m.bcast_rows + (w.rank * ctx.shape.max_tokens + first) * m.bcast_stride;
-      const char* src = x + first * x_stride_bytes;
-      if (x_stride_bytes == row_bytes && m.bcast_stride == row_bytes)  // one block: the cheaper call
-        EPX_CUDA(cudaMemcpyAsync(dst, src, static_cast<size_t>(rows * row_bytes), cudaMemcpyDefault, copies));
-      else
-        EPX_CUDA(cudaMemcpy2DAsync(dst, static_cast<size_t>(m.bcast_stride), src, static_cast<size_t>(x_stride_bytes),
-                                   static_cast<size_t>(row_bytes), static_cast<size_t>(rows), cudaMemcpyDefault,
-                                   copies));
+      copy_rows(dst, m.bcast_stride, x + first * x_stride_bytes, x_stride_bytes, row_bytes, rows, copies);
       char* flag = w.base[d] + m.bcast_flag + (w.rank * kMaxPieces + piece) * sizeof(uint32_t);
       EPX_CUDA(cudaMemcpyAsync(flag, epoch, sizeof(uint32_t), cudaMemcpyDefault, copies));
     }

@@ -11,18 +11,14 @@
 
 namespace epx::detail::kernels {
 
-namespace {
-
-// n rows of row_bytes from src (src_stride apart) to dst (packed).
-void copy_rows(char* dst, const char* src, int64_t src_stride, int64_t row_bytes, int64_t n, cudaStream_t copies) {
-  if (src_stride == row_bytes)
+void copy_rows(char* dst, int64_t dst_stride, const char* src, int64_t src_stride, int64_t row_bytes, int64_t n,
+               cudaStream_t copies) {
+  if (src_stride == row_bytes && dst_stride == row_bytes)  // one block: the cheaper call
     EPX_CUDA(cudaMemcpyAsync(dst, src, static_cast<size_t>(n * row_bytes), cudaMemcpyDefault, copies));
   else
-    EPX_CUDA(cudaMemcpy2DAsync(dst, static_cast<size_t>(row_bytes), src, static_cast<size_t>(src_stride),
+    EPX_CUDA(cudaMemcpy2DAsync(dst, static_cast<size_t>(dst_stride), src, static_cast<size_t>(src_stride),
                                static_cast<size_t>(row_bytes), static_cast<size_t>(n), cudaMemcpyDefault, copies));
 }
-
-}  // namespace
 
 void return_rows(const Ctx& ctx, cudaStream_t copies, const ReturnRows& rows, const std::vector<int64_t>& rank_offsets,
                  const void* epoch) {
@@ -35,10 +31,10 @@ void return_rows(const Ctx& ctx, cudaStream_t copies, const ReturnRows& rows, co
     for (int64_t first = 0, piece = 0; first < count; first += m.piece_tokens, ++piece) {
       const int64_t n = std::min(m.piece_tokens, count - first), row = rank_offsets[d] + first;
       const int64_t at = w.rank * ctx.shape.max_tokens + first;  // the first row's place at d
-      copy_rows(w.base[d] + m.rev_rows + at * row_bytes, rows.y + row * rows.y_stride_bytes, rows.y_stride_bytes,
-                row_bytes, n, copies);
+      copy_rows(w.base[d] + m.rev_rows + at * row_bytes, row_bytes, rows.y + row * rows.y_stride_bytes,
+                rows.y_stride_bytes, row_bytes, n, copies);
       if (rows.slot_values)
-        copy_rows(w.base[d] + m.rev_slots + at * slot_bytes, rows.slot_values + row * rows.slot_stride_bytes,
+        copy_rows(w.base[d] + m.rev_slots + at * slot_bytes, slot_bytes, rows.slot_values + row * rows.slot_stride_bytes,
                   rows.slot_stride_bytes, slot_bytes, n, copies);
       char* flag = w.base[d] + m.rev_piece_flag + (w.rank * kMaxPieces + piece) * sizeof(uint32_t);
       EPX_CUDA(cudaMemcpyAsync(flag, epoch, sizeof(uint32_t), cudaMemcpyDefault, copies));

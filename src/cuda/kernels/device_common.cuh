@@ -149,6 +149,24 @@ __device__ inline bool warp_wait_flags(Word* flags, int64_t stride, int n, int f
                               seen);
 }
 
+// Every thread of a block calls it once at its end: true in the last block of the grid to get
+// here, whose threads then see every block's writes (each block fences them after a barrier
+// before it counts itself in *count: at system scope when the blocks wrote into peers' memory
+// that the last block then flags). That block resets *count for the next launch.
+template <bool kSystemScope = false>
+__device__ inline bool last_block(uint32_t* count) {
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    if constexpr (kSystemScope) __threadfence_system();
+    else __threadfence();
+    last = atomicAdd(count, 1u) == gridDim.x - 1;
+    if (last) *count = 0;
+  }
+  __syncthreads();
+  return last;
+}
+
 // Copy-engine dispatch: lanes d < R tell rank d that this rank has read every row of d's
 // broadcasts up to `epoch` (d's next broadcast may overwrite them).
 __device__ inline void release_broadcast_rows(const PeerWindows& w, const WindowMap& m, uint32_t epoch, int lane) {

@@ -8,6 +8,7 @@
 #include "cuda/kernels/empty_rows.cuh"
 #include "cuda/kernels/launch.hpp"
 #include "cuda/kernels/row_copy.cuh"
+#include "cuda/kernels/wire_encode.cuh"
 
 namespace epx::detail::kernels {
 
@@ -38,7 +39,6 @@ __device__ void send_token(const PeerWindows& w, const WindowMap& m, const Shape
   const ChunkPositions& p = plan.pos;
   const int64_t width = s.experts + s.ranks;
   char* dst[kMaxRanks];
-  char* dst_scales[kMaxRanks];
   int64_t at[kMaxRanks];
   int to[kMaxRanks];
   int n = 0, payloads = 0;
@@ -48,31 +48,14 @@ __device__ void send_token(const PeerWindows& w, const WindowMap& m, const Shape
     const int64_t pos = p.chunk_base[c * width + s.experts + d] + in_chunk;
     at[n] = stream_slot(s, w.rank, pos);
     to[n] = d;
-    if (d != w.rank || !own_rows_from_input(rows)) {
-      dst[payloads] = at_window<char>(w, d, m.fwd_payload + at[n] * m.payload_stride);
-      dst_scales[payloads] = dst[payloads] + s.hidden;
-      ++payloads;
-    }
+    if (d != w.rank || !own_rows_from_input(rows))
+      dst[payloads++] = at_window<char>(w, d, m.fwd_payload + at[n] * m.payload_stride);
     ++n;
   }
   __syncwarp();  // every lane read send_pos before lane 0 turns it into stream positions
   if (lane == 0)
     for (int i = 0; i < n; ++i) p.send_pos[t * s.ranks + to[i]] = static_cast<int32_t>(at[i] - w.rank * s.max_tokens);
-  if (payloads > 0) {
-    const char* x = rows.x + t * rows.x_stride_bytes;
-    if (rows.x_scales) {  // pre-quantized fp8: codes and scales as given
-      copy_row<true>(x, dst, payloads, s.hidden, lane);
-      copy_row<true>(reinterpret_cast<const char*>(rows.x_scales + t * rows.scales_stride), dst_scales, payloads,
-                     4 * (s.hidden / kFp8Block), lane);
-    } else if (rows.wire == WireFormat::bf16) {
-      copy_row<true>(x, dst, payloads, 2 * s.hidden, lane);
-    } else if (rows.wire == WireFormat::nvfp4) {
-      quantize_nvfp4_row(reinterpret_cast<const uint16_t*>(x), s.hidden, rows.nvfp4_global_scale, dst, payloads, lane);
-    } else {
-      quantize_fp8_row(reinterpret_cast<const uint16_t*>(x), s.hidden, rows.wire == WireFormat::fp8_ue8m0, dst, payloads,
-                       lane);
-    }
-  }
+  if (payloads > 0) encode_wire_row(rows, t, s.hidden, dst, payloads, lane);
   for (int i = 0; i < n; ++i) {  // what the receiver needs to place the row
     const int r = to[i];
     if (lane == 0) at_window<int32_t>(w, r, m.fwd_token)[at[i]] = static_cast<int32_t>(t);
@@ -385,15 +368,7 @@ __global__ void __launch_bounds__(kRecvWarps<kBroadcast> * 32) dispatch_receive_
   if constexpr (!kBroadcast) return;
   // The last block to finish tells every source that its broadcast rows here are read (also in
   // a failed call: the sources' next broadcasts wait for it).
-  __shared__ bool last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    last = atomicAdd(&cs->recv_blocks_done, 1u) == gridDim.x - 1;
-  }
-  __syncthreads();
-  if (!last || threadIdx.x >= 32) return;
-  if (threadIdx.x == 0) cs->recv_blocks_done = 0;
+  if (!last_block(&cs->recv_blocks_done) || threadIdx.x >= 32) return;
   __threadfence_system();
   release_broadcast_rows(w, m, epoch, lane);
 }

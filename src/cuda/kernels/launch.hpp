@@ -197,6 +197,10 @@ void combine(const Ctx& ctx, int send_blocks, const RecvArrays& r, Layout layout
 // and their K slot values (f32, when slot_values is given) into its rev_slots, in pieces of
 // piece_tokens rows, each followed by a 4-byte copy of the call's epoch (read from `epoch`, the
 // low half of CallState::call) into the piece's flag there. rank_offsets: the host's copy.
+// n rows of row_bytes from src to dst (each its stride apart) by copy engine on stream `copies`:
+// one plain copy when both are packed, else a 2D copy.
+void copy_rows(char* dst, int64_t dst_stride, const char* src, int64_t src_stride, int64_t row_bytes, int64_t n,
+               cudaStream_t copies);
 struct ReturnRows {
   const char* y;
   int64_t y_stride_bytes;

@@ -135,20 +135,6 @@ __device__ void end_call(const Ctx& c, Kind kind, int set) {
   if (threadIdx.x == 0 && *reinterpret_cast<volatile int32_t*>(&c.status->code) != 0) publish(c.status, c.host_status);
 }
 
-// True in every thread of the last block of the grid to finish (the counter is reset there, so
-// it starts from 0 at the next launch). Each block fences its writes at GPU scope first.
-__device__ bool last_block(uint32_t* done) {
-  __shared__ bool last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    last = atomicAdd(done, 1u) == gridDim.x - 1;
-    if (last) *done = 0;
-  }
-  __syncthreads();
-  return last;
-}
-
 // Send phase. Warp per (token, destination rank): the token's checked routing to the
 // destination's copy of this source's; if one of its experts lives there, its wire row (once,
 // whatever the number of those experts) to slot (this rank, token) and one count per such
