@@ -45,14 +45,14 @@ if want tests; then
   grep -E "^\[  (PASSED|FAILED)|^\[  FAILED  \]|Failure|Which is|Actual|Expected" "$OUT/gpu_tests.log" | head -60
   failed=$(grep -E '^\[  FAILED  \] .*\(' "$OUT/gpu_tests.log" | sed -E 's/^\[  FAILED  \] ([^ ,]*).*/\1/' | sort -u | tr '\n' ' ')
   note "gpu tests rc=$rc: $(grep -E '^\[  PASSED' "$OUT/gpu_tests.log") failed: ${failed:-none}"
-  # Dispatch has two engines (SM stores; copy engines, the default for bf16 and fp8 at two ranks): the
-  # high-throughput tests once more with each forced, at every rank count.
+  # Dispatch and combine have two engines each (SM stores; copy engines, the defaults at two
+  # ranks): the high-throughput tests once more with each forced, at every rank count.
   for engine in sm copy; do
-    EPX_DISPATCH_ENGINE=$engine EPX_TIMEOUT_MS=${EPX_TIMEOUT_MS:-10000} timeout 300 ./build-gpu/tests/epx_gpu_tests \
-      --gtest_filter="${ENGINE_FILTER:-*Cuda*:-*LowLatency*}" > "$OUT/gpu_tests_$engine.log" 2>&1
+    EPX_DISPATCH_ENGINE=$engine EPX_COMBINE_ENGINE=$engine EPX_TIMEOUT_MS=${EPX_TIMEOUT_MS:-10000} timeout 300 \
+      ./build-gpu/tests/epx_gpu_tests --gtest_filter="${ENGINE_FILTER:-*Cuda*:-*LowLatency*}" > "$OUT/gpu_tests_$engine.log" 2>&1
     rc=$?
     failed=$(grep -E '^\[  FAILED  \] .*\(' "$OUT/gpu_tests_$engine.log" | sed -E 's/^\[  FAILED  \] ([^ ,]*).*/\1/' | sort -u | tr '\n' ' ')
-    note "gpu tests, dispatch engine $engine, rc=$rc: $(grep -E '^\[  PASSED' "$OUT/gpu_tests_$engine.log") failed: ${failed:-none}"
+    note "gpu tests, $engine engines, rc=$rc: $(grep -E '^\[  PASSED' "$OUT/gpu_tests_$engine.log") failed: ${failed:-none}"
   done
 fi
 if want sanitize; then
@@ -73,12 +73,13 @@ if want bench; then
   note "epx-bench rc=$rc"
 fi
 if want engines; then
-  # The two bf16 dispatch engines side by side at the V3 shape, with EPX_PROFILE's per-step times
-  # (engines.log) and the records (engines-sm.json, engines-copy.json).
+  # The SM and copy engines side by side at the V3 shape (dispatch bf16 and fp8, combine), with
+  # EPX_PROFILE's per-step times (engines.log) and the records (engines-sm.json, engines-copy.json).
   for engine in sm copy; do
-    echo "== dispatch engine $engine" >> "$OUT/engines.log"
-    EPX_DISPATCH_ENGINE=$engine EPX_PROFILE=1 timeout 120 ./build-gpu/epx-bench --backend cuda --ranks "$(nvidia-smi -L | wc -l)" \
-      --wire bf16 --ops dispatch --json "$OUT/engines-$engine.json" >> "$OUT/engines.log" 2>&1 || echo "FAILED: engine $engine" >> "$OUT/engines.log"
+    echo "== engines $engine" >> "$OUT/engines.log"
+    EPX_DISPATCH_ENGINE=$engine EPX_COMBINE_ENGINE=$engine EPX_PROFILE=1 timeout 120 ./build-gpu/epx-bench --backend cuda \
+      --ranks "$(nvidia-smi -L | wc -l)" --wire bf16,fp8 --ops dispatch,combine --json "$OUT/engines-$engine.json" \
+      >> "$OUT/engines.log" 2>&1 || echo "FAILED: engine $engine" >> "$OUT/engines.log"
   done
   # The host's steps without CUDA events (EPX_PROFILE=host), with the default engines and at one rank.
   for ranks in "$(nvidia-smi -L | wc -l)" 1; do
@@ -86,8 +87,8 @@ if want engines; then
     EPX_PROFILE=host timeout 120 ./build-gpu/epx-bench --backend cuda --ranks "$ranks" --wire bf16 --layout rank_major \
       --ops dispatch,combine >> "$OUT/engines.log" 2>&1 || echo "FAILED: host steps at $ranks ranks" >> "$OUT/engines.log"
   done
-  grep -E "^==|^dispatch |FAILED|broadcast|receive kernel|send kernel|routing" "$OUT/engines.log"
-  note "engines: $(grep -c '^dispatch ' "$OUT/engines.log") records, $(grep -c FAILED "$OUT/engines.log") failed"
+  grep -E "^==|^dispatch |^combine |FAILED|broadcast|receive kernel|send kernel|routing|combine: " "$OUT/engines.log"
+  note "engines: $(grep -cE '^(dispatch|combine) ' "$OUT/engines.log") records, $(grep -c FAILED "$OUT/engines.log") failed"
 fi
 if want sweep; then
   bash scripts/perf-sweep.sh > /dev/null 2>&1

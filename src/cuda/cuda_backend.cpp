@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <chrono>
@@ -37,13 +38,26 @@ int64_t env_integer(const char* name, int64_t fallback, int64_t lo, int64_t hi) 
 // goes to the other rank and they were measured faster; everything else the SM path: a broadcast
 // sends every token to every rank, and nvfp4 by copy engine was not measured against the SM
 // engine (docs/performance.md).
-bool use_broadcast(const BufferConfig& c, int ranks) {
-  const char* v = std::getenv("EPX_DISPATCH_ENGINE");
+// An engine variable: 'auto' when unset, else 'auto', 'sm' or 'copy'.
+std::string engine_setting(const char* name) {
+  const char* v = std::getenv(name);
   const std::string engine = v ? v : "auto";
-  require(engine == "sm" || engine == "copy" || engine == "auto",
-          "EPX_DISPATCH_ENGINE must be 'auto', 'sm' or 'copy', got '", engine, "'");
+  require(engine == "sm" || engine == "copy" || engine == "auto", name, " must be 'auto', 'sm' or 'copy', got '",
+          engine, "'");
+  return engine;
+}
+
+bool use_broadcast(const BufferConfig& c, int ranks) {
+  const std::string engine = engine_setting("EPX_DISPATCH_ENGINE");
   if (ranks < 2 || engine == "sm") return false;
   return engine == "copy" || (ranks == 2 && c.wire != WireFormat::nvfp4);
+}
+
+// Copy-engine combine (blocking, rank-major): EPX_COMBINE_ENGINE=copy or sm forces an engine;
+// unset (auto), two ranks return y's rows by copy engine (docs/performance.md).
+bool use_copy_combine(int ranks) {
+  const std::string engine = engine_setting("EPX_COMBINE_ENGINE");
+  return ranks >= 2 && (engine == "copy" || (engine == "auto" && ranks == 2));
 }
 
 WindowMap make_window_map(const BufferConfig& c, int ranks, const WireRow& wire, bool broadcast) {
@@ -69,6 +83,7 @@ WindowMap make_window_map(const BufferConfig& c, int ranks, const WireRow& wire,
   m.fwd_slot_index = take(4 * rows * c.topk);
   m.rev_rows = take(2 * rows * c.hidden);
   m.rev_slots = take(4 * rows * c.topk);
+  m.rev_piece_flag = take(4 * ranks * kMaxPieces);
   m.bcast_stride = round16(wire.bytes());
   m.bcast_rows = take(broadcast ? rows * m.bcast_stride : 0);
   // Pieces per broadcast: 4, or EPX_BCAST_PIECES (tuning experiments). Each piece costs the host
@@ -216,6 +231,7 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   send_blocks_override_ = static_cast<int>(env_integer("EPX_SEND_BLOCKS", 0, 1, blocks_ - 1));
   poison_outputs_ = std::getenv("EPX_POISON_OUTPUTS") != nullptr;
   broadcast_ = use_broadcast(config, ranks_);
+  copy_combine_ = use_copy_combine(ranks_);
   map_ = make_window_map(config, ranks_, wire_, broadcast_);
   // Everything that may synchronize the device comes before the collective window allocation:
   // once a rank returns from it, peers may already wait inside a call, and on a GPU shared by
@@ -228,16 +244,14 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   EPX_CUDA(cudaMemset(status_, 0, sizeof(DeviceStatus)));
   EPX_CUDA(cudaHostAlloc(&host_status_, sizeof(DeviceStatus), cudaHostAllocMapped));
   std::memset(host_status_, 0, sizeof(DeviceStatus));
-  EPX_CUDA(cudaHostAlloc(&host_info_, 8 * sizeof(int64_t), cudaHostAllocDefault));
+  EPX_CUDA(cudaHostAlloc(&host_info_, (8 + kMaxRanks + 1) * sizeof(int64_t), cudaHostAllocDefault));
   cudaStream_t own = nullptr;
   EPX_CUDA(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking));
   owned_stream_ = std::shared_ptr<CUstream_st>(own, [](cudaStream_t st) { cudaStreamDestroy(st); });
   stream_ = own;
   EPX_CUDA(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
-  if (broadcast_) {
-    EPX_CUDA(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
-    EPX_CUDA(cudaEventCreateWithFlags(&broadcast_begun_, cudaEventDisableTiming));
-  }
+  if (broadcast_ || copy_combine_) EPX_CUDA(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
+  if (broadcast_) EPX_CUDA(cudaEventCreateWithFlags(&broadcast_begun_, cudaEventDisableTiming));
   EPX_CUDA(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
   EPX_CUDA(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
   EPX_CUDA(cudaEventCreateWithFlags(&copies_done_, cudaEventDisableTiming));
@@ -414,11 +428,9 @@ void CudaBackend::exchange_plan(const Call& call, int phase, int64_t tokens, int
                                 int64_t count_len, int64_t* expert_prefix, int64_t* drop_capacity) {
   const PlanHeader h = plan_header(call, "", tokens, signature);
   const kernels::Ctx c = ctx();
-  kernels::post_plan(c, h, counts, count_len, phase);
-  kernels::wait_signals(c, kSignalPlan, 1);
-  kernels::check_plans(c, h, phase, expert_prefix != nullptr,
-                       expert_prefix ? config().capacity_factor : 0.0, expert_prefix,
-                       drop_capacity ? drop_capacity : scratch_);
+  kernels::exchange_plan(c, h, counts, count_len, phase, expert_prefix != nullptr,
+                         expert_prefix ? config().capacity_factor : 0.0, expert_prefix,
+                         drop_capacity ? drop_capacity : scratch_);
 }
 
 void CudaBackend::wait(int kind) {
@@ -726,6 +738,10 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   // Blocking: the call's sync, then the sizes.
   EPX_CUDA(cudaMemcpyAsync(host_info_, dh->recv.info, 4 * sizeof(int64_t), cudaMemcpyDeviceToHost, stream_));
   EPX_CUDA(cudaMemcpyAsync(host_info_ + 4, dh->dropped, sizeof(int64_t), cudaMemcpyDeviceToHost, stream_));
+  const bool offsets_to_host = opt.layout == Layout::rank_major && copy_combine_;  // combine copies by source
+  if (offsets_to_host)
+    EPX_CUDA(cudaMemcpyAsync(host_info_ + 8, dh->recv.rank_offsets, (ranks_ + 1) * sizeof(int64_t),
+                             cudaMemcpyDeviceToHost, stream_));
   sync_and_check(call);
   host_steps_.mark("synced");
   out.num_rows = host_info_[1];
@@ -734,6 +750,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   h->recv.tokens = host_info_[0];
   h->recv.num_rows = host_info_[1];
   h->recv.capacity = host_info_[2];
+  if (offsets_to_host) h->recv.rank_offsets.assign(host_info_ + 8, host_info_ + 8 + ranks_ + 1);
   for (Tensor* t : {&out.recv_x, &out.recv_scales, &out.recv_global_scale, &out.recv_src, &out.recv_weights,
                     &out.recv_topk_idx, &out.recv_topk_weights})
     if (t->defined()) *t = first_rows(*t, h->recv.capacity);
@@ -783,7 +800,10 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
   const Call call = begin_call(kCombine);
   const BufferConfig& c = config();
   timer_.mark(0, stream_);
-  const HandleState* h = &start_handle_call(call, handle, opt.weighted, [&](const HandleState& state) {
+  // The engine is part of the signature: ranks with different EPX_COMBINE_ENGINE would wait for
+  // each other's rows on different flags, so the plan check stops them first.
+  const int64_t options = (opt.weighted ? 1 : 0) + (copy_combine_ ? 2 : 0);
+  const HandleState* h = &start_handle_call(call, handle, options, [&](const HandleState& state) {
     validate_combine(in, state, c, opt, DeviceKind::cuda);
     check_device_tensor(in.y, "combine: y");
   });
@@ -794,9 +814,15 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
   kernels::CombineArgs a{in.y.ptr<const uint16_t>(), in.y.strides[0], opt.weighted, nullptr, 0,
                          in.shared_out.defined() ? in.shared_out.ptr<const uint16_t>() : nullptr,
                          in.shared_out.defined() ? in.shared_out.strides[0] : 0, out.out.data<uint16_t>(), nullptr};
+  const bool by_copy = start_copy_return(*h, in.y, TensorView{}, a);
   timer_.mark(2, stream_);
-  kernels::combine(ctx(), send_blocks(false, h->layout), dh.recv, h->layout, h->tokens, dh.pos.send_pos, dh.slot_expert, a);
+  kernels::combine(ctx(), by_copy ? 0 : send_blocks(false, h->layout), dh.recv, h->layout, h->tokens, dh.pos.send_pos,
+                   dh.slot_expert, a);
   timer_.mark(3, stream_);
+  if (by_copy) {
+    EPX_CUDA(cudaStreamWaitEvent(stream_, copies_done_, 0));  // y is read until then
+    timer_.add("combine: copies", 4, 5);
+  }
   out.overflow = h->recv.num_rows > h->recv.capacity;
   timer_.add("combine: plan", 0, 1);
   timer_.add("combine: kernel", 2, 3);
@@ -806,11 +832,36 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
   return out;
 }
 
+// Copy-engine return (blocking rank-major, where the host knows where each source's rows start):
+// the copies of every other rank's rows (and slot values) go on the copy stream once the plans
+// are exchanged (every rank is in this call, so its previous reader of rev_rows is done), and `a`
+// turns to reducing only. False: this call returns its rows with SM stores.
+bool CudaBackend::start_copy_return(const HandleState& h, const TensorView& rows, const TensorView& slot_values,
+                                    kernels::CombineArgs& a) {
+  if (!copy_combine_ || h.layout != Layout::rank_major || h.recv.rank_offsets.empty()) return false;
+  const int64_t own = h.recv.rank_offsets[rank_];
+  a.by_copy = true;
+  a.own_rows = rows.ptr<const uint16_t>() + own * rows.strides[0];
+  if (slot_values.defined()) a.own_slot_values = slot_values.ptr<const float>() + own * slot_values.strides[0];
+  EPX_CUDA(cudaEventRecord(fork_, stream_));
+  EPX_CUDA(cudaStreamWaitEvent(copy_stream_, fork_, 0));
+  timer_.mark(4, copy_stream_);
+  const kernels::ReturnRows r{static_cast<const char*>(rows.data), rows.strides[0] * 2,
+                              slot_values.defined() ? static_cast<const char*>(slot_values.data) : nullptr,
+                              slot_values.defined() ? slot_values.strides[0] * 4 : 0};
+  kernels::return_rows(ctx(), copy_stream_, r, h.recv.rank_offsets,
+                       reinterpret_cast<const char*>(call_state_) + offsetof(CallState, call));
+  timer_.mark(5, copy_stream_);
+  EPX_CUDA(cudaEventRecord(copies_done_, copy_stream_));
+  return true;
+}
+
 DispatchBackwardResult CudaBackend::dispatch_backward(const DispatchBackwardInput& in, const Handle& handle) {
   const Call call = begin_call(kDispatchBackward);
   const BufferConfig& c = config();
   const bool with_weights = in.grad_recv_weights.defined();
-  const HandleState* h = &start_handle_call(call, handle, with_weights, [&](const HandleState& state) {
+  const int64_t options = (with_weights ? 1 : 0) + (copy_combine_ ? 2 : 0);  // the engine: see combine
+  const HandleState* h = &start_handle_call(call, handle, options, [&](const HandleState& state) {
     validate_dispatch_backward(in, state, c, DeviceKind::cuda);
   });
   const DeviceHandle& dh = device_of(*h);
@@ -822,7 +873,10 @@ DispatchBackwardResult CudaBackend::dispatch_backward(const DispatchBackwardInpu
                          with_weights ? gw.ptr<const float>() : nullptr, with_weights ? gw.strides[0] : 0,
                          nullptr, 0, out.grad_x.data<uint16_t>(),
                          with_weights ? out.grad_topk_weights.data<float>() : nullptr};
-  kernels::combine(ctx(), send_blocks(false, h->layout), dh.recv, h->layout, h->tokens, dh.pos.send_pos, dh.slot_expert, a);
+  const bool by_copy = start_copy_return(*h, in.grad_recv_x, gw, a);
+  kernels::combine(ctx(), by_copy ? 0 : send_blocks(false, h->layout), dh.recv, h->layout, h->tokens, dh.pos.send_pos,
+                   dh.slot_expert, a);
+  if (by_copy) EPX_CUDA(cudaStreamWaitEvent(stream_, copies_done_, 0));  // the inputs are read until then
   if (c.mode == CapacityMode::blocking) sync_and_check(call);
   else kernels::publish_status(ctx(), host_status_);
   return out;

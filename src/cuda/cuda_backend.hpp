@@ -60,6 +60,8 @@ class CudaBackend final : public Backend {
   // signature holds `options` and the handle's layout.
   const HandleState& start_handle_call(const Call& call, const Handle& handle, int64_t options,
                                        const std::function<void(const HandleState&)>& validate);
+  bool start_copy_return(const HandleState& h, const TensorView& rows, const TensorView& slot_values,
+                         kernels::CombineArgs& a);
   // Waits for the forward / reverse transfer of this call.
   void wait(int kind);
   // Reads the device status (synchronizing the stream) and throws what it says.
@@ -117,10 +119,11 @@ class CudaBackend final : public Backend {
   std::shared_ptr<CUstream_st> owned_stream_;
   cudaStream_t stream_ = nullptr;
   cudaStream_t side_stream_ = nullptr;  // dispatch's receiver, beside the senders on stream_
-  cudaStream_t copy_stream_ = nullptr;  // copy-engine dispatch: the broadcast of x (made only then)
+  cudaStream_t copy_stream_ = nullptr;  // copy-engine dispatch and combine (made only for them)
   cudaEvent_t fork_ = nullptr, join_ = nullptr, copies_done_ = nullptr;
   cudaEvent_t broadcast_begun_ = nullptr;  // copy-engine dispatch: the peers' regions are free
-  bool broadcast_ = false;  // dispatch moves bf16 rows by copy engine (kernels/broadcast.cu)
+  bool broadcast_ = false;  // dispatch moves its rows by copy engine (kernels/broadcast.cu)
+  bool copy_combine_ = false;  // blocking rank-major combine and dispatch_backward return rows by copy engine
   std::shared_ptr<CUmemPoolHandle_st> pool_;  // outputs and handles; kept alive by every tensor from it
   // Dispatch output blocks whose tensors are gone, for the next dispatch: a pool allocation
   // costs tens of microseconds of host time (docs/performance.md).

@@ -269,9 +269,12 @@ Record base_record(const Options& o, const Ranks& ranks, const verify::Problem& 
   rec.git_commit = EPX_GIT_COMMIT;
   if (o.shared_gpu) rec.transport = "shared-gpu";
   if (o.backend == "cuda" && op.rfind("ll_", 0) == 0) rec.timing = o.ll_eager ? "eager" : "graph";
-  if (o.backend == "cuda" && op.rfind("ll_", 0) != 0) {  // what EPX_DISPATCH_ENGINE asked for (docs/cuda.md)
-    const char* dispatch_engine = std::getenv("EPX_DISPATCH_ENGINE");
-    rec.engines = std::string("dispatch=") + (dispatch_engine ? dispatch_engine : "auto");
+  if (o.backend == "cuda" && op.rfind("ll_", 0) != 0) {  // the engines asked for (docs/cuda.md)
+    auto asked = [](const char* name) {
+      const char* v = std::getenv(name);
+      return std::string(v ? v : "auto");
+    };
+    rec.engines = "dispatch=" + asked("EPX_DISPATCH_ENGINE") + ",combine=" + asked("EPX_COMBINE_ENGINE");
   }
   std::vector<double> t(o.iters, 0.0);
   for (const auto* rank_times : times)

@@ -127,13 +127,7 @@ void broadcast_rows(const Ctx& ctx, cudaStream_t copies, const char* x, int64_t 
       const int d = (w.rank + k) % w.ranks;
       const int64_t rows = std::min(m.piece_tokens, tokens - first);
       char* dst = w.base[d] + m.bcast_rows + (w.rank * ctx.shape.max_tokens + first) * m.bcast_stride;
-      const char* src = x + first * x_stride_bytes;
-      if (x_stride_bytes == row_bytes && m.bcast_stride == row_bytes)  // one block: the cheaper call
-        EPX_CUDA(cudaMemcpyAsync(dst, src, static_cast<size_t>(rows * row_bytes), cudaMemcpyDefault, copies));
-      else
-        EPX_CUDA(cudaMemcpy2DAsync(dst, static_cast<size_t>(m.bcast_stride), src, static_cast<size_t>(x_stride_bytes),
-                                   static_cast<size_t>(row_bytes), static_cast<size_t>(rows), cudaMemcpyDefault,
-                                   copies));
+      copy_rows(dst, m.bcast_stride, x + first * x_stride_bytes, x_stride_bytes, row_bytes, rows, copies);
       char* flag = w.base[d] + m.bcast_flag + (w.rank * kMaxPieces + piece) * sizeof(uint32_t);
       EPX_CUDA(cudaMemcpyAsync(flag, epoch, sizeof(uint32_t), cudaMemcpyDefault, copies));
     }

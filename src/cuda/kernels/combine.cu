@@ -3,6 +3,10 @@
 // each chunk; the source's reduce warps, in the same kernel on other SMs, add a token's rows in
 // rank order (then the shared expert) as soon as its chunk is back from every rank. Sums follow
 // docs/semantics.md, so results equal the CPU backend's bit for bit.
+// Copy-engine return (a.by_copy): the expert ranks' copy engines bring y's rows (return_rows,
+// copy_return.cpp) and every block reduces, waiting per piece. The rows arrive as y holds them, -0
+// included, where the returning warps write bf16(0 + y): the same sums, since a sum from +0 never
+// tells -0 from +0.
 #include "cuda/kernels/launch.hpp"
 #include "cuda/kernels/row_copy.cuh"
 
@@ -84,7 +88,7 @@ __device__ void reduce_token(const PeerWindows& w, const WindowMap& m, const Sha
         return a.shared != nullptr;
       }
       const int32_t pos = send_pos[t * w.ranks + d];
-      row = rev + (d * s.max_tokens + pos) * s.hidden;
+      row = a.by_copy && d == w.rank ? a.own_rows + pos * a.y_stride : rev + (d * s.max_tokens + pos) * s.hidden;
       return pos >= 0;
     }, false, a.out + t * s.hidden, s.hidden, wide, lane);
   if (a.slot_out) {
@@ -94,7 +98,9 @@ __device__ void reduce_token(const PeerWindows& w, const WindowMap& m, const Sha
       float v = 0.0f;
       if (e >= 0) {
         const int d = static_cast<int>(e / s.local_experts);
-        v = rev_slots[(d * s.max_tokens + send_pos[t * w.ranks + d]) * s.topk + k];
+        const int32_t pos = send_pos[t * w.ranks + d];
+        v = a.by_copy && d == w.rank ? a.own_slot_values[pos * a.slot_values_stride + k]
+                                     : rev_slots[(d * s.max_tokens + pos) * s.topk + k];
       }
       a.slot_out[t * s.topk + k] = v;
     }
@@ -138,11 +144,15 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PeerWindows w, Window
   const int64_t reducer = (blockIdx.x - send_blocks) * static_cast<int64_t>(kThreads / 32) + warp;
   const int64_t reducers = static_cast<int64_t>(gridDim.x - send_blocks) * (kThreads / 32);
   for (int64_t t = reducer; t < tokens; t += reducers) {
-    const int64_t c = t / kChunkTokens;
-    // Every rank returns every chunk, empty ones too; lane d waits for rank d.
-    if (!warp_wait_flags(at_window<uint32_t>(w, w.rank, m.rev_chunk_flag) + c, m.max_chunks, w.ranks, 0, epoch,
-                         timeout_ns, st, kSignalReverse, lane))
-      return;
+    if (a.by_copy) {  // lane d waits for the piece of rank d that holds token t's row (none from this rank)
+      const int32_t pos = lane < w.ranks && lane != w.rank ? send_pos[t * w.ranks + lane] : -1;
+      uint32_t* piece = pos < 0 ? nullptr
+                                : at_window<uint32_t>(w, w.rank, m.rev_piece_flag) + lane * kMaxPieces + pos / m.piece_tokens;
+      if (!warp_wait_lane_flags(piece, lane, epoch, timeout_ns, st, kSignalReverse)) return;
+    } else if (!warp_wait_flags(at_window<uint32_t>(w, w.rank, m.rev_chunk_flag) + t / kChunkTokens, m.max_chunks,
+                                w.ranks, 0, epoch, timeout_ns, st, kSignalReverse, lane)) {
+      return;  // every rank returns every chunk, empty ones too; lane d waits for rank d
+    }
     reduce_token(w, m, s, send_pos, slot_expert, a, wide, t, lane);
   }
 }

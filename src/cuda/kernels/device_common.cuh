@@ -111,17 +111,17 @@ __device__ inline void set_flag(Word* flag, Word value) {
   cuda::atomic_ref<Word, cuda::thread_scope_system>(*flag).store(value, cuda::memory_order_release);
 }
 
-// Lanes 0..n-1 each spin until their flag (flags[lane * stride], the flag of peer
-// first_peer + lane) carries epoch, all at once; then the warp may read what the flags cover.
-// Returns false (the whole warp) on a failed call or after timeout_ns, reporting which peer
-// never came. *seen (if given) receives lane 0's flag word.
+// Each lane with a flag (non-null `mine`, the flag of peer `peer`) spins until it carries epoch,
+// all at once; then the warp may read what the flags cover. Returns false (the whole warp) on a
+// failed call or after timeout_ns, reporting which peer never came. *seen (if given) receives
+// lane 0's flag word.
 template <typename Word>
-__device__ inline bool warp_wait_flags(Word* flags, int64_t stride, int n, int first_peer, uint32_t epoch,
-                                       uint64_t timeout_ns, DeviceStatus* st, int kind, int lane, Word* seen = nullptr) {
+__device__ inline bool warp_wait_lane_flags(Word* mine, int peer, uint32_t epoch, uint64_t timeout_ns, DeviceStatus* st,
+                                            int kind, Word* seen = nullptr) {
   int ok = 1;
   Word v = 0;
-  if (lane < n) {
-    cuda::atomic_ref<Word, cuda::thread_scope_system> f(flags[lane * stride]);
+  if (mine) {
+    cuda::atomic_ref<Word, cuda::thread_scope_system> f(*mine);
     const uint64_t start = globaltimer_ns();
     while (flag_epoch(v = f.load(cuda::memory_order_acquire)) < epoch) {
       if (failed(st)) {
@@ -129,7 +129,7 @@ __device__ inline bool warp_wait_flags(Word* flags, int64_t stride, int n, int f
         break;
       }
       if (globaltimer_ns() - start > timeout_ns) {
-        report(st, kStatusTimeout, first_peer + lane, kind, epoch, flag_epoch(v));
+        report(st, kStatusTimeout, peer, kind, epoch, flag_epoch(v));
         ok = 0;
         break;
       }
@@ -139,6 +139,14 @@ __device__ inline bool warp_wait_flags(Word* flags, int64_t stride, int n, int f
   if (seen) *seen = __shfl_sync(0xffffffffu, v, 0);
   __syncwarp();
   return ok != 0;
+}
+
+// Lanes 0..n-1 each wait for their flag (flags[lane * stride], the flag of peer first_peer + lane).
+template <typename Word>
+__device__ inline bool warp_wait_flags(Word* flags, int64_t stride, int n, int first_peer, uint32_t epoch,
+                                       uint64_t timeout_ns, DeviceStatus* st, int kind, int lane, Word* seen = nullptr) {
+  return warp_wait_lane_flags(lane < n ? flags + lane * stride : nullptr, first_peer + lane, epoch, timeout_ns, st, kind,
+                              seen);
 }
 
 // Every thread of a block calls it once at its end: true in the last block of the grid to get

@@ -72,8 +72,11 @@ struct WindowMap {
   int64_t fwd_slot_index;   // int32 [R * max_tokens * K]: the pair's index among the source's pairs of that expert
   int64_t rev_rows;      // bf16 [R * max_tokens * H]
   int64_t rev_slots;     // f32 [R * max_tokens * K]
+  int64_t rev_piece_flag;   // uint32 [R][kMaxPieces]: copy-engine combine: the call epoch once rank d's
+                            // rows of stream positions [p * piece_tokens, ...) are in rev_rows
   // Copy-engine dispatch (docs/performance.md): every source's whole input, copied here by its
-  // copy engines in pieces of piece_tokens tokens, each piece flagged after it.
+  // copy engines in pieces of piece_tokens tokens, each piece flagged after it (copy-engine
+  // combine cuts its rows by stream position the same way).
   int64_t bcast_rows;       // [R][max_tokens] rows of bcast_stride bytes (none when the buffer does not broadcast)
   int64_t bcast_stride;
   int64_t piece_tokens;

@@ -2,6 +2,8 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <vector>
+
 #include "cuda/kernels/device_types.hpp"
 #include "epx/config.hpp"
 
@@ -57,10 +59,11 @@ void post_plan(const Ctx& ctx, const PlanHeader& header, const int64_t* counts, 
 // Advances the target of signal `kind` by `increment` and (when `wait`) waits for every rank's
 // counter to reach it.
 void wait_signals(const Ctx& ctx, int kind, uint64_t increment, bool wait = true);
-// Checks every rank's plan of this call's `phase`: same call, no rejected input. Fills drop_capacity
-// (when capacity_factor > 0, else -1) and per-expert prefix counts of lower ranks [E].
-void check_plans(const Ctx& ctx, const PlanHeader& mine, int phase, bool with_counts, double capacity_factor,
-                 int64_t* expert_prefix, int64_t* drop_capacity);
+// The plan exchange of this call's `phase` in one launch: post_plan, wait_signals(kSignalPlan, 1),
+// then checks every rank's plan: same call, no rejected input. Fills drop_capacity (when
+// capacity_factor > 0, else -1) and, with_counts, per-expert prefix counts of lower ranks [E].
+void exchange_plan(const Ctx& ctx, const PlanHeader& mine, const int64_t* counts, int64_t count_len, int phase,
+                   bool with_counts, double capacity_factor, int64_t* expert_prefix, int64_t* drop_capacity);
 // The drop rule on this rank's slots; adds the dropped count to *dropped.
 void drop_slots(const Ctx& ctx, int64_t tokens, int32_t* slot_expert, float* slot_weight, const int64_t* expert_prefix,
                 const int64_t* drop_capacity, int64_t* dropped);
@@ -179,9 +182,33 @@ struct CombineArgs {
   int64_t shared_stride;
   uint16_t* out;
   float* slot_out;
+  // Copy-engine return (rank-major): the expert ranks' copy engines return their rows and slot
+  // values, flagged per piece (rev_piece_flag), and this rank's own tokens' are read where they
+  // start in y and slot_values (own_*: row rank_offsets[rank], then by stream position). No
+  // block returns rows.
+  bool by_copy = false;
+  const uint16_t* own_rows = nullptr;
+  const float* own_slot_values = nullptr;
 };
 void combine(const Ctx& ctx, int send_blocks, const RecvArrays& r, Layout layout, int64_t tokens,
              const int32_t* send_pos, const int32_t* slot_expert, const CombineArgs& a);
+// Copy-engine return (combine, dispatch_backward), on stream `copies`: y's rows of each other rank
+// (rows [rank_offsets[d], rank_offsets[d+1]) of y, in its stream order) into that rank's rev_rows,
+// and their K slot values (f32, when slot_values is given) into its rev_slots, in pieces of
+// piece_tokens rows, each followed by a 4-byte copy of the call's epoch (read from `epoch`, the
+// low half of CallState::call) into the piece's flag there. rank_offsets: the host's copy.
+// n rows of row_bytes from src to dst (each its stride apart) by copy engine on stream `copies`:
+// one plain copy when both are packed, else a 2D copy.
+void copy_rows(char* dst, int64_t dst_stride, const char* src, int64_t src_stride, int64_t row_bytes, int64_t n,
+               cudaStream_t copies);
+struct ReturnRows {
+  const char* y;
+  int64_t y_stride_bytes;
+  const char* slot_values;  // or null
+  int64_t slot_stride_bytes;
+};
+void return_rows(const Ctx& ctx, cudaStream_t copies, const ReturnRows& rows, const std::vector<int64_t>& rank_offsets,
+                 const void* epoch);
 // Source side of combine_backward: per-slot values returned by the expert ranks into slot_out [T*K].
 void gather_slot_values(const Ctx& ctx, int64_t tokens, const int32_t* send_pos, const int32_t* slot_expert,
                         float* slot_out);

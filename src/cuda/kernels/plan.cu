@@ -61,8 +61,8 @@ __global__ void begin_call_kernel(CallState* cs, DeviceStatus* st) {
 }
 
 // One block: write header (+ counts) into every rank's plan slot for this rank, then signal.
-__global__ void post_plan_kernel(PeerWindows w, WindowMap m, PlanHeader header, const int64_t* counts,
-                                 int64_t count_len, int phase, const CallState* cs, DeviceStatus* st) {
+__device__ void post_plan_block(const PeerWindows& w, const WindowMap& m, PlanHeader header, const int64_t* counts,
+                                int64_t count_len, int phase, const CallState* cs, DeviceStatus* st) {
   const int slot = plan_slot(cs, phase);
   if (threadIdx.x == 0) {
     header.call_index = static_cast<int64_t>(cs->call) - 1;
@@ -83,16 +83,19 @@ __global__ void post_plan_kernel(PeerWindows w, WindowMap m, PlanHeader header, 
   block_done_signal(w, m, kSignalPlan);
 }
 
-__global__ void wait_kernel(PeerWindows w, WindowMap m, int kind, uint64_t increment, bool wait, uint64_t timeout_ns,
-                            CallState* cs, DeviceStatus* st) {
+// Thread 0: advances this rank's target of signal `kind` and (if `wait`) waits for every rank.
+__device__ void advance_and_wait(const PeerWindows& w, const WindowMap& m, int kind, uint64_t increment, bool wait,
+                                 uint64_t timeout_ns, CallState* cs, DeviceStatus* st) {
   if (threadIdx.x != 0) return;
   cs->targets[kind] += increment;  // every rank advances its targets alike
   if (wait) wait_all(w, m, kind, cs->targets[kind], timeout_ns, st);
 }
 
-__global__ void check_plans_kernel(PeerWindows w, WindowMap m, Shape s, PlanHeader mine, int phase, bool with_counts,
-                                   double capacity_factor, int64_t* expert_prefix, int64_t* drop_capacity,
-                                   const CallState* cs, DeviceStatus* st) {
+// One block: every rank's plan against this rank's (same call, signature; a peer's rejection),
+// the drop capacity, and with counts each expert's pairs on lower ranks.
+__device__ void check_plans_block(const PeerWindows& w, const WindowMap& m, const Shape& s, PlanHeader mine, int phase,
+                                  bool with_counts, double capacity_factor, int64_t* expert_prefix,
+                                  int64_t* drop_capacity, const CallState* cs, DeviceStatus* st) {
   if (failed(st)) return;  // a timeout, or this rank's own error: already reported
   const int slot = plan_slot(cs, phase);
   mine.call_index = static_cast<int64_t>(cs->call) - 1;
@@ -120,6 +123,28 @@ __global__ void check_plans_kernel(PeerWindows w, WindowMap m, Shape s, PlanHead
     for (int p = 0; p < w.rank; ++p) prefix += reinterpret_cast<const int64_t*>(plan(p) + sizeof(PlanHeader))[e];
     expert_prefix[e] = prefix;
   }
+}
+
+__global__ void post_plan_kernel(PeerWindows w, WindowMap m, PlanHeader header, const int64_t* counts,
+                                 int64_t count_len, int phase, const CallState* cs, DeviceStatus* st) {
+  post_plan_block(w, m, header, counts, count_len, phase, cs, st);
+}
+
+__global__ void wait_kernel(PeerWindows w, WindowMap m, int kind, uint64_t increment, bool wait, uint64_t timeout_ns,
+                            CallState* cs, DeviceStatus* st) {
+  advance_and_wait(w, m, kind, increment, wait, timeout_ns, cs, st);
+}
+
+// The plan exchange in one launch (post, wait, check): two fewer launches on every call's
+// critical path, for the host and for the GPU.
+__global__ void exchange_plan_kernel(PeerWindows w, WindowMap m, Shape s, PlanHeader header, const int64_t* counts,
+                                     int64_t count_len, int phase, bool with_counts, double capacity_factor,
+                                     int64_t* expert_prefix, int64_t* drop_capacity, uint64_t timeout_ns, CallState* cs,
+                                     DeviceStatus* st) {
+  post_plan_block(w, m, header, counts, count_len, phase, cs, st);
+  advance_and_wait(w, m, kSignalPlan, 1, true, timeout_ns, cs, st);
+  __syncthreads();  // thread 0 saw every rank's signal (acquire): the block reads their plans
+  check_plans_block(w, m, s, header, phase, with_counts, capacity_factor, expert_prefix, drop_capacity, cs, st);
 }
 
 // Block e: this rank's (token, slot) pairs of expert e in order; keep while the global
@@ -167,10 +192,11 @@ void wait_signals(const Ctx& ctx, int kind, uint64_t increment, bool wait) {
                                         ctx.status);
 }
 
-void check_plans(const Ctx& ctx, const PlanHeader& mine, int phase, bool with_counts, double capacity_factor,
-                 int64_t* expert_prefix, int64_t* drop_capacity) {
-  check_plans_kernel<<<1, 256, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, mine, phase, with_counts,
-                                                capacity_factor, expert_prefix, drop_capacity, ctx.state, ctx.status);
+void exchange_plan(const Ctx& ctx, const PlanHeader& mine, const int64_t* counts, int64_t count_len, int phase,
+                   bool with_counts, double capacity_factor, int64_t* expert_prefix, int64_t* drop_capacity) {
+  exchange_plan_kernel<<<1, 256, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, mine, counts, counts ? count_len : 0,
+                                                  phase, with_counts, capacity_factor, expert_prefix, drop_capacity,
+                                                  ctx.timeout_ns, ctx.state, ctx.status);
 }
 
 void drop_slots(const Ctx& ctx, int64_t tokens, int32_t* slot_expert, float* slot_weight, const int64_t* expert_prefix,
@@ -185,7 +211,8 @@ void publish_status(const DeviceStatus* status, DeviceStatus* host_status, cudaS
   publish_status_kernel<<<1, 1, 0, stream>>>(status, host_status);
 }
 
-void preload_plan_kernels() { preload(begin_call_kernel, canonicalize_kernel, post_plan_kernel, wait_kernel, check_plans_kernel, drop_kernel, publish_status_kernel); }
+void preload_plan_kernels() { preload(begin_call_kernel, canonicalize_kernel, post_plan_kernel, wait_kernel, exchange_plan_kernel, drop_kernel,
+          publish_status_kernel); }
 
 void preload_kernels() {
   ll::preload_kernels();  // a peer may wait inside a low-latency call too

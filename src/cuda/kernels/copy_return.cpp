@@ -1,0 +1,45 @@
+// Copy-engine return, the expert side of combine and dispatch_backward: no kernel. At two ranks a
+// blocking rank-major call returns y's rows as they are (a source sums its rows from +0, so the
+// bf16(0 + y) the SM path's returning warps write gives the same sums) and the slot values as they
+// are (the SM path zeroes those of other ranks' experts, which the source never reads). The rows of
+// each source are contiguous in y, in the source's stream order, so the copy engines move them in
+// a few large copies while every SM reduces (docs/performance.md).
+#include <algorithm>
+
+#include "cuda/cuda_check.hpp"
+#include "cuda/kernels/launch.hpp"
+
+namespace epx::detail::kernels {
+
+void copy_rows(char* dst, int64_t dst_stride, const char* src, int64_t src_stride, int64_t row_bytes, int64_t n,
+               cudaStream_t copies) {
+  if (src_stride == row_bytes && dst_stride == row_bytes)  // one block: the cheaper call
+    EPX_CUDA(cudaMemcpyAsync(dst, src, static_cast<size_t>(n * row_bytes), cudaMemcpyDefault, copies));
+  else
+    EPX_CUDA(cudaMemcpy2DAsync(dst, static_cast<size_t>(dst_stride), src, static_cast<size_t>(src_stride),
+                               static_cast<size_t>(row_bytes), static_cast<size_t>(n), cudaMemcpyDefault, copies));
+}
+
+void return_rows(const Ctx& ctx, cudaStream_t copies, const ReturnRows& rows, const std::vector<int64_t>& rank_offsets,
+                 const void* epoch) {
+  const PeerWindows& w = ctx.peers;
+  const WindowMap& m = ctx.map;
+  const int64_t row_bytes = 2 * ctx.shape.hidden, slot_bytes = 4 * ctx.shape.topk;
+  for (int k = 1; k < w.ranks; ++k) {
+    const int d = (w.rank + k) % w.ranks;
+    const int64_t count = rank_offsets[d + 1] - rank_offsets[d];
+    for (int64_t first = 0, piece = 0; first < count; first += m.piece_tokens, ++piece) {
+      const int64_t n = std::min(m.piece_tokens, count - first), row = rank_offsets[d] + first;
+      const int64_t at = w.rank * ctx.shape.max_tokens + first;  // the first row's place at d
+      copy_rows(w.base[d] + m.rev_rows + at * row_bytes, row_bytes, rows.y + row * rows.y_stride_bytes,
+                rows.y_stride_bytes, row_bytes, n, copies);
+      if (rows.slot_values)
+        copy_rows(w.base[d] + m.rev_slots + at * slot_bytes, slot_bytes, rows.slot_values + row * rows.slot_stride_bytes,
+                  rows.slot_stride_bytes, slot_bytes, n, copies);
+      char* flag = w.base[d] + m.rev_piece_flag + (w.rank * kMaxPieces + piece) * sizeof(uint32_t);
+      EPX_CUDA(cudaMemcpyAsync(flag, epoch, sizeof(uint32_t), cudaMemcpyDefault, copies));
+    }
+  }
+}
+
+}  // namespace epx::detail::kernels
