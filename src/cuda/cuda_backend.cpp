@@ -384,8 +384,9 @@ void CudaBackend::raise(const DeviceStatus& st, const Call& call) {
       broken_ = true;
       broken_reason_ = cat(call.name, " (", steps[st.a % 3], "): rank ", rank_, " waited ", timeout_.count(),
                            " ms for rank(s) ", st.rank,
-                           ", which never arrived (crashed, hung, or called collective operations in a different order); "
-                           "this rank's host reached the steps of this call at: ", host_steps_.summary());
+                           ", which never arrived (crashed, hung, or called collective operations in a different order; "
+                           "its signal here read ", st.c, ", awaited ", st.b,
+                           "); this rank's host reached the steps of this call at: ", host_steps_.summary());
       throw Error(ErrorCode::timeout, broken_reason_);
     }
     default:
@@ -738,7 +739,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   // Blocking: the call's sync, then the sizes.
   EPX_CUDA(cudaMemcpyAsync(host_info_, dh->recv.info, 4 * sizeof(int64_t), cudaMemcpyDeviceToHost, stream_));
   EPX_CUDA(cudaMemcpyAsync(host_info_ + 4, dh->dropped, sizeof(int64_t), cudaMemcpyDeviceToHost, stream_));
-  const bool offsets_to_host = opt.layout == Layout::rank_major && copy_combine_;  // combine copies by source
+  const bool offsets_to_host = copy_combine_;  // combine copies by source
   if (offsets_to_host)
     EPX_CUDA(cudaMemcpyAsync(host_info_ + 8, dh->recv.rank_offsets, (ranks_ + 1) * sizeof(int64_t),
                              cudaMemcpyDeviceToHost, stream_));
@@ -814,7 +815,8 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
   kernels::CombineArgs a{in.y.ptr<const uint16_t>(), in.y.strides[0], opt.weighted, nullptr, 0,
                          in.shared_out.defined() ? in.shared_out.ptr<const uint16_t>() : nullptr,
                          in.shared_out.defined() ? in.shared_out.strides[0] : 0, out.out.data<uint16_t>(), nullptr};
-  const bool by_copy = start_copy_return(*h, in.y, TensorView{}, a);
+  std::vector<Tensor> staging;
+  const bool by_copy = start_copy_return(*h, in.y, TensorView{}, a, staging);
   timer_.mark(2, stream_);
   kernels::combine(ctx(), by_copy ? 0 : send_blocks(false, h->layout), dh.recv, h->layout, h->tokens, dh.pos.send_pos,
                    dh.slot_expert, a);
@@ -832,27 +834,51 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
   return out;
 }
 
-// Copy-engine return (blocking rank-major, where the host knows where each source's rows start):
-// the copies of every other rank's rows (and slot values) go on the copy stream once the plans
-// are exchanged (every rank is in this call, so its previous reader of rev_rows is done), and `a`
-// turns to reducing only. False: this call returns its rows with SM stores.
+// Copy-engine return (blocking calls, where the host knows where each source's rows start): the
+// copies of every other rank's rows (and slot values) go on the copy stream once the plans are
+// exchanged (every rank is in this call, so its previous reader of rev_rows is done), and `a`
+// turns to reducing only. Rank-major returns y's rows as they are. Expert-major first sums each
+// received token's rows into a partial in rank-major order (`staging`, freed stream-ordered with
+// the caller's tensors): the other ranks' partials, then their copies, then this rank's own while
+// the copies run. False: this call returns its rows with SM stores.
 bool CudaBackend::start_copy_return(const HandleState& h, const TensorView& rows, const TensorView& slot_values,
-                                    kernels::CombineArgs& a) {
-  if (!copy_combine_ || h.layout != Layout::rank_major || h.recv.rank_offsets.empty()) return false;
-  const int64_t own = h.recv.rank_offsets[rank_];
+                                    kernels::CombineArgs& a, std::vector<Tensor>& staging) {
+  if (!copy_combine_ || h.recv.rank_offsets.empty()) return false;
+  const int64_t own = h.recv.rank_offsets[rank_], own_rows = h.recv.rank_offsets[rank_ + 1] - own;
+  TensorView from = rows, from_slots = slot_values;
+  kernels::PartialRows partials{};
+  if (h.layout == Layout::expert_major) {
+    const int64_t received = h.recv.rank_offsets[ranks_];
+    const int64_t topk = config().topk, hidden = config().hidden;
+    staging.push_back(device_tensor(DType::bf16, {received, hidden}));
+    from = staging.back().view();
+    if (slot_values.defined()) {
+      staging.push_back(device_tensor(DType::f32, {received, topk}));
+      from_slots = staging.back().view();
+    }
+    partials = {from.ptr<uint16_t>(), from_slots.defined() ? from_slots.ptr<float>() : nullptr, 0,
+                received - own_rows, own, own_rows};
+    kernels::reduce_partials(ctx(), device_of(h).recv, a, partials);  // the other ranks' rows
+  }
   a.by_copy = true;
-  a.own_rows = rows.ptr<const uint16_t>() + own * rows.strides[0];
-  if (slot_values.defined()) a.own_slot_values = slot_values.ptr<const float>() + own * slot_values.strides[0];
+  a.own_rows = from.ptr<const uint16_t>() + own * from.strides[0];
+  if (from_slots.defined()) a.own_slot_values = from_slots.ptr<const float>() + own * from_slots.strides[0];
   EPX_CUDA(cudaEventRecord(fork_, stream_));
   EPX_CUDA(cudaStreamWaitEvent(copy_stream_, fork_, 0));
   timer_.mark(4, copy_stream_);
-  const kernels::ReturnRows r{static_cast<const char*>(rows.data), rows.strides[0] * 2,
-                              slot_values.defined() ? static_cast<const char*>(slot_values.data) : nullptr,
-                              slot_values.defined() ? slot_values.strides[0] * 4 : 0};
+  const kernels::ReturnRows r{static_cast<const char*>(from.data), from.strides[0] * 2,
+                              from_slots.defined() ? static_cast<const char*>(from_slots.data) : nullptr,
+                              from_slots.defined() ? from_slots.strides[0] * 4 : 0};
   kernels::return_rows(ctx(), copy_stream_, r, h.recv.rank_offsets,
                        reinterpret_cast<const char*>(call_state_) + offsetof(CallState, call));
   timer_.mark(5, copy_stream_);
   EPX_CUDA(cudaEventRecord(copies_done_, copy_stream_));
+  if (h.layout == Layout::expert_major) {  // this rank's own partials, while the copies run
+    kernels::reduce_partials(ctx(), device_of(h).recv, a, {partials.rows, partials.slots, own, own_rows, own_rows, 0});
+    a.y = from.ptr<const uint16_t>();  // the reducers read own rows (own_rows + pos * y_stride) from the partials
+    a.y_stride = from.strides[0];
+    a.slot_values_stride = from_slots.defined() ? from_slots.strides[0] : 0;
+  }
   return true;
 }
 
@@ -873,7 +899,8 @@ DispatchBackwardResult CudaBackend::dispatch_backward(const DispatchBackwardInpu
                          with_weights ? gw.ptr<const float>() : nullptr, with_weights ? gw.strides[0] : 0,
                          nullptr, 0, out.grad_x.data<uint16_t>(),
                          with_weights ? out.grad_topk_weights.data<float>() : nullptr};
-  const bool by_copy = start_copy_return(*h, in.grad_recv_x, gw, a);
+  std::vector<Tensor> staging;
+  const bool by_copy = start_copy_return(*h, in.grad_recv_x, gw, a, staging);
   kernels::combine(ctx(), by_copy ? 0 : send_blocks(false, h->layout), dh.recv, h->layout, h->tokens, dh.pos.send_pos,
                    dh.slot_expert, a);
   if (by_copy) EPX_CUDA(cudaStreamWaitEvent(stream_, copies_done_, 0));  // the inputs are read until then

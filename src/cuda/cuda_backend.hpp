@@ -61,7 +61,7 @@ class CudaBackend final : public Backend {
   const HandleState& start_handle_call(const Call& call, const Handle& handle, int64_t options,
                                        const std::function<void(const HandleState&)>& validate);
   bool start_copy_return(const HandleState& h, const TensorView& rows, const TensorView& slot_values,
-                         kernels::CombineArgs& a);
+                         kernels::CombineArgs& a, std::vector<Tensor>& staging);
   // Waits for the forward / reverse transfer of this call.
   void wait(int kind);
   // Reads the device status (synchronizing the stream) and throws what it says.

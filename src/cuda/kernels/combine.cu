@@ -3,8 +3,9 @@
 // each chunk; the source's reduce warps, in the same kernel on other SMs, add a token's rows in
 // rank order (then the shared expert) as soon as its chunk is back from every rank. Sums follow
 // docs/semantics.md, so results equal the CPU backend's bit for bit.
-// Copy-engine return (a.by_copy): the expert ranks' copy engines bring y's rows (return_rows,
-// copy_return.cpp) and every block reduces, waiting per piece. The rows arrive as y holds them, -0
+// Copy-engine return (a.by_copy): the expert ranks' copy engines bring y's rows, or expert-major
+// the partials reduce_partials_kernel summed into a rank-major buffer first (return_rows,
+// copy_return.cpp), and every block reduces, waiting per piece. The rows arrive as y holds them, -0
 // included, where the returning warps write bf16(0 + y): the same sums, since a sum from +0 never
 // tells -0 from +0.
 #include "cuda/kernels/launch.hpp"
@@ -41,12 +42,12 @@ __device__ void copy_bf16_plus_zero(const uint16_t* src, uint16_t* dst, int64_t 
   }
 }
 
-// Expert side, one warp: received row `pos` of `source`'s stream back into its window.
-__device__ void return_row(const PeerWindows& w, const WindowMap& m, const Shape& s, const RecvArrays& r, Layout layout,
-                           const CombineArgs& a, bool wide, int source, int64_t pos, int lane) {
-  const int64_t i = r.rank_offsets[source] + pos, at = w.rank * s.max_tokens + pos, capacity = r.info[2];
+// Expert side, one warp: the partial of received row i (rank-major order): the bf16 row into
+// dst (when y is given) and the token's K slot values into dst_slots (when a.slot_values is).
+__device__ void partial_row(const Shape& s, const RecvArrays& r, Layout layout, const CombineArgs& a, bool wide,
+                            int64_t i, uint16_t* dst, float* dst_slots, int lane) {
+  const int64_t capacity = r.info[2];
   if (a.y) {
-    uint16_t* dst = at_window<uint16_t>(w, source, m.rev_rows + at * s.hidden * 2);
     if (layout == Layout::rank_major && wide) {  // one term: 0 + y, a copy that turns -0 into +0
       copy_bf16_plus_zero(i < capacity ? a.y + i * a.y_stride : nullptr, dst, s.hidden, lane);
     } else if (layout == Layout::rank_major) {
@@ -65,15 +66,23 @@ __device__ void return_row(const PeerWindows& w, const WindowMap& m, const Shape
     }
   }
   if (a.slot_values) {
-    float* dst = at_window<float>(w, source, m.rev_slots + at * s.topk * 4);
     for (int64_t k = lane; k < s.topk; k += 32) {
       const int64_t row = r.slot_row[i * s.topk + k];
       float v = 0.0f;
       if (row >= 0 && row < capacity)
         v = layout == Layout::rank_major ? a.slot_values[row * a.slot_values_stride + k] : a.slot_values[row * a.slot_values_stride];
-      dst[k] = v;
+      dst_slots[k] = v;
     }
   }
+}
+
+// Expert side, one warp: received row `pos` of `source`'s stream back into its window.
+__device__ void return_row(const PeerWindows& w, const WindowMap& m, const Shape& s, const RecvArrays& r, Layout layout,
+                           const CombineArgs& a, bool wide, int source, int64_t pos, int lane) {
+  const int64_t at = w.rank * s.max_tokens + pos;
+  partial_row(s, r, layout, a, wide, r.rank_offsets[source] + pos,
+              at_window<uint16_t>(w, source, m.rev_rows + at * s.hidden * 2),
+              at_window<float>(w, source, m.rev_slots + at * s.topk * 4), lane);
 }
 
 // Source side, one warp: token t from every rank's returned row (rank order), then shared.
@@ -157,6 +166,26 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PeerWindows w, Window
   }
 }
 
+// Copy-engine return of the expert-major layout: every warp of the grid sums received rows'
+// partials into a local buffer in rank-major order (partials [M, H], partial_slots [M, K]), which
+// the copy engines then return like a rank-major y. Warp j takes row first + j, skipping `gap`
+// rows at gap_at (this rank's own rows while the other ranks' are reduced first). Blocks of 24
+// warps: the sums are bound by the loads a warp keeps in flight, so an SM needs many warps
+// (24 warps at 80 registers, no spills; 32 warps spilled at 64).
+constexpr int kPartialThreads = 768;
+__global__ void __launch_bounds__(kPartialThreads) reduce_partials_kernel(Shape s, RecvArrays r, CombineArgs a,
+                                                                          PartialRows p, const DeviceStatus* st) {
+  if (failed(st)) return;
+  const int lane = threadIdx.x % 32;
+  const bool wide = s.hidden % 8 == 0 && aligned16(a.y) && a.y_stride % 8 == 0 && aligned16(p.rows);
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kPartialThreads / 32);
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(kPartialThreads / 32) + threadIdx.x / 32; j < p.count; j += warps) {
+    const int64_t i = p.first + j + (j >= p.gap_at ? p.gap : 0);
+    partial_row(s, r, Layout::expert_major, a, wide, i, p.rows + i * s.hidden, p.slots ? p.slots + i * s.topk : nullptr,
+                lane);
+  }
+}
+
 }  // namespace
 
 void combine(const Ctx& ctx, int send_blocks, const RecvArrays& r, Layout layout, int64_t tokens,
@@ -166,6 +195,11 @@ void combine(const Ctx& ctx, int send_blocks, const RecvArrays& r, Layout layout
                                                           ctx.status);
 }
 
-void preload_combine_kernels() { preload(combine_kernel); }
+void reduce_partials(const Ctx& ctx, const RecvArrays& r, const CombineArgs& a, const PartialRows& p) {
+  if (p.count == 0) return;
+  reduce_partials_kernel<<<ctx.blocks, kPartialThreads, 0, ctx.stream>>>(ctx.shape, r, a, p, ctx.status);
+}
+
+void preload_combine_kernels() { preload(combine_kernel, reduce_partials_kernel); }
 
 }  // namespace epx::detail::kernels

@@ -1,8 +1,9 @@
-// Copy-engine return, the expert side of combine and dispatch_backward: no kernel. At two ranks a
-// blocking rank-major call returns y's rows as they are (a source sums its rows from +0, so the
-// bf16(0 + y) the SM path's returning warps write gives the same sums) and the slot values as they
-// are (the SM path zeroes those of other ranks' experts, which the source never reads). The rows of
-// each source are contiguous in y, in the source's stream order, so the copy engines move them in
+// Copy-engine return, the expert side of combine and dispatch_backward. At two ranks a blocking
+// rank-major call returns y's rows as they are (a source sums its rows from +0, so the bf16(0 + y)
+// the SM path's returning warps write gives the same sums) and the slot values as they are (the SM
+// path zeroes those of other ranks' experts, which the source never reads); an expert-major call
+// returns the partials reduce_partials summed into a rank-major buffer (combine.cu). The rows of
+// each source are contiguous there, in the source's stream order, so the copy engines move them in
 // a few large copies while every SM reduces (docs/performance.md).
 #include <algorithm>
 

@@ -182,16 +182,27 @@ struct CombineArgs {
   int64_t shared_stride;
   uint16_t* out;
   float* slot_out;
-  // Copy-engine return (rank-major): the expert ranks' copy engines return their rows and slot
-  // values, flagged per piece (rev_piece_flag), and this rank's own tokens' are read where they
-  // start in y and slot_values (own_*: row rank_offsets[rank], then by stream position). No
-  // block returns rows.
+  // Copy-engine return: the expert ranks' copy engines return their rows and slot values (the
+  // partials, expert-major), flagged per piece (rev_piece_flag), and this rank's own tokens' are
+  // read where they start in y and slot_values, or in the partials (own_*: row
+  // rank_offsets[rank], then by stream position, y_stride / slot_values_stride apart). No block
+  // returns rows.
   bool by_copy = false;
   const uint16_t* own_rows = nullptr;
   const float* own_slot_values = nullptr;
 };
 void combine(const Ctx& ctx, int send_blocks, const RecvArrays& r, Layout layout, int64_t tokens,
              const int32_t* send_pos, const int32_t* slot_expert, const CombineArgs& a);
+// Copy-engine return of the expert-major layout: the partials of received rows (rank-major order
+// i = first + j + (j >= gap_at ? gap : 0) for j < count) summed as the SM path returns them
+// (docs/semantics.md), into rows [i] (bf16 [M, H]) and, when a.slot_values is given, slots [i]
+// (f32 [M, K]); return_rows then moves them as a rank-major y.
+struct PartialRows {
+  uint16_t* rows;
+  float* slots;  // or null
+  int64_t first, count, gap_at, gap;
+};
+void reduce_partials(const Ctx& ctx, const RecvArrays& r, const CombineArgs& a, const PartialRows& p);
 // Copy-engine return (combine, dispatch_backward), on stream `copies`: y's rows of each other rank
 // (rows [rank_offsets[d], rank_offsets[d+1]) of y, in its stream order) into that rank's rev_rows,
 // and their K slot values (f32, when slot_values is given) into its rev_slots, in pieces of
