@@ -79,8 +79,9 @@ __device__ void partial_row(const Shape& s, const RecvArrays& r, Layout layout, 
 // Expert side, one warp: received row `pos` of `source`'s stream back into its window.
 __device__ void return_row(const PeerWindows& w, const WindowMap& m, const Shape& s, const RecvArrays& r, Layout layout,
                            const CombineArgs& a, bool wide, int source, int64_t pos, int lane) {
-  const int64_t at = w.rank * s.max_tokens + pos, i = r.rank_offsets[source] + pos;
-  partial_row(s, r, layout, a, wide, i, at_window<uint16_t>(w, source, m.rev_rows + at * s.hidden * 2),
+  const int64_t at = w.rank * s.max_tokens + pos;
+  partial_row(s, r, layout, a, wide, r.rank_offsets[source] + pos,
+              at_window<uint16_t>(w, source, m.rev_rows + at * s.hidden * 2),
               at_window<float>(w, source, m.rev_slots + at * s.topk * 4), lane);
 }
 
@@ -168,36 +169,20 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PeerWindows w, Window
 // Copy-engine return of the expert-major layout: every warp of the grid sums received rows'
 // partials into a local buffer in rank-major order (partials [M, H], partial_slots [M, K]), which
 // the copy engines then return like a rank-major y. Warp j takes row first + j, skipping `gap`
-// rows at gap_at (this rank's own rows while the other ranks' are reduced first). The sums are
-// bound by the loads in flight: each warp loads up to 4 of a token's rows at once
-// (sum_lane_terms, 4 KiB), 16 warps a block (124 registers, no spills; 24 or 32 warps spill).
-constexpr int kPartialThreads = 512;
-constexpr int kPartialGroup = 4, kPartialVectors = 2;  // sum_lane_terms: 4 rows' loads, 1 KiB each, in flight
+// rows at gap_at (this rank's own rows while the other ranks' are reduced first). Blocks of 24
+// warps: the sums are bound by the loads a warp keeps in flight, so an SM needs many warps
+// (24 warps at 80 registers, no spills; 32 warps spilled at 64).
+constexpr int kPartialThreads = 768;
 __global__ void __launch_bounds__(kPartialThreads) reduce_partials_kernel(Shape s, RecvArrays r, CombineArgs a,
                                                                           PartialRows p, const DeviceStatus* st) {
   if (failed(st)) return;
   const int lane = threadIdx.x % 32;
   const bool wide = s.hidden % 8 == 0 && aligned16(a.y) && a.y_stride % 8 == 0 && aligned16(p.rows);
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (kPartialThreads / 32);
-  const int64_t capacity = r.info[2];
-  const bool lane_terms = wide && s.topk <= 32;
-  CombineArgs slots_only{};  // the slot values alone, after sum_lane_terms summed the row
-  slots_only.slot_values = a.slot_values;
-  slots_only.slot_values_stride = a.slot_values_stride;
   for (int64_t j = blockIdx.x * static_cast<int64_t>(kPartialThreads / 32) + threadIdx.x / 32; j < p.count; j += warps) {
     const int64_t i = p.first + j + (j >= p.gap_at ? p.gap : 0);
-    uint16_t* dst = p.rows + i * s.hidden;
-    float* dst_slots = p.slots ? p.slots + i * s.topk : nullptr;
-    if (a.y && lane_terms) {  // lane k holds slot k's row; then the slot values alone
-      const int64_t out_row = lane < s.topk ? r.slot_row[i * s.topk + lane] : -1;
-      const bool on = out_row >= 0 && out_row < capacity;
-      sum_lane_terms<kPartialGroup, kPartialVectors>(on ? a.y + out_row * a.y_stride : nullptr,
-                                                     on ? r.slot_weight[i * s.topk + lane] : 0.0f, on, a.weighted, dst,
-                                                     s.hidden, lane);
-      partial_row(s, r, Layout::expert_major, slots_only, wide, i, dst, dst_slots, lane);
-    } else {
-      partial_row(s, r, Layout::expert_major, a, wide, i, dst, dst_slots, lane);
-    }
+    partial_row(s, r, Layout::expert_major, a, wide, i, p.rows + i * s.hidden, p.slots ? p.slots + i * s.topk : nullptr,
+                lane);
   }
 }
 

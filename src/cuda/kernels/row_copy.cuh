@@ -163,60 +163,6 @@ __device__ inline void quantize_nvfp4_row(const uint16_t* x, int64_t hidden, flo
   }
 }
 
-// The sum of sum_rows (same order, same rounding) for terms held by lanes: lane j < 32 holds term
-// j (row, weight, on). Wide rows only. The loads of up to kGroup terms are issued before any of
-// them is added, kVectors 16-byte vectors per lane each, so a warp keeps kGroup times more of the
-// rows in flight than sum_rows (whose loads wait for the previous term's adds): expert-major
-// partials sum ~4 rows a token, and their speed is the loads a warp keeps in flight.
-template <int kGroup, int kVectors>
-__device__ void sum_lane_terms(const uint16_t* my_row, float my_weight, bool my_on, bool weighted, uint16_t* out,
-                               int64_t hidden, int lane) {
-  const uint32_t terms = __ballot_sync(0xffffffffu, my_on);
-  const int64_t vectors = hidden / 8;
-  for (int64_t base = 0; base < vectors; base += 32 * kVectors) {
-    float acc[kVectors][8] = {};
-    for (uint32_t left = terms; left != 0;) {
-      int4 raw[kGroup][kVectors];
-      float weight[kGroup];
-      const int count = min(kGroup, __popc(left));
-#pragma unroll
-      for (int j = 0; j < kGroup; ++j) {  // lowest lanes first: slot order
-        const int from = left != 0 ? __ffs(left) - 1 : 0;
-        left &= left - 1;
-        const uint16_t* row = reinterpret_cast<const uint16_t*>(
-            __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(my_row), from));
-        weight[j] = __shfl_sync(0xffffffffu, my_weight, from);
-#pragma unroll
-        for (int u = 0; u < kVectors; ++u) {
-          const int64_t v = base + u * 32 + lane;
-          if (j < count && v < vectors) raw[j][u] = reinterpret_cast<const int4*>(row)[v];
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kGroup; ++j) {
-        if (j >= count) break;
-#pragma unroll
-        for (int u = 0; u < kVectors; ++u) {
-          const uint16_t* b = reinterpret_cast<const uint16_t*>(&raw[j][u]);
-#pragma unroll
-          for (int c = 0; c < 8; ++c) {
-            const float v = bf16_to_float(b[c]);
-            acc[u][c] = weighted ? __fmaf_rn(weight[j], v, acc[u][c]) : __fadd_rn(acc[u][c], v);
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kVectors; ++u) {
-      const int64_t v = base + u * 32 + lane;
-      if (v >= vectors) continue;
-      uint16_t b[8];
-      for (int c = 0; c < 8; ++c) b[c] = float_to_bf16(acc[u][c]);
-      reinterpret_cast<int4*>(out)[v] = *reinterpret_cast<const int4*>(b);
-    }
-  }
-}
-
 constexpr int kSumUnroll = 4;   // 16-byte vectors per lane in flight per term
 
 // out = bf16(sum over terms i = 0..n-1 in order), fp32 accumulation from 0: acc = fma(w_i, v, acc)
