@@ -633,11 +633,14 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     kernels::drop_slots(x, tokens, dh->slot_expert, dh->slot_weight, dh->expert_prefix, dh->drop_capacity, dh->dropped);
   }
   host_steps_.mark("routing launched");
+  timer_.mark(8, stream_);
   kernels::chunk_positions(x, tokens, dh->slot_expert, dh->pos);
+  timer_.mark(9, stream_);
   host_steps_.mark("positions launched");
   const kernels::Placing mine{dh->slot_expert, dh->slot_weight, dh->pos.send_pos, dh->pos.slot_pos};
   if (broadcast_) {  // the placing data goes out on the side stream while the plans are exchanged
     kernels::finalize_positions(x, tokens, dh->slot_expert, dh->pos);
+    timer_.mark(9, stream_);  // positions end here when the copy engines carry the rows
     EPX_CUDA(cudaEventRecord(fork_, stream_));
     EPX_CUDA(cudaStreamWaitEvent(side_stream_, fork_, 0));
     EPX_CUDA(cudaStreamWaitEvent(side_stream_, broadcast_begun_, 0));
@@ -758,6 +761,9 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   out.handle = Handle(std::move(h));
   if (timer_.on()) {
     timer_.add("dispatch: routing+plan", 0, 1);
+    timer_.add("dispatch: routing", 0, 8);
+    timer_.add("dispatch: positions", 8, 9);
+    timer_.add("dispatch: plan exchange", 9, 1);
     timer_.add("dispatch: send kernel", 1, 2);
     timer_.add("dispatch: layout", 1, 3);
     timer_.add("dispatch: sizes read+alloc", 3, 4);
@@ -826,6 +832,10 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
     timer_.add("combine: copies", 4, 5);
   }
   out.overflow = h->recv.num_rows > h->recv.capacity;
+  if (by_copy && h->layout == Layout::expert_major) {
+    timer_.add("combine: partials, other ranks'", 8, 9);
+    timer_.add("combine: partials, own", 9, 10);
+  }
   timer_.add("combine: plan", 0, 1);
   timer_.add("combine: kernel", 2, 3);
   timer_.add("combine: all", 0, 3);
@@ -858,7 +868,9 @@ bool CudaBackend::start_copy_return(const HandleState& h, const TensorView& rows
     }
     partials = {from.ptr<uint16_t>(), from_slots.defined() ? from_slots.ptr<float>() : nullptr, 0,
                 received - own_rows, own, own_rows};
+    timer_.mark(8, stream_);
     kernels::reduce_partials(ctx(), device_of(h).recv, a, partials);  // the other ranks' rows
+    timer_.mark(9, stream_);
   }
   a.by_copy = true;
   a.own_rows = from.ptr<const uint16_t>() + own * from.strides[0];
@@ -875,6 +887,7 @@ bool CudaBackend::start_copy_return(const HandleState& h, const TensorView& rows
   EPX_CUDA(cudaEventRecord(copies_done_, copy_stream_));
   if (h.layout == Layout::expert_major) {  // this rank's own partials, while the copies run
     kernels::reduce_partials(ctx(), device_of(h).recv, a, {partials.rows, partials.slots, own, own_rows, own_rows, 0});
+    timer_.mark(10, stream_);
     a.y = from.ptr<const uint16_t>();  // the reducers read own rows (own_rows + pos * y_stride) from the partials
     a.y_stride = from.strides[0];
     a.slot_values_stride = from_slots.defined() ? from_slots.strides[0] : 0;

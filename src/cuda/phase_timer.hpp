@@ -15,7 +15,7 @@ namespace epx::detail {
 
 class PhaseTimer {
  public:
-  static constexpr int kMarks = 8;
+  static constexpr int kMarks = 12;
   PhaseTimer() : on_(std::getenv("EPX_PROFILE") != nullptr) {
     events_ = on_ && std::string(std::getenv("EPX_PROFILE")) != "host";
     if (events_)
