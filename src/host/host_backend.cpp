@@ -1,12 +1,15 @@
 // Collective plumbing of the CPU backend: construction, plan exchange, transfers.
 #include "host/host_backend.hpp"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "core/check.hpp"
 #include "core/timeout.hpp"
 #include "core/reduce.hpp"
+#include "core/validate.hpp"
 
 namespace epx::detail {
 
@@ -123,13 +126,21 @@ void HostBackend::push_reverse(const HandleState& h, bool rows, bool slots,
   }
 }
 
-void HostBackend::add_returned_rows(const HandleState& h, int64_t t, float* acc) const {
+Tensor HostBackend::sum_returned_rows(const HandleState& h, const TensorView& shared) const {
   const RankArea& area = shared_->areas[rank_];
   const int64_t max_tokens = config().max_tokens_per_rank, hidden = config().hidden;
-  for (int d = 0; d < ranks_; ++d) {  // ranks in order
-    const int32_t pos = h.send_pos[t * ranks_ + d];
-    if (pos >= 0) add_row(acc, &area.rev_rows[(d * max_tokens + pos) * hidden], hidden);
+  Tensor out = Tensor::zeros_host(DType::bf16, {h.tokens, hidden});
+  std::vector<float> acc(hidden);
+  for (int64_t t = 0; t < h.tokens; ++t) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int d = 0; d < ranks_; ++d) {  // ranks in order
+      const int32_t pos = h.send_pos[t * ranks_ + d];
+      if (pos >= 0) add_row(acc.data(), &area.rev_rows[(d * max_tokens + pos) * hidden], hidden);
+    }
+    if (shared.defined()) add_row(acc.data(), row_ptr<uint16_t>(shared, t), hidden);
+    round_row(out.data<uint16_t>() + t * hidden, acc.data(), hidden);
   }
+  return out;
 }
 
 Tensor HostBackend::gather_slot_values(const HandleState& h) const {

@@ -58,8 +58,9 @@ class HostBackend final : public Backend {
   // (if rows) and per-slot values (if slots) into the source's reverse area.
   void push_reverse(const HandleState& h, bool rows, bool slots,
                     const std::function<void(int64_t, uint16_t*, float*)>& fill);
-  // After a reverse transfer, on the source: acc += the rows returned for token t, ranks in order.
-  void add_returned_rows(const HandleState& h, int64_t t, float* acc) const;
+  // After a reverse transfer, on the source: [T, H] bf16, each token's returned rows summed in
+  // rank order from 0 (then `shared`'s row, when defined), fp32, rounded once.
+  Tensor sum_returned_rows(const HandleState& h, const TensorView& shared) const;
   // After a reverse transfer with slots, on the source: [T, K] f32 of the per-slot values,
   // each from the rank holding that slot's expert; 0 for unused or dropped slots.
   Tensor gather_slot_values(const HandleState& h) const;

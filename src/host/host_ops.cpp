@@ -193,13 +193,7 @@ CombineResult HostBackend::combine(const CombineInput& in, const Handle& handle,
     sync(call, "transfer");
 
     CombineResult out;
-    out.out = Tensor::zeros_host(DType::bf16, {h->tokens, hidden});
-    for (int64_t t = 0; t < h->tokens; ++t) {
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      add_returned_rows(*h, t, acc.data());
-      if (in.shared_out.defined()) add_row(acc.data(), row_ptr<uint16_t>(in.shared_out, t), hidden);
-      round_row(out.out.data<uint16_t>() + t * hidden, acc.data(), hidden);
-    }
+    out.out = sum_returned_rows(*h, in.shared_out);
     out.overflow = h->recv.overflow();
     return out;
   });
@@ -239,12 +233,7 @@ DispatchBackwardResult HostBackend::dispatch_backward(const DispatchBackwardInpu
     sync(call, "transfer");
 
     DispatchBackwardResult out;
-    out.grad_x = Tensor::zeros_host(DType::bf16, {h->tokens, hidden});
-    for (int64_t t = 0; t < h->tokens; ++t) {
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      add_returned_rows(*h, t, acc.data());
-      round_row(out.grad_x.data<uint16_t>() + t * hidden, acc.data(), hidden);
-    }
+    out.grad_x = sum_returned_rows(*h, TensorView{});
     if (with_weights) out.grad_topk_weights = gather_slot_values(*h);
     return out;
   });
