@@ -121,10 +121,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PeerWindows w, Window
                                                            const int32_t* slot_expert, CombineArgs a, int send_blocks,
                                                            const CallState* cs, uint64_t timeout_ns, DeviceStatus* st) {
   const uint32_t epoch = call_epoch(cs);
-  __shared__ bool skip;
-  if (threadIdx.x == 0) skip = failed(st);  // a failed call moves nothing (every rank knows it failed)
-  __syncthreads();
-  if (skip) return;
+  if (block_sees_failure(st)) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   auto rows_aligned = [&](const void* p, int64_t stride_elems) {
     return aligned16(p) && stride_elems % 8 == 0;

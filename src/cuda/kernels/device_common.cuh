@@ -149,6 +149,15 @@ __device__ inline bool warp_wait_flags(Word* flags, int64_t stride, int n, int f
                               seen);
 }
 
+// Every thread of a block calls it at the block's start: true (in every thread) when the call
+// has failed already, so the block moves nothing (every rank knows the call failed).
+__device__ inline bool block_sees_failure(const DeviceStatus* st) {
+  __shared__ bool skip;
+  if (threadIdx.x == 0) skip = failed(st);
+  __syncthreads();
+  return skip;
+}
+
 // Every thread of a block calls it once at its end: true in the last block of the grid to get
 // here, whose threads then see every block's writes (each block fences them after a barrier
 // before it counts itself in *count: at system scope when the blocks wrote into peers' memory

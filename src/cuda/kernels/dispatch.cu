@@ -76,10 +76,7 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(PeerWindows
                                                                     int64_t tokens, SendPlan plan, const CallState* cs,
                                                                     const DeviceStatus* st) {
   const uint32_t epoch = call_epoch(cs);
-  __shared__ bool skip;
-  if (threadIdx.x == 0) skip = failed(st);  // a failed call sends nothing (every rank knows it failed)
-  __syncthreads();
-  if (skip) return;
+  if (block_sees_failure(st)) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t chunks = (tokens + kChunkTokens - 1) / kChunkTokens, width = s.experts + s.ranks;
   for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
