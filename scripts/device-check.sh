@@ -4,7 +4,8 @@
 # sanitizer serializes kernels, so ranks waiting on each other could not progress), epx-bench.
 # Logs and JSON go to $OUT; a short summary is printed last.
 #   usage: [EPX_GIT_COMMIT=$(git rev-parse --short=12 HEAD)] [GTEST_FILTER=...] [GTEST_REPEAT=n] [BENCH_ARGS=...] [SANITIZE_TOOLS=...] \
-#          bash scripts/device-check.sh [tests|sanitize|bench|sweep|engines|ll|all]...   (default: all but sweep, engines)
+#          [AB_ENV="VAR=value ..."] bash scripts/device-check.sh [tests|sanitize|bench|ab|sweep|engines|ll|all]...
+#          (default: all but ab, sweep, engines)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
@@ -34,7 +35,7 @@ if ! cmake -S . -B build-gpu "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DEPX_
 fi
 note "built against NCCL in $NCCL_DIR"
 
-want() { [[ ( " $steps " == *" all "* && $1 != sweep && $1 != engines ) || " $steps " == *" $1 "* ]]; }
+want() { [[ ( " $steps " == *" all "* && $1 != sweep && $1 != engines && $1 != ab ) || " $steps " == *" $1 "* ]]; }
 
 if want tests; then
   # A lost flag or signal fails a test in 10 s instead of the 60 s default.
@@ -76,6 +77,15 @@ if want bench; then
   rc=$?
   cat "$OUT/bench.log" | tail -25
   note "epx-bench rc=$rc"
+fi
+if want ab; then
+  # The same benchmark once more with AB_ENV's variables set (e.g. AB_ENV="EPX_RECV_COPY=registers"):
+  # two variants of one tree measured in one machine session (bench-ab.json).
+  env ${AB_ENV:?ab needs AB_ENV, e.g. AB_ENV=EPX_RECV_COPY=registers} timeout 400 ./build-gpu/epx-bench --backend cuda \
+    --ranks "$(nvidia-smi -L | wc -l)" ${BENCH_ARGS:---wire bf16,fp8} --json "$OUT/bench-ab.json" > "$OUT/bench-ab.log" 2>&1
+  rc=$?
+  tail -16 "$OUT/bench-ab.log"
+  note "epx-bench with $AB_ENV rc=$rc"
 fi
 if want engines; then
   # The SM and copy engines side by side at the V3 shape (dispatch bf16 and fp8, combine), with
