@@ -1,7 +1,11 @@
 // The interface of a low-latency backend, and the handle state every backend shares.
 #pragma once
+#include <chrono>
 #include <vector>
 
+#include "core/timeout.hpp"
+#include "core/wire.hpp"
+#include "epx/group.hpp"
 #include "epx/low_latency.hpp"
 
 namespace epx::detail {
@@ -21,7 +25,14 @@ struct LowLatencyHandleState {
 
 class LowLatencyBackend {
  public:
-  explicit LowLatencyBackend(const LowLatencyConfig& c) : config_(c) {}
+  LowLatencyBackend(const Group& group, const LowLatencyConfig& c)
+      : rank_(group.rank()),
+        ranks_(group.size()),
+        local_(c.num_experts / group.size()),
+        slots_(group.size() * c.max_tokens_per_rank),
+        wire_(wire_row(c.wire, c.hidden)),
+        timeout_(resolve_timeout(c.timeout_ms)),
+        config_(c) {}
   virtual ~LowLatencyBackend() = default;
   const LowLatencyConfig& config() const { return config_; }
 
@@ -40,6 +51,13 @@ class LowLatencyBackend {
   }
   virtual void set_stream(void* /*stream*/) {}
   virtual void synchronize() {}
+
+ protected:
+  const int rank_, ranks_;
+  const int64_t local_, slots_;  // local experts L; receive rows per expert R * M
+  const WireRow wire_;
+  const std::chrono::milliseconds timeout_;
+  int64_t dispatch_calls_ = 0, combine_calls_ = 0;  // calls so far (call n uses buffer set n % 2)
 
  private:
   LowLatencyConfig config_;

@@ -25,14 +25,7 @@ constexpr int64_t kMaxLlExperts = 4096;  // the layout kernel's shared-memory co
 class CudaLowLatency final : public LowLatencyBackend {
  public:
   CudaLowLatency(const Group& group, const LowLatencyConfig& c)
-      : LowLatencyBackend(c),
-        rank_(group.rank()),
-        ranks_(group.size()),
-        local_(c.num_experts / group.size()),
-        slots_(group.size() * c.max_tokens_per_rank),
-        chunks_((c.max_tokens_per_rank + ll::kChunk - 1) / ll::kChunk),
-        wire_(wire_row(c.wire, c.hidden)),
-        timeout_(resolve_timeout(c.timeout_ms)) {
+      : LowLatencyBackend(group, c), chunks_((c.max_tokens_per_rank + ll::kChunk - 1) / ll::kChunk) {
     auto* state = dynamic_cast<CudaGroupState*>(group.state().get());
     require(state != nullptr, "low-latency buffer: group is not a CUDA group");
     require(ranks_ <= kMaxRanks, "low-latency buffer: at most ", kMaxRanks, " ranks, got ", ranks_);
@@ -346,11 +339,8 @@ class CudaLowLatency final : public LowLatencyBackend {
     }
   }
 
-  int rank_, ranks_, device_ = 0, blocks_ = 0, pack_parts_ = 1;
-  int64_t local_, slots_;
-  int64_t chunks_;  // the kernels count rows per chunk of ll::kChunk source tokens
-  WireRow wire_;
-  std::chrono::milliseconds timeout_;
+  int device_ = 0, blocks_ = 0, pack_parts_ = 1;
+  const int64_t chunks_;  // the kernels count rows per chunk of ll::kChunk source tokens
   // When this rank's host began its last call (or made the buffer), and how long after the one
   // before it began the current and the previous call: timeout messages say it (docs/cuda.md).
   std::chrono::steady_clock::time_point last_begin_;
@@ -364,7 +354,6 @@ class CudaLowLatency final : public LowLatencyBackend {
   uint32_t* done_ = nullptr;
   cudaStream_t own_stream_ = nullptr;
   cudaStream_t stream_ = nullptr;  // the calls' stream: own_stream_ or the caller's
-  int64_t dispatch_calls_ = 0, combine_calls_ = 0;
   bool dispatch_pending_ = false, combine_pending_ = false;
   bool fusing_ = false;
   ll::Route pending_route_{};

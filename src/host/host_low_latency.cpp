@@ -48,13 +48,7 @@ std::string describe(const LowLatencyConfig& c) {
 class HostLowLatency final : public LowLatencyBackend {
  public:
   HostLowLatency(const Group& group, const LowLatencyConfig& c)
-      : LowLatencyBackend(c),
-        rank_(group.rank()),
-        ranks_(group.size()),
-        local_(c.num_experts / group.size()),
-        slots_(group.size() * c.max_tokens_per_rank),
-        wire_(wire_row(c.wire, c.hidden)),
-        timeout_(resolve_timeout(c.timeout_ms)) {
+      : LowLatencyBackend(group, c) {
     auto* state = dynamic_cast<HostGroupState*>(group.state().get());
     require(state != nullptr, "low-latency buffer: group is not a host group");
     shared_ = state->join_next<LowLatencyShared>(rank_, "LowLatencyBuffer");
@@ -321,12 +315,7 @@ class HostLowLatency final : public LowLatencyBackend {
       std::memcpy(out.recv_global_scale.data<uint8_t>() + row * 4, payload + wire_.x_bytes + wire_.scale_bytes, 4);
   }
 
-  int rank_, ranks_;
-  int64_t local_, slots_;
-  WireRow wire_;
-  std::chrono::milliseconds timeout_;
   std::shared_ptr<LowLatencyShared> shared_;
-  int64_t dispatch_calls_ = 0, combine_calls_ = 0;
   std::shared_ptr<LowLatencyHandleState> dispatch_pending_;
   PendingCombine combine_pending_;
 };
