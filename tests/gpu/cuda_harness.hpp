@@ -66,69 +66,61 @@ inline std::vector<RankRun> run_problem_cuda(const CudaWorld& world, const verif
   std::vector<RankRun> runs(p.ranks);
   const int64_t h = p.cfg.hidden, k_count = p.cfg.topk;
   const bool weighted = o.dispatch.layout == Layout::expert_major && p.inputs[0].has_weights;
-  std::vector<std::string> errors(p.ranks);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < p.ranks; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        const Group g = world.group(r);
-        const int dev = cuda_device(g);
-        cudaSetDevice(dev);
-        RankRun& run = runs[r];
-        const verify::RankInput& in = p.inputs[r];
-        const int64_t tokens = in.tokens;
-        // Device inputs first: cudaMalloc/cudaMemcpy may synchronize the device, which must not
-        // happen while peers on a shared GPU already wait inside a call (docs/cuda.md).
-        const int64_t bound = rows_bound(p);
-        run.y = verify::random_bf16(bound * h, 100 + r);
-        run.shared = verify::random_bf16(tokens * h, 200 + r);
-        run.grad_recv_x = verify::random_bf16(bound * h, 300 + r);
-        run.grad_out = verify::random_bf16(tokens * h, 400 + r);
-        run.grad_recv_weights.resize(bound * k_count);
-        for (size_t i = 0; i < run.grad_recv_weights.size(); ++i) run.grad_recv_weights[i] = 0.25f * static_cast<float>(i % 13) - 1.0f;
-        DeviceArray x(in.x), x8(in.x_fp8), xs(in.x_scales), idx(in.idx), w(in.weights);
-        DeviceArray y(run.y), shared(run.shared), gx(run.grad_recv_x), gwr(run.grad_recv_weights), go(run.grad_out);
-        Buffer buffer(g, p.cfg);
-        DispatchInput din;
-        if (p.prequantized) {
-          din.x = device_view(x8, DType::fp8_e4m3, {tokens, h}, dev);
-          din.x_scales = device_view(xs, DType::f32, {tokens, h / kFp8Block}, dev);
-        } else {
-          din.x = device_view(x, DType::bf16, {tokens, h}, dev);
-        }
-        din.topk_idx = device_view(idx, DType::i32, {tokens, k_count}, dev);
-        if (in.has_weights) din.topk_weights = device_view(w, DType::f32, {tokens, k_count}, dev);
-        DispatchResult d = buffer.dispatch(din, o.dispatch);
-        buffer.synchronize();
-        run.dispatched = to_host(d);
-        if (!o.combine) return;
-        const int64_t rows = d.recv_x.size(0);
-        run.y.resize(rows * h);  // the reference reads exactly the rows of this dispatch
-        CombineResult c = buffer.combine(
-            {device_view(y, DType::bf16, {rows, h}, dev), o.shared_expert ? device_view(shared, DType::bf16, {tokens, h}, dev) : TensorView{}},
-            d.handle, {weighted});
-        buffer.synchronize();
-        run.combined.out = epx::to_host(c.out);
-        run.combined.overflow = run.dispatched.overflow;  // capacity mode: known from recv_info
-        if (!o.backward) return;
-        run.grad_recv_x.resize(rows * h);
-        const int64_t per_row = o.dispatch.layout == Layout::expert_major ? 1 : k_count;
-        run.grad_recv_weights.resize(rows * per_row);
-        TensorView gw = o.dispatch.layout == Layout::expert_major ? device_view(gwr, DType::f32, {rows}, dev) : device_view(gwr, DType::f32, {rows, k_count}, dev);
-        DispatchBackwardResult db = buffer.dispatch_backward({device_view(gx, DType::bf16, {rows, h}, dev), gw}, d.handle);
-        buffer.synchronize();
-        run.dispatch_grad.grad_x = epx::to_host(db.grad_x);
-        run.dispatch_grad.grad_topk_weights = epx::to_host(db.grad_topk_weights);
-        CombineBackwardResult cb = buffer.combine_backward(
-            {device_view(go, DType::bf16, {tokens, h}, dev), device_view(y, DType::bf16, {rows, h}, dev)}, d.handle, {weighted});
-        buffer.synchronize();
-        run.combine_grad.grad_y = epx::to_host(cb.grad_y);
-        run.combine_grad.grad_topk_weights = epx::to_host(cb.grad_topk_weights);
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
+  const std::vector<std::string> errors = verify::run_threads(p.ranks, [&](int r) {
+    const Group g = world.group(r);
+    const int dev = cuda_device(g);
+    cudaSetDevice(dev);
+    RankRun& run = runs[r];
+    const verify::RankInput& in = p.inputs[r];
+    const int64_t tokens = in.tokens;
+    // Device inputs first: cudaMalloc/cudaMemcpy may synchronize the device, which must not
+    // happen while peers on a shared GPU already wait inside a call (docs/cuda.md).
+    const int64_t bound = rows_bound(p);
+    run.y = verify::random_bf16(bound * h, 100 + r);
+    run.shared = verify::random_bf16(tokens * h, 200 + r);
+    run.grad_recv_x = verify::random_bf16(bound * h, 300 + r);
+    run.grad_out = verify::random_bf16(tokens * h, 400 + r);
+    run.grad_recv_weights.resize(bound * k_count);
+    for (size_t i = 0; i < run.grad_recv_weights.size(); ++i) run.grad_recv_weights[i] = 0.25f * static_cast<float>(i % 13) - 1.0f;
+    DeviceArray x(in.x), x8(in.x_fp8), xs(in.x_scales), idx(in.idx), w(in.weights);
+    DeviceArray y(run.y), shared(run.shared), gx(run.grad_recv_x), gwr(run.grad_recv_weights), go(run.grad_out);
+    Buffer buffer(g, p.cfg);
+    DispatchInput din;
+    if (p.prequantized) {
+      din.x = device_view(x8, DType::fp8_e4m3, {tokens, h}, dev);
+      din.x_scales = device_view(xs, DType::f32, {tokens, h / kFp8Block}, dev);
+    } else {
+      din.x = device_view(x, DType::bf16, {tokens, h}, dev);
+    }
+    din.topk_idx = device_view(idx, DType::i32, {tokens, k_count}, dev);
+    if (in.has_weights) din.topk_weights = device_view(w, DType::f32, {tokens, k_count}, dev);
+    DispatchResult d = buffer.dispatch(din, o.dispatch);
+    buffer.synchronize();
+    run.dispatched = to_host(d);
+    if (!o.combine) return;
+    const int64_t rows = d.recv_x.size(0);
+    run.y.resize(rows * h);  // the reference reads exactly the rows of this dispatch
+    CombineResult c = buffer.combine(
+        {device_view(y, DType::bf16, {rows, h}, dev), o.shared_expert ? device_view(shared, DType::bf16, {tokens, h}, dev) : TensorView{}},
+        d.handle, {weighted});
+    buffer.synchronize();
+    run.combined.out = epx::to_host(c.out);
+    run.combined.overflow = run.dispatched.overflow;  // capacity mode: known from recv_info
+    if (!o.backward) return;
+    run.grad_recv_x.resize(rows * h);
+    const int64_t per_row = o.dispatch.layout == Layout::expert_major ? 1 : k_count;
+    run.grad_recv_weights.resize(rows * per_row);
+    TensorView gw = o.dispatch.layout == Layout::expert_major ? device_view(gwr, DType::f32, {rows}, dev) : device_view(gwr, DType::f32, {rows, k_count}, dev);
+    DispatchBackwardResult db = buffer.dispatch_backward({device_view(gx, DType::bf16, {rows, h}, dev), gw}, d.handle);
+    buffer.synchronize();
+    run.dispatch_grad.grad_x = epx::to_host(db.grad_x);
+    run.dispatch_grad.grad_topk_weights = epx::to_host(db.grad_topk_weights);
+    CombineBackwardResult cb = buffer.combine_backward(
+        {device_view(go, DType::bf16, {tokens, h}, dev), device_view(y, DType::bf16, {rows, h}, dev)}, d.handle, {weighted});
+    buffer.synchronize();
+    run.combine_grad.grad_y = epx::to_host(cb.grad_y);
+    run.combine_grad.grad_topk_weights = epx::to_host(cb.grad_topk_weights);
+  });
   for (int r = 0; r < p.ranks; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
   return runs;
 }

@@ -125,14 +125,12 @@ INSTANTIATE_TEST_SUITE_P(
 void on_shared_gpu(const verify::Problem& p,
                    const std::function<void(int, const Group&, const DeviceArray&, const DeviceArray&)>& fn) {
   const CudaWorld world = CudaWorld::shared_gpu(p.ranks, 0);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < p.ranks; ++r)
-    threads.emplace_back([&, r] {
-      cudaSetDevice(0);
-      DeviceArray x(p.inputs[r].x), idx(p.inputs[r].idx);
-      fn(r, world.group(r), x, idx);
-    });
-  for (auto& t : threads) t.join();
+  const std::vector<std::string> errors = verify::run_threads(p.ranks, [&](int r) {
+    cudaSetDevice(0);
+    DeviceArray x(p.inputs[r].x), idx(p.inputs[r].idx);
+    fn(r, world.group(r), x, idx);
+  });
+  for (int r = 0; r < p.ranks; ++r) EXPECT_EQ(errors[r], "") << "rank " << r << " (an exception fn did not catch)";
 }
 
 verify::Problem two_ranks(const BufferConfig& cfg) {
