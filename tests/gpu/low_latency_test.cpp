@@ -89,46 +89,38 @@ TEST_P(CudaLowLatency, RoundsMatchTheReference) {
   }
   std::vector<std::vector<LowLatencyDispatchResult>> got(rounds, std::vector<LowLatencyDispatchResult>(c.ranks));
   std::vector<std::vector<Tensor>> outs(rounds, std::vector<Tensor>(c.ranks));
-  std::vector<std::string> errors(c.ranks);
   const CudaWorld world = ll_world(c);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < c.ranks; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        const Group g = world.group(r);
-        const int dev = cuda_device(g);
-        cudaSetDevice(dev);
-        std::vector<RoundInputs> in(rounds);
-        for (int i = 0; i < rounds; ++i) {
-          const verify::RankInput& p = problems[i].inputs[r];
-          in[i].x = DeviceArray(p.x);
-          in[i].idx = DeviceArray(p.idx);
-          in[i].weights = DeviceArray(p.weights);
-          in[i].count = DeviceArray(std::vector<int32_t>{static_cast<int32_t>(counts[i][r])});
-          in[i].y = DeviceArray(ys[i][r]);
-        }
-        LowLatencyBuffer b(g, ll_config(c));
-        for (int i = 0; i < rounds; ++i) {
-          LowLatencyDispatchInput d;
-          d.x = device_view(in[i].x, DType::bf16, {c.tokens, c.hidden}, dev);
-          d.topk_idx = device_view(in[i].idx, DType::i32, {c.tokens, c.topk}, dev);
-          d.num_tokens = device_view(in[i].count, DType::i32, {1}, dev);
-          b.dispatch_send(d);
-          LowLatencyDispatchResult res = b.dispatch_recv();
-          LowLatencyCombineInput ci;
-          ci.y = device_view(in[i].y, DType::bf16, {l_count, slots, c.hidden}, dev);
-          ci.topk_weights = device_view(in[i].weights, DType::f32, {c.tokens, c.topk}, dev);
-          b.combine_send(ci, res.handle);
-          Tensor out = b.combine_recv();
-          b.synchronize();
-          got[i][r] = host_copy(res);  // before the set comes round again
-          outs[i][r] = epx::to_host(out);
-        }
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
+  const std::vector<std::string> errors = verify::run_threads(c.ranks, [&](int r) {
+    const Group g = world.group(r);
+    const int dev = cuda_device(g);
+    cudaSetDevice(dev);
+    std::vector<RoundInputs> in(rounds);
+    for (int i = 0; i < rounds; ++i) {
+      const verify::RankInput& p = problems[i].inputs[r];
+      in[i].x = DeviceArray(p.x);
+      in[i].idx = DeviceArray(p.idx);
+      in[i].weights = DeviceArray(p.weights);
+      in[i].count = DeviceArray(std::vector<int32_t>{static_cast<int32_t>(counts[i][r])});
+      in[i].y = DeviceArray(ys[i][r]);
+    }
+    LowLatencyBuffer b(g, ll_config(c));
+    for (int i = 0; i < rounds; ++i) {
+      LowLatencyDispatchInput d;
+      d.x = device_view(in[i].x, DType::bf16, {c.tokens, c.hidden}, dev);
+      d.topk_idx = device_view(in[i].idx, DType::i32, {c.tokens, c.topk}, dev);
+      d.num_tokens = device_view(in[i].count, DType::i32, {1}, dev);
+      b.dispatch_send(d);
+      LowLatencyDispatchResult res = b.dispatch_recv();
+      LowLatencyCombineInput ci;
+      ci.y = device_view(in[i].y, DType::bf16, {l_count, slots, c.hidden}, dev);
+      ci.topk_weights = device_view(in[i].weights, DType::f32, {c.tokens, c.topk}, dev);
+      b.combine_send(ci, res.handle);
+      Tensor out = b.combine_recv();
+      b.synchronize();
+      got[i][r] = host_copy(res);  // before the set comes round again
+      outs[i][r] = epx::to_host(out);
+    }
+  });
   std::string failed;  // every rank's error: the late rank's own message tells why it was late
   for (int r = 0; r < c.ranks; ++r)
     if (!errors[r].empty()) failed += "rank " + std::to_string(r) + ": " + errors[r] + "\n";
@@ -238,23 +230,14 @@ TEST(CudaLowLatencyGraphs, DispatchExpertCombineReplaysWithFreshInputs) {
 template <typename Body>
 std::vector<std::string> on_ranks(const LlGpuCase& c, const verify::Problem& p, int64_t timeout_ms, Body body) {
   const CudaWorld world = ll_world(c);
-  std::vector<std::string> errors(c.ranks);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < c.ranks; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        cudaSetDevice(0);
-        DeviceArray x(p.inputs[r].x), idx(p.inputs[r].idx);
-        LowLatencyConfig cfg = ll_config(c);
-        cfg.timeout_ms = timeout_ms;
-        LowLatencyBuffer b(world.group(r), cfg);
-        body(r, b, x, idx);
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
-  return errors;
+  return verify::run_threads(c.ranks, [&](int r) {
+    cudaSetDevice(0);
+    DeviceArray x(p.inputs[r].x), idx(p.inputs[r].idx);
+    LowLatencyConfig cfg = ll_config(c);
+    cfg.timeout_ms = timeout_ms;
+    LowLatencyBuffer b(world.group(r), cfg);
+    body(r, b, x, idx);
+  });
 }
 
 LowLatencyDispatchInput ll_input(const LlGpuCase& c, const DeviceArray& x, const DeviceArray& idx) {
