@@ -33,11 +33,6 @@ int64_t env_integer(const char* name, int64_t fallback, int64_t lo, int64_t hi) 
   return n;
 }
 
-// Copy-engine dispatch (kernels/broadcast.cu). EPX_DISPATCH_ENGINE=copy or sm forces an engine;
-// unset (auto), bf16 and fp8 wires at two ranks use the copy engines, where nearly every token
-// goes to the other rank and they were measured faster; everything else the SM path: a broadcast
-// sends every token to every rank, and nvfp4 by copy engine was not measured against the SM
-// engine (docs/performance.md).
 // An engine variable: 'auto' when unset, else 'auto', 'sm' or 'copy'.
 std::string engine_setting(const char* name) {
   const char* v = std::getenv(name);
@@ -47,8 +42,12 @@ std::string engine_setting(const char* name) {
   return engine;
 }
 
-// Forced, the copy engines run at one rank too (nothing crosses, every kernel of the path runs):
-// what lets compute-sanitizer, which needs a single rank, check them.
+// Copy-engine dispatch (kernels/broadcast.cu). EPX_DISPATCH_ENGINE=copy or sm forces an engine;
+// unset (auto), bf16 and fp8 wires at two ranks use the copy engines, where nearly every token
+// goes to the other rank and they were measured faster; everything else the SM path: a broadcast
+// sends every token to every rank, and nvfp4 by copy engine was not measured against the SM
+// engine (docs/performance.md). Forced, the copy engines run at one rank too (nothing crosses,
+// every kernel of the path runs): what lets compute-sanitizer, which needs a single rank, check them.
 bool use_broadcast(const BufferConfig& c, int ranks) {
   const std::string engine = engine_setting("EPX_DISPATCH_ENGINE");
   return engine == "copy" || (engine == "auto" && ranks == 2 && c.wire != WireFormat::nvfp4);
@@ -637,12 +636,11 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   host_steps_.mark("routing launched");
   timer_.mark(8, stream_);
   kernels::chunk_positions(x, tokens, dh->slot_expert, dh->pos);
+  if (broadcast_) kernels::finalize_positions(x, tokens, dh->slot_expert, dh->pos);
   timer_.mark(9, stream_);
   host_steps_.mark("positions launched");
   const kernels::Placing mine{dh->slot_expert, dh->slot_weight, dh->pos.send_pos, dh->pos.slot_pos};
   if (broadcast_) {  // the placing data goes out on the side stream while the plans are exchanged
-    kernels::finalize_positions(x, tokens, dh->slot_expert, dh->pos);
-    timer_.mark(9, stream_);  // positions end here when the copy engines carry the rows
     EPX_CUDA(cudaEventRecord(fork_, stream_));
     EPX_CUDA(cudaStreamWaitEvent(side_stream_, fork_, 0));
     EPX_CUDA(cudaStreamWaitEvent(side_stream_, broadcast_begun_, 0));
