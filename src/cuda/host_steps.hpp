@@ -31,14 +31,11 @@ class HostSteps {
   // "call begun +0.01 ms, handle allocated +0.12 ms, ...": each step's time since the one before.
   std::string summary() const {
     std::string out;
-    auto last = start_;
-    for (int i = 0; i < count_; ++i) {
-      const double ms = std::chrono::duration<double, std::milli>(steps_[i].at - last).count();
+    for_each([&](const char* step, double us) {
       char text[96];
-      std::snprintf(text, sizeof text, "%s%s +%.2f ms", i ? ", " : "", steps_[i].name, ms);
+      std::snprintf(text, sizeof text, "%s%s +%.2f ms", out.empty() ? "" : ", ", step, us / 1000.0);
       out += text;
-      last = steps_[i].at;
-    }
+    });
     return out;
   }
 
