@@ -56,12 +56,17 @@ if want tests; then
   done
 fi
 if want sanitize; then
+  # Each tool twice: the default engines (SM at one rank), then the copy-engine path forced (at one
+  # rank nothing is copied, but its kernels run: the receiver, the partial sums, the reducers).
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
-    timeout 240 compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 ./build-gpu/tests/epx_gpu_tests \
-      --gtest_filter='*nccl_R1_*' > "$OUT/sanitizer_$tool.log" 2>&1
-    rc=$?
-    tail -3 "$OUT/sanitizer_$tool.log"
-    note "compute-sanitizer $tool rc=$rc ($(grep -cE 'ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards' "$OUT/sanitizer_$tool.log") clean summaries)"
+    for engine in auto copy; do
+      EPX_DISPATCH_ENGINE=$engine EPX_COMBINE_ENGINE=$engine timeout 240 compute-sanitizer --tool $tool \
+        --report-api-errors no --error-exitcode 9 ./build-gpu/tests/epx_gpu_tests \
+        --gtest_filter='*nccl_R1_*' > "$OUT/sanitizer_${tool}_$engine.log" 2>&1
+      rc=$?
+      tail -3 "$OUT/sanitizer_${tool}_$engine.log"
+      note "compute-sanitizer $tool, $engine engines, rc=$rc ($(grep -cE 'ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards' "$OUT/sanitizer_${tool}_$engine.log") clean summaries)"
+    done
   done
 fi
 if want bench; then

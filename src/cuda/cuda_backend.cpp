@@ -47,17 +47,19 @@ std::string engine_setting(const char* name) {
   return engine;
 }
 
+// Forced, the copy engines run at one rank too (nothing crosses, every kernel of the path runs):
+// what lets compute-sanitizer, which needs a single rank, check them.
 bool use_broadcast(const BufferConfig& c, int ranks) {
   const std::string engine = engine_setting("EPX_DISPATCH_ENGINE");
-  if (ranks < 2 || engine == "sm") return false;
-  return engine == "copy" || (ranks == 2 && c.wire != WireFormat::nvfp4);
+  return engine == "copy" || (engine == "auto" && ranks == 2 && c.wire != WireFormat::nvfp4);
 }
 
-// Copy-engine combine (blocking, rank-major): EPX_COMBINE_ENGINE=copy or sm forces an engine;
-// unset (auto), two ranks return y's rows by copy engine (docs/performance.md).
+// Copy-engine combine and dispatch_backward (blocking calls): EPX_COMBINE_ENGINE=copy or sm forces
+// an engine (copy at any rank count, as above); unset (auto), two ranks return their rows by copy
+// engine (docs/performance.md).
 bool use_copy_combine(int ranks) {
   const std::string engine = engine_setting("EPX_COMBINE_ENGINE");
-  return ranks >= 2 && (engine == "copy" || (engine == "auto" && ranks == 2));
+  return engine == "copy" || (engine == "auto" && ranks == 2);
 }
 
 WindowMap make_window_map(const BufferConfig& c, int ranks, const WireRow& wire, bool broadcast) {

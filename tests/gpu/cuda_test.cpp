@@ -90,6 +90,7 @@ INSTANTIATE_TEST_SUITE_P(
     testing::Values(
         // EP1 and EP2 on real GPUs (NCCL), the V3-like ratios
         GpuCase{N, 1, 2048, 256, 32, 8, W::bf16, L::expert_major, 16, U, 0.0},
+        GpuCase{N, 1, 1024, 128, 32, 8, W::fp8, L::rank_major, 1, U, 0.0},
         GpuCase{N, 2, 7168, 512, 256, 8, W::bf16, L::expert_major, 128, U, 0.0},
         GpuCase{N, 2, 7168, 512, 256, 8, W::bf16, L::rank_major, 1, U, 0.0},
         GpuCase{N, 2, 7168, 256, 256, 8, W::fp8, L::expert_major, 1, K, 0.0},
