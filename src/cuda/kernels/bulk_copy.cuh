@@ -7,6 +7,8 @@
 // Layout of the block's dynamic shared memory: [warps][kBulkStageBytes] stages, then one mbarrier
 // (8 bytes) and one phase word (4 bytes) per warp.
 #pragma once
+#include <cuda/ptx>
+
 #include <cstdint>
 
 namespace epx::detail {
@@ -21,8 +23,6 @@ struct BulkStage {
   uint32_t* phase;
 };
 
-__device__ inline uint32_t smem_address(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-
 __device__ inline BulkStage warp_bulk_stage() {
   extern __shared__ __align__(128) char bulk_smem[];
   const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
@@ -35,10 +35,10 @@ __device__ inline BulkStage warp_bulk_stage() {
 __device__ inline void init_bulk_stage(int lane) {
   const BulkStage st = warp_bulk_stage();
   if (lane == 0) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_address(st.bar)) : "memory");
+    cuda::ptx::mbarrier_init(st.bar, 1);
     *st.phase = 0;
     // The initialized barrier is visible to the bulk-copy (async) proxy.
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
   }
   __syncwarp();
 }
@@ -53,33 +53,22 @@ __device__ inline bool bulk_copyable(const void* src, char* const* dst, int n, i
 // bytes from src (global) to each of dst[0..n) (global), through the warp's stage. The caller
 // made src's contents visible to this thread (an acquire of the flag that covers them).
 __device__ inline void bulk_copy_row(const char* src, char* const* dst, int n, int64_t bytes, int lane) {
+  namespace ptx = cuda::ptx;
   if (lane == 0) {
     const BulkStage st = warp_bulk_stage();
-    const uint32_t buf = smem_address(st.buf), bar = smem_address(st.bar);
     // Reads of global memory by the async proxy after this thread's generic acquire.
-    asm volatile("fence.proxy.async.global;" ::: "memory");
+    ptx::fence_proxy_async(ptx::space_global);
     for (int64_t at = 0; at < bytes; at += kBulkStageBytes) {
       const uint32_t piece = static_cast<uint32_t>(bytes - at < kBulkStageBytes ? bytes - at : kBulkStageBytes);
-      // The stage's previous stores have read it.
-      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(piece) : "memory");
-      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(buf),
-                   "l"(src + at), "r"(piece), "r"(bar)
-                   : "memory");
+      ptx::cp_async_bulk_wait_group_read(ptx::n32_t<0>{});  // the stage's previous stores have read it
+      ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared, st.bar, piece);
+      ptx::cp_async_bulk(ptx::space_cluster, ptx::space_global, st.buf, src + at, piece, st.bar);
       const uint32_t phase = *st.phase;
-      uint32_t done = 0;
-      while (!done)
-        asm volatile(
-            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done)
-            : "r"(bar), "r"(phase)
-            : "memory");
+      while (!ptx::mbarrier_try_wait_parity(st.bar, phase)) {
+      }
       *st.phase = phase ^ 1u;
-      for (int d = 0; d < n; ++d)
-        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst[d] + at), "r"(buf),
-                     "r"(piece)
-                     : "memory");
-      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+      for (int d = 0; d < n; ++d) ptx::cp_async_bulk(ptx::space_global, ptx::space_shared, dst[d] + at, st.buf, piece);
+      ptx::cp_async_bulk_commit_group();
     }
   }
   __syncwarp();
@@ -87,7 +76,7 @@ __device__ inline void bulk_copy_row(const char* src, char* const* dst, int n, i
 
 // Once per warp at its end: its bulk stores are complete.
 __device__ inline void finish_bulk_copies(int lane) {
-  if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  if (lane == 0) cuda::ptx::cp_async_bulk_wait_group(cuda::ptx::n32_t<0>{});
   __syncwarp();
 }
 
