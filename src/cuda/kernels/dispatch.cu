@@ -5,6 +5,12 @@
 // input when the wire needs no quantizing (docs/performance.md). With a copy-engine broadcast
 // (broadcast.cu) there is no sender: the receiver takes every source's tokens from the copies of
 // its rows and placing data, each once flagged.
+#include <cstdlib>
+#include <string>
+
+#include "core/check.hpp"
+#include "cuda/cuda_check.hpp"
+#include "cuda/kernels/bulk_copy.cuh"
 #include "cuda/kernels/empty_rows.cuh"
 #include "cuda/kernels/launch.hpp"
 #include "cuda/kernels/row_copy.cuh"
@@ -20,6 +26,18 @@ constexpr int kSendThreads = (kSendWarps + 1) * 32;
 // more registers than 24 warps leave (80 a thread), so it runs 16 (128).
 template <bool kBroadcast>
 constexpr int kRecvWarps = kBroadcast ? 16 : 24;
+
+// The copy-engine receiver moves rows by bulk copy unless EPX_RECV_COPY=registers (the register
+// copy loop, for measuring one against the other).
+bool bulk_receive() {
+  static const bool bulk = [] {
+    const char* v = std::getenv("EPX_RECV_COPY");
+    const std::string how = v ? v : "bulk";
+    require(how == "bulk" || how == "registers", "EPX_RECV_COPY must be 'bulk' or 'registers', got '", how, "'");
+    return how == "bulk";
+  }();
+  return bulk;
+}
 constexpr int kRowGroup = 8;  // output rows one read of a received row is written to at once
 
 __device__ int64_t stream_slot(const Shape& s, int source, int64_t pos) {
@@ -125,7 +143,8 @@ __device__ void place_parts(const char* codes, const char* scales, const char* g
                             const int64_t* rows, int n, int lane) {
   char* dst[kRowGroup];
   for (int j = 0; j < n; ++j) dst[j] = out.x + rows[j] * out.x_bytes;
-  copy_row(codes, dst, n, out.x_bytes, lane);
+  if (out.bulk && bulk_copyable(codes, dst, n, out.x_bytes)) bulk_copy_row(codes, dst, n, out.x_bytes, lane);
+  else copy_row(codes, dst, n, out.x_bytes, lane);
   if (out.scales) {
     for (int j = 0; j < n; ++j) dst[j] = out.scales + rows[j] * out.scale_bytes;
     copy_row(scales, dst, n, out.scale_bytes, lane);
@@ -335,14 +354,17 @@ __device__ bool receive_broadcast(const PeerWindows& w, const WindowMap& m, cons
 // already) and then each source's tokens in order, the order its pieces land.
 template <bool kBroadcast>
 __global__ void __launch_bounds__(kRecvWarps<kBroadcast> * 32) dispatch_receive_kernel(PeerWindows w, WindowMap m, Shape s,
-                                                                          RecvArrays r, RecvOutputs out, Layout layout,
+                                                                          RecvArrays r, RecvOutputs given, Layout layout,
                                                                           SendRows own, Placing mine, int phase,
                                                                           CallState* cs, uint64_t timeout_ns,
                                                                           DeviceStatus* st) {
   const uint32_t epoch = call_epoch(cs);
+  RecvOutputs out = given;
+  if constexpr (!kBroadcast) out.bulk = false;  // compiled out of the SM engine's receiver
   const int lane = threadIdx.x % 32;
   const int64_t warp = blockIdx.x * static_cast<int64_t>(kRecvWarps<kBroadcast>) + threadIdx.x / 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kRecvWarps<kBroadcast>;
+  if (out.bulk) init_bulk_stage(lane);
   fill_empty_rows(s, r, out, layout, warp, warps, lane);
   int64_t chunks = 0;
   for (int p = 0; p < w.ranks; ++p) chunks = max(chunks, static_cast<int64_t>(r.chunks_from[p]));
@@ -362,6 +384,7 @@ __global__ void __launch_bounds__(kRecvWarps<kBroadcast> * 32) dispatch_receive_
       break;
     }
   }
+  if (out.bulk) finish_bulk_copies(lane);
   if constexpr (!kBroadcast) return;
   // The last block to finish tells every source that its broadcast rows here are read (also in
   // a failed call: the sources' next broadcasts wait for it).
@@ -382,12 +405,17 @@ void dispatch_receive(const Ctx& ctx, int blocks, const RecvArrays& r, const Rec
                       const SendRows& own, const Placing& mine, int phase) {
   auto* kernel = own.broadcast ? dispatch_receive_kernel<true> : dispatch_receive_kernel<false>;
   const int threads = 32 * (own.broadcast ? kRecvWarps<true> : kRecvWarps<false>);
-  kernel<<<blocks, threads, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, out, layout, own, mine, phase, ctx.state,
-                                             ctx.timeout_ns, ctx.status);
+  RecvOutputs o = out;
+  o.bulk = own.broadcast && bulk_receive();
+  const size_t smem = o.bulk ? static_cast<size_t>(bulk_stage_smem(kRecvWarps<true>)) : 0;
+  kernel<<<blocks, threads, smem, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, o, layout, own, mine, phase,
+                                                ctx.state, ctx.timeout_ns, ctx.status);
 }
 
 void preload_dispatch_kernels() {
   preload(dispatch_send_kernel, dispatch_receive_kernel<false>, dispatch_receive_kernel<true>);
+  EPX_CUDA(cudaFuncSetAttribute(dispatch_receive_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                static_cast<int>(bulk_stage_smem(kRecvWarps<true>))));
 }
 
 }  // namespace epx::detail::kernels
