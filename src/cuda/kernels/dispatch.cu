@@ -306,18 +306,36 @@ __device__ bool receive_streamed(const PeerWindows& w, const WindowMap& m, const
   return true;
 }
 
-// Copy-engine dispatch, one warp: token t (of `tokens`) of chunk c of `source`, from the copies of
-// its placing data and row (this rank's own: its arrays and x). The chunk's first warp also
-// records how many of its tokens come here. False: a wait failed.
+// What one warp of the copy-engine receiver has already waited for and read of the source it
+// is on: warps take the sources one after another, so one source's worth is enough. Each wait
+// is an acquire load at system scope, which also empties the SM's L1 cache; done once per
+// source (placing data, plan) and once per piece instead of for every row, the row's own loads
+// are all that is left before its copy.
+struct SourceSeen {
+  int source = -1;
+  bool placing = false;  // the source's placing data is here
+  uint32_t pieces = 0;   // bit q: piece q of its rows is here
+  int64_t tokens = 0;    // its token count (its plan header)
+};
+
+// Copy-engine dispatch, one warp: token t of chunk c of `source`, from the copies of its placing
+// data and row (this rank's own: its arrays and x). The chunk's first warp also records how many
+// of its tokens come here. False: a wait failed.
 __device__ bool receive_broadcast(const PeerWindows& w, const WindowMap& m, const Shape& s, const RecvArrays& r,
                                   const RecvOutputs& out, Layout layout, const SendRows& own, const Placing& mine,
-                                  int source, int64_t tokens, int64_t c, int64_t j, uint32_t epoch,
-                                  uint64_t timeout_ns, DeviceStatus* st, int lane) {
+                                  int source, int slot, int64_t c, int64_t j, uint32_t epoch, uint64_t timeout_ns,
+                                  DeviceStatus* st, SourceSeen& seen, int lane) {
+  if (seen.source != source) {
+    seen = SourceSeen{source, source == w.rank, 0u,
+                      at_window<const PlanHeader>(w, w.rank, m.plans + (slot * w.ranks + source) * m.plan_stride)->tokens};
+  }
+  const int64_t tokens = seen.tokens;
   Placing p = mine;
   if (source != w.rank) {
-    if (!warp_wait_flags(at_window<uint32_t>(w, w.rank, m.meta_flag) + source, 0, 1, source, epoch, timeout_ns, st,
-                         kSignalForward, lane))
+    if (!seen.placing && !warp_wait_flags(at_window<uint32_t>(w, w.rank, m.meta_flag) + source, 0, 1, source, epoch,
+                                          timeout_ns, st, kSignalForward, lane))
       return false;
+    seen.placing = true;
     const int64_t at = source * s.max_tokens;
     p = {at_window<const int32_t>(w, w.rank, m.meta_expert) + at * s.topk,
          at_window<const float>(w, w.rank, m.meta_weight) + at * s.topk,
@@ -339,9 +357,11 @@ __device__ bool receive_broadcast(const PeerWindows& w, const WindowMap& m, cons
   // wrote before this kernel) from bcast_rows.
   const bool from_x = source == w.rank && own.wire == WireFormat::bf16;
   const char* payload = at_window<const char>(w, w.rank, m.bcast_rows + (source * s.max_tokens + t) * m.bcast_stride);
-  if (source != w.rank) {
-    uint32_t* piece = at_window<uint32_t>(w, w.rank, m.bcast_flag) + source * kMaxPieces + t / m.piece_tokens;
+  const int64_t q = t / m.piece_tokens;
+  if (source != w.rank && !(seen.pieces >> q & 1u)) {
+    uint32_t* piece = at_window<uint32_t>(w, w.rank, m.bcast_flag) + source * kMaxPieces + q;
     if (!warp_wait_flags(piece, 0, 1, source, epoch, timeout_ns, st, kSignalForward, lane)) return false;
+    seen.pieces |= 1u << q;
   }
   const RowSlots slots{p.expert, p.weight, p.index, t * s.topk, w.rank};
   receive_row(s, r, out, layout, from_x ? &own : nullptr, payload, static_cast<int32_t>(t), slots, source, pos, lane);
@@ -370,15 +390,14 @@ __global__ void __launch_bounds__(kRecvWarps<kBroadcast> * 32) dispatch_receive_
   for (int p = 0; p < w.ranks; ++p) chunks = max(chunks, static_cast<int64_t>(r.chunks_from[p]));
   const int64_t per_source = chunks * kChunkTokens;
   const int slot = plan_slot(cs, phase);
+  SourceSeen seen;
   for (int64_t u = warp; u < per_source * w.ranks; u += warps) {
     const int64_t j = u % kChunkTokens;
     const int64_t c = kBroadcast ? u % per_source / kChunkTokens : u / kChunkTokens / w.ranks;
     const int source = static_cast<int>(kBroadcast ? (w.rank + u / per_source) % w.ranks : u / kChunkTokens % w.ranks);
     if (c >= r.chunks_from[source]) continue;
     if constexpr (kBroadcast) {
-      const int64_t tokens =
-          at_window<const PlanHeader>(w, w.rank, m.plans + (slot * w.ranks + source) * m.plan_stride)->tokens;
-      if (!receive_broadcast(w, m, s, r, out, layout, own, mine, source, tokens, c, j, epoch, timeout_ns, st, lane))
+      if (!receive_broadcast(w, m, s, r, out, layout, own, mine, source, slot, c, j, epoch, timeout_ns, st, seen, lane))
         break;
     } else if (!receive_streamed(w, m, s, r, out, layout, own, source, c, j, epoch, timeout_ns, st, lane)) {
       break;
