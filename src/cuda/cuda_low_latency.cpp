@@ -58,7 +58,9 @@ class CudaLowLatency final : public LowLatencyBackend {
     map_.routes = take(4 * 2 * ranks_ * m * c.topk);
     map_.payload_stride = round16(wire_.bytes());
     map_.rows = take(rows * map_.payload_stride);
-    map_.ret = take(2 * 2 * m * c.topk * c.hidden);
+    map_.ret = take(2 * 2 * m * ranks_ * c.hidden);
+    map_.weights = take(4 * 2 * ranks_ * m * c.topk);
+    map_.weights_in = take(4 * 2 * ranks_);
     map_.total = at;
 
     // This rank's arrays: both sets in one allocation, zeroed (outputs start empty).
@@ -215,14 +217,14 @@ class CudaLowLatency final : public LowLatencyBackend {
     }
     if (!error.empty()) {  // as in dispatch_send: reject, then consume this call's arrival words
       ll::reject(ctx(), ll::kCombine, set, kStatusHostRejected);
-      ll::combine(ctx(), ll::kRecvPhase, set, sets_[0], nullptr, ll::Sums{nullptr, 0, false, 0, sets_[set].out});
+      ll::combine(ctx(), ll::kRecvPhase, set, 0, sets_[0], nullptr, ll::Sums{nullptr, 0, false, 0, sets_[set].out});
       throw Error(ErrorCode::invalid_argument, error);
     }
     const LowLatencyHandleState& h = handle.state();
     mark(2);
-    if (!fusing_) ll::combine(ctx(), ll::kSendPhase, set, sets_[h.set], in.y.ptr<const uint16_t>(), {});
     combine_pending_ = true;
     pending_combine_ = {handle.state_ptr(), in.weighted, in.topk_weights, in.y.ptr<const uint16_t>()};
+    if (!fusing_) ll::combine(ctx(), ll::kSendPhase, set, h.set, sets_[h.set], in.y.ptr<const uint16_t>(), sums(set));
   }
 
   Tensor combine_recv() override {
@@ -230,18 +232,23 @@ class CudaLowLatency final : public LowLatencyBackend {
     combine_pending_ = false;
     const int set = static_cast<int>((combine_calls_ - 1) % 2);
     const LowLatencyHandleState& h = *pending_combine_.handle;
-    const TensorView& w = pending_combine_.weights;
     uint16_t* out = sets_[set].out;
-    const ll::Sums sums{pending_combine_.weighted ? w.ptr<const float>() : nullptr,
-                        pending_combine_.weighted ? w.strides[0] : 0, pending_combine_.weighted, h.tokens, out};
-    ll::combine(ctx(), fusing_ ? ll::kSendPhase | ll::kRecvPhase : ll::kRecvPhase, set, sets_[h.set], pending_combine_.y,
-                sums);
+    ll::combine(ctx(), fusing_ ? ll::kSendPhase | ll::kRecvPhase : ll::kRecvPhase, set, h.set, sets_[h.set],
+                pending_combine_.y, sums(set));
     if (mark(3)) timer_.add(fusing_ ? "ll combine (one launch)" : "ll combine: send half to end", 2, 3);
     pending_combine_ = {};
     return Tensor(memory_, TensorView::of(out, DType::bf16, {h.tokens, config().hidden}, DeviceKind::cuda, device_));
   }
 
  private:
+  // The pending combine's weights (both halves: the send half sends them to the expert ranks) and
+  // where its sums go.
+  ll::Sums sums(int set) const {
+    const PendingCombine& p = pending_combine_;
+    return {p.weighted ? p.weights.ptr<const float>() : nullptr, p.weighted ? p.weights.strides[0] : 0, p.weighted,
+            p.handle->tokens, sets_[set].out};
+  }
+
   struct PendingCombine {
     std::shared_ptr<const LowLatencyHandleState> handle;
     bool weighted = false;
@@ -271,11 +278,11 @@ class CudaLowLatency final : public LowLatencyBackend {
     s.recv_src = reinterpret_cast<int32_t*>(take(8 * rows));
     s.recv_count = reinterpret_cast<int32_t*>(take(4 * local_));
     s.recv_layout = reinterpret_cast<int32_t*>(take(8 * local_ * ranks_));
-    s.row_start = reinterpret_cast<int32_t*>(take(4 * (local_ + 1)));
     s.prev_count = reinterpret_cast<int32_t*>(take(4 * local_));
     s.src_rank = reinterpret_cast<int32_t*>(take(4 * rows));
     s.src_token = reinterpret_cast<int32_t*>(take(4 * rows));
     s.src_slot = reinterpret_cast<int32_t*>(take(4 * rows));
+    s.row_of = reinterpret_cast<int32_t*>(take(4 * slots_ * c.topk));
     s.out = reinterpret_cast<uint16_t*>(take(2 * m * c.hidden));
   }
 

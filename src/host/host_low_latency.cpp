@@ -185,19 +185,32 @@ class HostLowLatency final : public LowLatencyBackend {
     sync(name + " (receive)");
     check_mailboxes(set, name, false);
 
-    // out[t] = sum over slots in slot order: fma(w, y, acc) (weighted) or acc + y; bf16.
+    // docs/low-latency.md: for each rank d in order holding one of the token's experts, its
+    // partial (that rank's slots in slot order: fma(w, y, acc) or acc + y, from 0) rounded to
+    // bf16; out[t] = bf16 of the partials' sum. The CUDA backend sums the partials on the expert
+    // ranks; here every row came back and the same sums run at the source.
     const LowLatencyConfig& c = config();
     const LowLatencyArea::CombineSet& area = shared_->areas[rank_].combine[set];
     const LowLatencyHandleState& h = *p.handle;
     Tensor out = Tensor::zeros_host(DType::bf16, {h.tokens, c.hidden});
-    std::vector<float> acc(c.hidden);
+    std::vector<float> acc(c.hidden), partial(c.hidden);
+    std::vector<uint16_t> rounded(c.hidden);
     for (int64_t t = 0; t < h.num_tokens; ++t) {
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t k = 0; k < c.topk; ++k) {
-        if (h.slot_expert[t * c.topk + k] < 0) continue;
-        const uint16_t* y = &area.rows[(t * c.topk + k) * c.hidden];
-        if (p.weighted) fma_row(acc.data(), at<float>(p.weights, t, k), y, c.hidden);
-        else add_row(acc.data(), y, c.hidden);
+      for (int d = 0; d < ranks_; ++d) {
+        bool any = false;
+        std::fill(partial.begin(), partial.end(), 0.0f);
+        for (int64_t k = 0; k < c.topk; ++k) {
+          const int32_t e = h.slot_expert[t * c.topk + k];
+          if (e < 0 || e / local_ != d) continue;
+          any = true;
+          const uint16_t* y = &area.rows[(t * c.topk + k) * c.hidden];
+          if (p.weighted) fma_row(partial.data(), at<float>(p.weights, t, k), y, c.hidden);
+          else add_row(partial.data(), y, c.hidden);
+        }
+        if (!any) continue;
+        round_row(rounded.data(), partial.data(), c.hidden);  // one bf16 row per (token, rank)
+        add_row(acc.data(), rounded.data(), c.hidden);
       }
       round_row(out.data<uint16_t>() + t * c.hidden, acc.data(), c.hidden);
     }

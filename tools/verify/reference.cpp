@@ -425,19 +425,26 @@ std::vector<uint16_t> expected_ll_combine(const Problem& p, const std::vector<in
   const RankInput& in = p.inputs[s];
   std::vector<uint16_t> out(in.tokens * h, 0);
   std::vector<float> acc(h);
+  std::vector<float> partial(h);
   for (int64_t t = 0; t < num_tokens[s]; ++t) {
     std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int64_t k = 0; k < k_count; ++k) {
-      const int32_t e = in.idx[t * k_count + k];
-      if (e < 0) continue;
-      const int d = static_cast<int>(e / l_count);
-      const auto rows = ll_rows(p, num_tokens, d, e % l_count);
-      int64_t j = 0;
-      while (rows[j] != std::make_pair(s, t)) ++j;
-      const uint16_t* yr = &y[d][((e % l_count) * slots + j) * h];
-      const float w = weight_of(in, t * k_count + k);
-      for (int64_t c = 0; c < h; ++c)
-        acc[c] = weighted ? std::fma(w, bf16_to_float(yr[c]), acc[c]) : acc[c] + bf16_to_float(yr[c]);
+    for (int d = 0; d < p.ranks; ++d) {  // each expert rank's partial, ranks in order
+      bool any = false;
+      std::fill(partial.begin(), partial.end(), 0.0f);
+      for (int64_t k = 0; k < k_count; ++k) {  // its slots in slot order
+        const int32_t e = in.idx[t * k_count + k];
+        if (e < 0 || e / l_count != d) continue;
+        any = true;
+        const auto rows = ll_rows(p, num_tokens, d, e % l_count);
+        int64_t j = 0;
+        while (rows[j] != std::make_pair(s, t)) ++j;
+        const uint16_t* yr = &y[d][((e % l_count) * slots + j) * h];
+        const float w = weight_of(in, t * k_count + k);
+        for (int64_t c = 0; c < h; ++c)
+          partial[c] = weighted ? std::fma(w, bf16_to_float(yr[c]), partial[c]) : partial[c] + bf16_to_float(yr[c]);
+      }
+      if (!any) continue;
+      for (int64_t c = 0; c < h; ++c) acc[c] += bf16_to_float(float_to_bf16(partial[c]));  // bf16 partial
     }
     for (int64_t c = 0; c < h; ++c) out[t * h + c] = float_to_bf16(acc[c]);
   }

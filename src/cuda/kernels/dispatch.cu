@@ -5,6 +5,12 @@
 // input when the wire needs no quantizing (docs/performance.md). With a copy-engine broadcast
 // (broadcast.cu) there is no sender: the receiver takes every source's tokens from the copies of
 // its rows and placing data, each once flagged.
+#include <cstdlib>
+#include <string>
+
+#include "core/check.hpp"
+#include "cuda/cuda_check.hpp"
+#include "cuda/kernels/bulk_copy.cuh"
 #include "cuda/kernels/empty_rows.cuh"
 #include "cuda/kernels/launch.hpp"
 #include "cuda/kernels/row_copy.cuh"
@@ -20,6 +26,18 @@ constexpr int kSendThreads = (kSendWarps + 1) * 32;
 // more registers than 24 warps leave (80 a thread), so it runs 16 (128).
 template <bool kBroadcast>
 constexpr int kRecvWarps = kBroadcast ? 16 : 24;
+
+// The copy-engine receiver moves rows by bulk copy unless EPX_RECV_COPY=registers (the register
+// copy loop, for measuring one against the other).
+bool bulk_receive() {
+  static const bool bulk = [] {
+    const char* v = std::getenv("EPX_RECV_COPY");
+    const std::string how = v ? v : "bulk";
+    require(how == "bulk" || how == "registers", "EPX_RECV_COPY must be 'bulk' or 'registers', got '", how, "'");
+    return how == "bulk";
+  }();
+  return bulk;
+}
 constexpr int kRowGroup = 8;  // output rows one read of a received row is written to at once
 
 __device__ int64_t stream_slot(const Shape& s, int source, int64_t pos) {
@@ -125,7 +143,8 @@ __device__ void place_parts(const char* codes, const char* scales, const char* g
                             const int64_t* rows, int n, int lane) {
   char* dst[kRowGroup];
   for (int j = 0; j < n; ++j) dst[j] = out.x + rows[j] * out.x_bytes;
-  copy_row(codes, dst, n, out.x_bytes, lane);
+  if (out.bulk && bulk_copyable(codes, dst, n, out.x_bytes)) bulk_copy_row(codes, dst, n, out.x_bytes, lane);
+  else copy_row(codes, dst, n, out.x_bytes, lane);
   if (out.scales) {
     for (int j = 0; j < n; ++j) dst[j] = out.scales + rows[j] * out.scale_bytes;
     copy_row(scales, dst, n, out.scale_bytes, lane);
@@ -287,18 +306,36 @@ __device__ bool receive_streamed(const PeerWindows& w, const WindowMap& m, const
   return true;
 }
 
-// Copy-engine dispatch, one warp: token t (of `tokens`) of chunk c of `source`, from the copies of
-// its placing data and row (this rank's own: its arrays and x). The chunk's first warp also
-// records how many of its tokens come here. False: a wait failed.
+// What one warp of the copy-engine receiver has already waited for and read of the source it
+// is on: warps take the sources one after another, so one source's worth is enough. Each wait
+// is an acquire load at system scope, which also empties the SM's L1 cache; done once per
+// source (placing data, plan) and once per piece instead of for every row, the row's own loads
+// are all that is left before its copy.
+struct SourceSeen {
+  int source = -1;
+  bool placing = false;  // the source's placing data is here
+  uint32_t pieces = 0;   // bit q: piece q of its rows is here
+  int64_t tokens = 0;    // its token count (its plan header)
+};
+
+// Copy-engine dispatch, one warp: token t of chunk c of `source`, from the copies of its placing
+// data and row (this rank's own: its arrays and x). The chunk's first warp also records how many
+// of its tokens come here. False: a wait failed.
 __device__ bool receive_broadcast(const PeerWindows& w, const WindowMap& m, const Shape& s, const RecvArrays& r,
                                   const RecvOutputs& out, Layout layout, const SendRows& own, const Placing& mine,
-                                  int source, int64_t tokens, int64_t c, int64_t j, uint32_t epoch,
-                                  uint64_t timeout_ns, DeviceStatus* st, int lane) {
+                                  int source, int slot, int64_t c, int64_t j, uint32_t epoch, uint64_t timeout_ns,
+                                  DeviceStatus* st, SourceSeen& seen, int lane) {
+  if (seen.source != source) {
+    seen = SourceSeen{source, source == w.rank, 0u,
+                      at_window<const PlanHeader>(w, w.rank, m.plans + (slot * w.ranks + source) * m.plan_stride)->tokens};
+  }
+  const int64_t tokens = seen.tokens;
   Placing p = mine;
   if (source != w.rank) {
-    if (!warp_wait_flags(at_window<uint32_t>(w, w.rank, m.meta_flag) + source, 0, 1, source, epoch, timeout_ns, st,
-                         kSignalForward, lane))
+    if (!seen.placing && !warp_wait_flags(at_window<uint32_t>(w, w.rank, m.meta_flag) + source, 0, 1, source, epoch,
+                                          timeout_ns, st, kSignalForward, lane))
       return false;
+    seen.placing = true;
     const int64_t at = source * s.max_tokens;
     p = {at_window<const int32_t>(w, w.rank, m.meta_expert) + at * s.topk,
          at_window<const float>(w, w.rank, m.meta_weight) + at * s.topk,
@@ -320,9 +357,11 @@ __device__ bool receive_broadcast(const PeerWindows& w, const WindowMap& m, cons
   // wrote before this kernel) from bcast_rows.
   const bool from_x = source == w.rank && own.wire == WireFormat::bf16;
   const char* payload = at_window<const char>(w, w.rank, m.bcast_rows + (source * s.max_tokens + t) * m.bcast_stride);
-  if (source != w.rank) {
-    uint32_t* piece = at_window<uint32_t>(w, w.rank, m.bcast_flag) + source * kMaxPieces + t / m.piece_tokens;
+  const int64_t q = t / m.piece_tokens;
+  if (source != w.rank && !(seen.pieces >> q & 1u)) {
+    uint32_t* piece = at_window<uint32_t>(w, w.rank, m.bcast_flag) + source * kMaxPieces + q;
     if (!warp_wait_flags(piece, 0, 1, source, epoch, timeout_ns, st, kSignalForward, lane)) return false;
+    seen.pieces |= 1u << q;
   }
   const RowSlots slots{p.expert, p.weight, p.index, t * s.topk, w.rank};
   receive_row(s, r, out, layout, from_x ? &own : nullptr, payload, static_cast<int32_t>(t), slots, source, pos, lane);
@@ -335,33 +374,36 @@ __device__ bool receive_broadcast(const PeerWindows& w, const WindowMap& m, cons
 // already) and then each source's tokens in order, the order its pieces land.
 template <bool kBroadcast>
 __global__ void __launch_bounds__(kRecvWarps<kBroadcast> * 32) dispatch_receive_kernel(PeerWindows w, WindowMap m, Shape s,
-                                                                          RecvArrays r, RecvOutputs out, Layout layout,
+                                                                          RecvArrays r, RecvOutputs given, Layout layout,
                                                                           SendRows own, Placing mine, int phase,
                                                                           CallState* cs, uint64_t timeout_ns,
                                                                           DeviceStatus* st) {
   const uint32_t epoch = call_epoch(cs);
+  RecvOutputs out = given;
+  if constexpr (!kBroadcast) out.bulk = false;  // compiled out of the SM engine's receiver
   const int lane = threadIdx.x % 32;
   const int64_t warp = blockIdx.x * static_cast<int64_t>(kRecvWarps<kBroadcast>) + threadIdx.x / 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kRecvWarps<kBroadcast>;
+  if (out.bulk) init_bulk_stage(lane);
   fill_empty_rows(s, r, out, layout, warp, warps, lane);
   int64_t chunks = 0;
   for (int p = 0; p < w.ranks; ++p) chunks = max(chunks, static_cast<int64_t>(r.chunks_from[p]));
   const int64_t per_source = chunks * kChunkTokens;
   const int slot = plan_slot(cs, phase);
+  SourceSeen seen;
   for (int64_t u = warp; u < per_source * w.ranks; u += warps) {
     const int64_t j = u % kChunkTokens;
     const int64_t c = kBroadcast ? u % per_source / kChunkTokens : u / kChunkTokens / w.ranks;
     const int source = static_cast<int>(kBroadcast ? (w.rank + u / per_source) % w.ranks : u / kChunkTokens % w.ranks);
     if (c >= r.chunks_from[source]) continue;
     if constexpr (kBroadcast) {
-      const int64_t tokens =
-          at_window<const PlanHeader>(w, w.rank, m.plans + (slot * w.ranks + source) * m.plan_stride)->tokens;
-      if (!receive_broadcast(w, m, s, r, out, layout, own, mine, source, tokens, c, j, epoch, timeout_ns, st, lane))
+      if (!receive_broadcast(w, m, s, r, out, layout, own, mine, source, slot, c, j, epoch, timeout_ns, st, seen, lane))
         break;
     } else if (!receive_streamed(w, m, s, r, out, layout, own, source, c, j, epoch, timeout_ns, st, lane)) {
       break;
     }
   }
+  if (out.bulk) finish_bulk_copies(lane);
   if constexpr (!kBroadcast) return;
   // The last block to finish tells every source that its broadcast rows here are read (also in
   // a failed call: the sources' next broadcasts wait for it).
@@ -382,12 +424,17 @@ void dispatch_receive(const Ctx& ctx, int blocks, const RecvArrays& r, const Rec
                       const SendRows& own, const Placing& mine, int phase) {
   auto* kernel = own.broadcast ? dispatch_receive_kernel<true> : dispatch_receive_kernel<false>;
   const int threads = 32 * (own.broadcast ? kRecvWarps<true> : kRecvWarps<false>);
-  kernel<<<blocks, threads, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, out, layout, own, mine, phase, ctx.state,
-                                             ctx.timeout_ns, ctx.status);
+  RecvOutputs o = out;
+  o.bulk = own.broadcast && bulk_receive();
+  const size_t smem = o.bulk ? static_cast<size_t>(bulk_stage_smem(kRecvWarps<true>)) : 0;
+  kernel<<<blocks, threads, smem, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, o, layout, own, mine, phase,
+                                                ctx.state, ctx.timeout_ns, ctx.status);
 }
 
 void preload_dispatch_kernels() {
   preload(dispatch_send_kernel, dispatch_receive_kernel<false>, dispatch_receive_kernel<true>);
+  EPX_CUDA(cudaFuncSetAttribute(dispatch_receive_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                static_cast<int>(bulk_stage_smem(kRecvWarps<true>))));
 }
 
 }  // namespace epx::detail::kernels

@@ -161,6 +161,7 @@ struct RecvOutputs {
   float* weights;   // expert-major [capacity]
   int32_t* topk_idx;  // rank-major [capacity, K]
   float* topk_weights;
+  bool bulk = false;  // set by dispatch_receive: rows' codes go by bulk copy (bulk_copy.cuh)
 };
 // `own`: this rank's input rows, which the receiver places itself (no sender copies them). With
 // own.broadcast every row's place comes from its source's Placing (this rank's: `mine`) and the

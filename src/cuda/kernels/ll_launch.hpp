@@ -25,7 +25,9 @@ struct Map {
   int64_t routes;          // int32 [2 sets][R][M][K]: each source's checked expert ids (-1: none)
   int64_t rows;            // [2 sets][R][M] wire rows of payload_stride bytes: source s's token t
   int64_t payload_stride;
-  int64_t ret;             // bf16 [2 sets][M][K][H]: expert rows back at their source
+  int64_t ret;             // bf16 [2 sets][M][R][H]: rank d's partial of token t, back at its source
+  int64_t weights;         // f32 [2 sets][R][M][K]: each source's combine weights (weighted combine)
+  int64_t weights_in;      // uint32 [2 sets][R]: 1 once source s's weights are here; reset by the receiver
   int64_t total;
 };
 
@@ -39,11 +41,11 @@ struct Set {
   int32_t* recv_src;      // [L][R*M][2]
   int32_t* recv_count;    // [L]
   int32_t* recv_layout;   // [L][R][2]
-  int32_t* row_start;     // [L+1] each expert's first row among all received rows, then their total
   int32_t* prev_count;    // [L] the counts of the previous dispatch on this set (rows to clear)
   int32_t* src_rank;      // [L*R*M] per received row: where it came from (for combine)
   int32_t* src_token;
   int32_t* src_slot;
+  int32_t* row_of;        // [R*M*K] received row (l * R*M + j) of (source, token, slot); read for local slots only
   uint16_t* out;          // [M][H] combine output
 };
 
@@ -76,7 +78,8 @@ struct Rows {
   float nvfp4_global_scale;
 };
 
-// Where combine's sums go: out[t] for t < tokens (T of the dispatch), weighted or not.
+// Combine's weights (this rank's tokens', sent to the expert ranks by the send half) and where its
+// sums go: out[t] for t < tokens (T of the dispatch). Every rank must pass weights alike.
 struct Sums {
   const float* weights;
   int64_t weight_stride;
@@ -92,7 +95,9 @@ enum Phase : int { kSendPhase = 1, kRecvPhase = 2 };
 // A rank whose host rejected its input: its arrival of this call carries the error, no rows.
 void reject(const Ctx& c, Kind kind, int set, int32_t code);
 void dispatch(const Ctx& c, int phases, int set, const Route& route, const Rows& rows, const Set& s);
-void combine(const Ctx& c, int phases, int set, const Set& dispatched, const uint16_t* y, const Sums& sums);
+// `dispatch_set`: the set of the dispatch whose handle this is (its routing in the windows).
+void combine(const Ctx& c, int phases, int set, int dispatch_set, const Set& dispatched, const uint16_t* y,
+             const Sums& sums);
 void preload_kernels();
 
 }  // namespace epx::detail::ll

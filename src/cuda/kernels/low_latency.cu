@@ -4,10 +4,10 @@
 // source's checked routing (every rank gets all of it) and its rows per (expert, chunk of 32
 // tokens), added at the destination; each block counts itself in at every rank when it is done.
 // The receive half waits until every block of every source is in, then packs each local expert's
-// rows in (source rank, token) order, reading each row from its source's slot. Combine returns
-// every (token, expert) row to its source's (token, slot) place and sums them there in slot order.
-#include <cub/block/block_scan.cuh>
-
+// rows in (source rank, token) order, reading each row from its source's slot. Combine: each
+// expert rank sums a token's rows of its experts (slot order, the source's weights, which the
+// send half sends first) into one bf16 partial back at the source, which adds the partials in
+// rank order (the high-throughput combine's sums, docs/low-latency.md).
 #include "cuda/kernels/ll_launch.hpp"
 #include "cuda/kernels/row_copy.cuh"
 
@@ -81,6 +81,11 @@ __device__ T* word_of(const Ctx& c, int64_t offset, int owner, Kind kind, int se
   return at_window<T>(c.peers, owner, offset) + (static_cast<int64_t>(kind) * 2 + set) * c.peers.ranks + source;
 }
 
+// Source `source`'s weights_in word of combine set `set` at rank `owner`.
+__device__ uint32_t* weights_word(const Ctx& c, int owner, int set, int source) {
+  return at_window<uint32_t>(c.peers, owner, c.map.weights_in) + set * c.peers.ranks + source;
+}
+
 // The calling block is done with this call's writes to every rank: after a system-scope fence
 // (it orders the writes of all the block's threads, which __syncthreads made visible to thread 0),
 // it raises the call's error word at each rank if this rank found an error, then counts itself in.
@@ -131,6 +136,7 @@ __device__ void end_call(const Ctx& c, Kind kind, int set) {
   if (threadIdx.x < c.peers.ranks) {
     *word_of<uint64_t>(c, c.map.arrivals, c.peers.rank, kind, set, threadIdx.x) = 0;
     *word_of<uint32_t>(c, c.map.errors, c.peers.rank, kind, set, threadIdx.x) = 0;
+    if (kind == kCombine) *weights_word(c, c.peers.rank, set, static_cast<int>(threadIdx.x)) = 0;
   }
   if (threadIdx.x == 0 && *reinterpret_cast<volatile int32_t*>(&c.status->code) != 0) publish(c.status, c.host_status);
 }
@@ -256,6 +262,7 @@ __device__ void pack_chunk(const Ctx& c, int set, const Set& s, const Arrived& a
       s.src_rank[u] = source;
       s.src_token[u] = static_cast<int32_t>(token);
       s.src_slot[u] = slot;
+      s.row_of[(source * c.max_tokens + token) * c.topk + slot] = static_cast<int32_t>(u);
     }
   }
 }
@@ -286,9 +293,9 @@ __device__ void clear_chunk(const Ctx& c, const Set& s, const Arrived& a, int64_
 }
 
 // Receive phase. Warp per unit: every (local expert, source, chunk of tokens) to pack, then every
-// (local expert, 32 output rows) to clear; a failed call packs and clears nothing. The grid's
-// last block writes the counts, the layout and each expert's first row among all received rows
-// (for combine_send), publishes the status and resets this set's flags.
+// (local expert, 32 output rows) to clear; a failed call packs and clears nothing. Each packed
+// row's place is kept by (source, token, slot) for combine_send. The grid's last block writes the
+// counts and the layout, publishes the status and resets this set's flags.
 __device__ void dispatch_recv(const Ctx& c, int set, const Set& s) {
   const int lane = threadIdx.x % 32;
   const bool ok = wait_sources(c, kDispatch, set, lane);
@@ -301,29 +308,18 @@ __device__ void dispatch_recv(const Ctx& c, int set, const Set& s) {
     else clear_chunk(c, s, a, u - pack_units, lane);
   }
   if (!last_block(c.done + 0)) return;
-  using Scan = cub::BlockScan<int32_t, kWarps * 32>;
-  __shared__ typename Scan::TempStorage scan;
-  int32_t rows_before = 0;  // all experts' rows before this step of blockDim.x experts
-  for (int64_t base = 0; base < c.local; base += blockDim.x) {
-    const int64_t l = base + threadIdx.x;
+  for (int64_t l = threadIdx.x; l < c.local; l += blockDim.x) {
     int32_t first = 0;
-    for (int p = 0; l < c.local && p < c.peers.ranks; ++p) {
+    for (int p = 0; p < c.peers.ranks; ++p) {
       const int32_t n = ok ? rows_from(c, a, l, p, chunks_of(c)) : 0;
       s.recv_layout[(l * c.peers.ranks + p) * 2] = first;
       s.recv_layout[(l * c.peers.ranks + p) * 2 + 1] = n;
       first += n;
     }
-    int32_t before = 0, step = 0;
-    Scan(scan).ExclusiveSum(first, before, step);
-    if (l < c.local) {
-      s.recv_count[l] = first;
-      s.prev_count[l] = max(first, ok ? 0 : s.prev_count[l]);
-      s.row_start[l] = rows_before + before;
-    }
-    rows_before += step;
-    __syncthreads();  // the scan storage is reused
+    s.recv_count[l] = first;
+    s.prev_count[l] = max(first, ok ? 0 : s.prev_count[l]);
   }
-  if (threadIdx.x == 0) s.row_start[c.local] = rows_before;
+  __syncthreads();
   // The sources add their counts for the call after next on this set from zero.
   int32_t* counts = at_window<int32_t>(c.peers, c.peers.rank, c.map.counts) + set * c.peers.ranks * c.local * chunks_of(c);
   for (int64_t i = threadIdx.x; i < c.peers.ranks * c.local * chunks_of(c); i += blockDim.x) counts[i] = 0;
@@ -337,59 +333,112 @@ __global__ void __launch_bounds__(kWarps * 32) dispatch_kernel(Ctx c, int phases
   if (phases & kRecvPhase) dispatch_recv(c, set, s);
 }
 
-// The local expert whose rows hold received row g (counting all experts' rows in order): the
-// last l with row_start[l] <= g.
-__device__ int32_t expert_of_row(const Ctx& c, const int32_t* row_start, int32_t g) {
-  int32_t lo = 0, hi = static_cast<int32_t>(c.local) - 1;
-  while (lo < hi) {
-    const int32_t mid = (lo + hi + 1) / 2;
-    if (row_start[mid] <= g) lo = mid;
-    else hi = mid - 1;
+// Weighted combine, block 0 of the send half: this rank's tokens' weights (t < its count) to
+// every rank, then its weights_in word there, so the expert ranks can sum with them.
+__device__ void send_weights(const Ctx& c, int set, const Set& d, const Sums& sums) {
+  const int ranks = c.peers.ranks, rank = c.peers.rank;
+  const int64_t pairs = static_cast<int64_t>(*d.num_tokens) * c.topk;
+  for (int p = 0; p < ranks; ++p) {
+    float* dst = at_window<float>(c.peers, p, c.map.weights) + (static_cast<int64_t>(set) * ranks + rank) * c.max_tokens * c.topk;
+    for (int64_t i = threadIdx.x; i < pairs; i += blockDim.x)
+      dst[i] = sums.weights[i / c.topk * sums.weight_stride + i % c.topk];
   }
-  return lo;
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  __threadfence_system();
+  for (int p = 0; p < ranks; ++p) set_flag(weights_word(c, p, set, rank), 1u);
 }
 
-// Send phase. Warp per (received row, kSendSpan channels): the expert's output back to its
-// source's (token, slot) place. Units are numbered over the received rows only (32-bit math).
-__device__ void combine_send(const Ctx& c, int set, const Set& d, const uint16_t* y) {
-  const int lane = threadIdx.x % 32;
-  const int64_t slots = c.peers.ranks * c.max_tokens;
-  const int32_t spans = static_cast<int32_t>((c.hidden + kSendSpan - 1) / kSendSpan);
-  const int32_t units = d.row_start[c.local] * spans;
-  for (int32_t unit = static_cast<int32_t>(first_warp()); unit < units; unit += static_cast<int32_t>(warps_in_grid())) {
-    const int32_t g = unit / spans, l = expert_of_row(c, d.row_start, g);
-    const int64_t u = l * slots + (g - d.row_start[l]), h0 = static_cast<int64_t>(unit % spans) * kSendSpan;
-    const int64_t at = ((static_cast<int64_t>(set) * c.max_tokens + d.src_token[u]) * c.topk + d.src_slot[u]) * c.hidden;
-    char* dst = at_window<char>(c.peers, d.src_rank[u], c.map.ret + (at + h0) * 2);
-    copy_row(reinterpret_cast<const char*>(y + u * c.hidden + h0), &dst, 1, 2 * min(kSendSpan, c.hidden - h0), lane);
+// Lane 0 waits until `source`'s weights are here; false (in every lane) after the timeout, or
+// when the call failed already.
+__device__ bool wait_weights(const Ctx& c, int set, int source, int lane) {
+  int ok = 1;
+  if (lane == 0) {
+    cuda::atomic_ref<uint32_t, cuda::thread_scope_system> word(*weights_word(c, c.peers.rank, set, source));
+    const uint64_t start = globaltimer_ns();
+    while (word.load(cuda::memory_order_acquire) == 0) {
+      if (failed(c.status)) {
+        ok = 0;
+        break;
+      }
+      if (globaltimer_ns() - start > c.timeout_ns) {
+        report(c.status, kStatusTimeout, source, kCombine + 1);
+        ok = 0;
+        break;
+      }
+    }
+  }
+  ok = __shfl_sync(kAll, ok, 0);
+  __syncwarp();  // lane 0's acquire covers the weights every lane then reads
+  return ok != 0;
+}
+
+// Send phase. Warp per (source, token, kSendSpan channels) with one of its experts here: the
+// rows of those experts summed in slot order (fma with the source's weight, or a plain sum) into
+// one bf16 partial at the source's (token, this rank) place. `dset`: the dispatch's set.
+__device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, const uint16_t* y, const Sums& sums) {
+  const int lane = threadIdx.x % 32, ranks = c.peers.ranks, rank = c.peers.rank;
+  if (sums.weighted && blockIdx.x == 0) send_weights(c, set, d, sums);
+  const int64_t spans = (c.hidden + kSendSpan - 1) / kSendSpan, m = c.max_tokens;
+  const int32_t* ntok = at_window<const int32_t>(c.peers, rank, c.map.ntok) + dset * ranks;
+  const int32_t* routes = at_window<const int32_t>(c.peers, rank, c.map.routes) + dset * ranks * m * c.topk;
+  const float* weights = at_window<const float>(c.peers, rank, c.map.weights) + set * ranks * m * c.topk;
+  const bool wide = c.hidden % 8 == 0 && aligned16(y);
+  uint32_t weights_seen = 0;  // sources whose weights this warp saw arrive
+  for (int64_t unit = first_warp(); unit < ranks * m * spans; unit += warps_in_grid()) {
+    const int source = static_cast<int>(unit / (m * spans));
+    const int64_t t = unit / spans % m, h0 = unit % spans * kSendSpan, first = (source * m + t) * c.topk;
+    if (t >= ntok[source]) continue;
+    auto here = [&](int64_t k) {
+      const int32_t e = routes[first + k];
+      return e >= 0 && e / c.local == rank;
+    };
+    if (__ballot_sync(kAll, (lane < c.topk && here(lane)) || (lane + 32 < c.topk && here(lane + 32))) == 0) continue;
+    if (sums.weighted && !(weights_seen >> source & 1u)) {
+      if (!wait_weights(c, set, source, lane)) break;
+      weights_seen |= 1u << source;
+    }
+    uint16_t* dst = at_window<uint16_t>(c.peers, source, c.map.ret) + ((set * m + t) * ranks + rank) * c.hidden + h0;
+    sum_rows(static_cast<int>(c.topk), [&](int k, const uint16_t*& row, float& weight) {
+      if (!here(k)) return false;
+      row = y + static_cast<int64_t>(d.row_of[first + k]) * c.hidden + h0;
+      weight = sums.weighted ? weights[first + k] : 1.0f;
+      return true;
+    }, sums.weighted, dst, min(kSendSpan, c.hidden - h0), wide, lane);
   }
   block_arrived(c, kCombine, set);
 }
 
-// Receive phase. Warp per (token, kSumSpan channels): its returned rows in slot order (fma with
-// the weight, or a plain sum), bf16; rows past the token count are zero.
+// Receive phase. Warp per (token, kSumSpan channels): the partials of the ranks holding its
+// experts, in rank order, bf16; rows past the token count are zero.
 __device__ void combine_recv(const Ctx& c, int set, const Set& d, const Sums& sums) {
-  const int lane = threadIdx.x % 32;
+  const int lane = threadIdx.x % 32, ranks = c.peers.ranks;
   const bool ok = wait_sources(c, kCombine, set, lane);
   const int64_t n = ok ? *d.num_tokens : 0, spans = (c.hidden + kSumSpan - 1) / kSumSpan;
-  const uint16_t* ret = at_window<const uint16_t>(c.peers, c.peers.rank, c.map.ret) +
-                        static_cast<int64_t>(set) * c.max_tokens * c.topk * c.hidden;
+  const uint16_t* ret = at_window<const uint16_t>(c.peers, c.peers.rank, c.map.ret) + set * c.max_tokens * ranks * c.hidden;
   const bool wide = c.hidden % 8 == 0 && aligned16(sums.out);
   for (int64_t unit = first_warp(); unit < sums.tokens * spans; unit += warps_in_grid()) {
     const int64_t t = unit / spans, h0 = unit % spans * kSumSpan;
-    sum_rows(static_cast<int>(c.topk), [&](int k, const uint16_t*& row, float& weight) {
-      row = ret + (t * c.topk + k) * c.hidden + h0;
-      weight = sums.weighted ? sums.weights[t * sums.weight_stride + k] : 1.0f;
-      return t < n && d.slot_expert[t * c.topk + k] >= 0;
-    }, sums.weighted, sums.out + t * c.hidden + h0, min(kSumSpan, c.hidden - h0), wide, lane);
+    uint32_t held = 0;  // bit d: one of the token's experts is on rank d
+    for (int64_t k = lane; t < n && k < c.topk; k += 32) {
+      const int32_t e = d.slot_expert[t * c.topk + k];
+      if (e >= 0) held |= 1u << (e / c.local);
+    }
+    held = __reduce_or_sync(kAll, held);
+    sum_rows(ranks, [&](int r, const uint16_t*& row, float& weight) {
+      row = ret + ((t * ranks + r) * c.hidden + h0);
+      weight = 1.0f;
+      return (held >> r & 1u) != 0;
+    }, false, sums.out + t * c.hidden + h0, min(kSumSpan, c.hidden - h0), wide, lane);
   }
   if (!last_block(c.done + 1)) return;
   end_call(c, kCombine, set);
 }
 
 // As dispatch_kernel: either phase, or both.
-__global__ void __launch_bounds__(kWarps * 32) combine_kernel(Ctx c, int phases, int set, Set d, const uint16_t* y, Sums sums) {
-  if (phases & kSendPhase) combine_send(c, set, d, y);
+__global__ void __launch_bounds__(kWarps * 32) combine_kernel(Ctx c, int phases, int set, int dset, Set d, const uint16_t* y,
+                                                              Sums sums) {
+  if (phases & kSendPhase) combine_send(c, set, dset, d, y, sums);
   if (phases & kRecvPhase) combine_recv(c, set, d, sums);
 }
 
@@ -399,8 +448,10 @@ __global__ void reject_kernel(Ctx c, Kind kind, int set, int32_t code) {
   for (int d = 0; d < c.peers.ranks; ++d)
     atomicMax_system(word_of<uint32_t>(c, c.map.errors, d, kind, set, c.peers.rank), static_cast<uint32_t>(code));
   __threadfence_system();
-  for (int d = 0; d < c.peers.ranks; ++d)
+  for (int d = 0; d < c.peers.ranks; ++d) {
     atomicAdd_system(word_of<unsigned long long>(c, c.map.arrivals, d, kind, set, c.peers.rank), (1ull << kGridShift) + 1ull);
+    if (kind == kCombine) set_flag(weights_word(c, d, set, c.peers.rank), 1u);  // no expert rank waits for its weights
+  }
 }
 
 }  // namespace
@@ -411,8 +462,9 @@ void dispatch(const Ctx& c, int phases, int set, const Route& route, const Rows&
   dispatch_kernel<<<c.blocks, kWarps * 32, 0, c.stream>>>(c, phases, set, route, rows, s);
 }
 
-void combine(const Ctx& c, int phases, int set, const Set& dispatched, const uint16_t* y, const Sums& sums) {
-  combine_kernel<<<c.blocks, kWarps * 32, 0, c.stream>>>(c, phases, set, dispatched, y, sums);
+void combine(const Ctx& c, int phases, int set, int dispatch_set, const Set& dispatched, const uint16_t* y,
+             const Sums& sums) {
+  combine_kernel<<<c.blocks, kWarps * 32, 0, c.stream>>>(c, phases, set, dispatch_set, dispatched, y, sums);
 }
 
 void preload_kernels() { preload(dispatch_kernel, combine_kernel, reject_kernel); }
