@@ -330,7 +330,11 @@ class CudaLowLatency final : public LowLatencyBackend {
         fail(ErrorCode::invalid_argument, who, "token ", st.a, " selects expert ", st.c, " twice");
       case kStatusBadTokenCount:
         fail(ErrorCode::invalid_argument, who, "num_tokens = ", st.a, " must be in [0, T=", st.b, "]");
-      case kStatusPeerRejected:
+      case kStatusPeerRejected:  // a: the code the peer raised
+        if (st.a == kStatusTimeout || st.a == kStatusPeerRejected)
+          fail(ErrorCode::peer_failed, who, "rank ", st.rank, st.a == kStatusTimeout ? " gave up waiting for another rank"
+                                                                                   : " stopped after another rank failed",
+               " (its own error says which), so the group stops");
         fail(ErrorCode::peer_failed, who, "rank ", st.rank, " rejected its input (its own error says why), so the group stops");
       case kStatusTimeout:
         broken_ = true;
