@@ -61,6 +61,21 @@ bool use_copy_combine(int ranks) {
   return engine == "copy" || (engine == "auto" && ranks == 2);
 }
 
+// The dispatch's order of steps. lean (the default): the receiver's layout is computed by the plan
+// exchange's kernel, and a copy-engine dispatch enqueues its broadcast's first piece, launches its
+// routing and then enqueues the other pieces. classic (for measuring one against the other): the
+// layout as a kernel of its own after the plan, the whole broadcast before routing
+// (docs/performance.md).
+bool lean_dispatch() {
+  static const bool lean = [] {
+    const char* v = std::getenv("EPX_DISPATCH_ORDER");
+    const std::string order = v ? v : "lean";
+    require(order == "lean" || order == "classic", "EPX_DISPATCH_ORDER must be 'lean' or 'classic', got '", order, "'");
+    return order == "lean";
+  }();
+  return lean;
+}
+
 WindowMap make_window_map(const BufferConfig& c, int ranks, const WireRow& wire, bool broadcast) {
   WindowMap m{};
   const int64_t rows = ranks * c.max_tokens_per_rank;
@@ -427,12 +442,13 @@ void CudaBackend::reject(const Call& call, int phases, const std::string& error,
 }
 
 void CudaBackend::exchange_plan(const Call& call, int phase, int64_t tokens, int64_t signature, const int64_t* counts,
-                                int64_t count_len, int64_t* expert_prefix, int64_t* drop_capacity) {
+                                int64_t count_len, int64_t* expert_prefix, int64_t* drop_capacity,
+                                const kernels::LayoutJob* layout) {
   const PlanHeader h = plan_header(call, "", tokens, signature);
   const kernels::Ctx c = ctx();
   kernels::exchange_plan(c, h, counts, count_len, phase, expert_prefix != nullptr,
                          expert_prefix ? config().capacity_factor : 0.0, expert_prefix,
-                         drop_capacity ? drop_capacity : scratch_);
+                         drop_capacity ? drop_capacity : scratch_, layout);
 }
 
 void CudaBackend::wait(int kind) {
@@ -589,25 +605,33 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     if (broadcast_) kernels::release_broadcast(ctx());  // peers' next broadcasts wait for this rank's receiver
     reject(call, c.capacity_factor > 0.0 ? 2 : 1, error, tokens, signature);
   }
+  const bool lean = lean_dispatch();
+  const char* bcast_from = rows.x;  // bf16: x itself
+  int64_t bcast_stride = rows.x_stride_bytes, bcast_row_bytes = wire_.bytes();
+  // Pieces [first, end) of the broadcast on the copy stream; after the last, copies_done_.
+  auto broadcast_pieces = [&](int64_t first, int64_t end) {
+    kernels::broadcast_rows(ctx(), copy_stream_, bcast_from, bcast_stride, bcast_row_bytes, tokens, first, end);
+    if (end < kMaxPieces) return;
+    timer_.mark(7, copy_stream_);
+    EPX_CUDA(cudaEventRecord(copies_done_, copy_stream_));
+  };
   if (broadcast_) {  // the copy engines start on the rows now; they need no plan
     rows.broadcast = true;
     EPX_CUDA(cudaEventRecord(fork_, stream_));
     EPX_CUDA(cudaStreamWaitEvent(copy_stream_, fork_, 0));
     timer_.mark(6, copy_stream_);
     kernels::begin_broadcast(ctx(), copy_stream_);
-    const char* from = rows.x;  // bf16: x itself
-    int64_t from_stride = rows.x_stride_bytes, row_bytes = wire_.bytes();
     if (c.wire != WireFormat::bf16) {  // quantized (or given fp8) rows wait in this rank's window
       kernels::encode_rows(ctx(copy_stream_), rows, tokens);
-      from = window_->local() + map_.bcast_rows + rank_ * c.max_tokens_per_rank * map_.bcast_stride;
-      from_stride = row_bytes = map_.bcast_stride;
+      bcast_from = window_->local() + map_.bcast_rows + rank_ * c.max_tokens_per_rank * map_.bcast_stride;
+      bcast_stride = bcast_row_bytes = map_.bcast_stride;
     }
     // The placing data and the receivers wait for this: the peers read this rank's previous
     // broadcast, and its own encoded rows are in place.
     EPX_CUDA(cudaEventRecord(broadcast_begun_, copy_stream_));
-    kernels::broadcast_rows(ctx(), copy_stream_, from, from_stride, row_bytes, tokens);
-    timer_.mark(7, copy_stream_);
-    EPX_CUDA(cudaEventRecord(copies_done_, copy_stream_));
+    // Lean: one piece keeps the copy engines busy (~50 us at V3) while the host launches the
+    // routing, which the receiver waits for; the other pieces follow the routing's launches.
+    broadcast_pieces(0, lean ? 1 : kMaxPieces);
     host_steps_.mark("broadcast enqueued");
   }
 
@@ -639,6 +663,10 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   if (broadcast_) kernels::finalize_positions(x, tokens, dh->slot_expert, dh->pos);
   timer_.mark(9, stream_);
   host_steps_.mark("positions launched");
+  if (broadcast_ && lean) {
+    broadcast_pieces(1, kMaxPieces);
+    host_steps_.mark("broadcast's other pieces enqueued");
+  }
   const kernels::Placing mine{dh->slot_expert, dh->slot_weight, dh->pos.send_pos, dh->pos.slot_pos};
   if (broadcast_) {  // the placing data goes out on the side stream while the plans are exchanged
     EPX_CUDA(cudaEventRecord(fork_, stream_));
@@ -647,7 +675,9 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     kernels::broadcast_placing(ctx(side_stream_), mine, tokens);
     host_steps_.mark("placing launched");
   }
-  exchange_plan(call, phase, tokens, signature, dh->pos.totals, width);
+  const bool capacity_mode = c.mode == CapacityMode::capacity;
+  const kernels::LayoutJob layout{dh->recv, opt.layout, c.expert_alignment, capacity_mode ? c.capacity_rows : 0};
+  exchange_plan(call, phase, tokens, signature, dh->pos.totals, width, nullptr, nullptr, lean ? &layout : nullptr);
   host_steps_.mark("plan posted");
 
   // Senders start now on the call's stream; the receiver's layout, the output allocation (after
@@ -661,11 +691,11 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   host_steps_.mark("senders launched");
   timer_.mark(2, stream_);
   const kernels::Ctx side = ctx(side_stream_);
-  const bool capacity_mode = c.mode == CapacityMode::capacity;
-  kernels::receive_layout(side, phase, dh->recv, opt.layout, c.expert_alignment,
-                          capacity_mode ? c.capacity_rows : 0);
+  if (!lean) {
+    kernels::receive_layout(side, phase, layout);
+    host_steps_.mark("layout launched");
+  }
   timer_.mark(3, side_stream_);
-  host_steps_.mark("layout launched");
 
   auto h = std::make_shared<HandleState>();
   h->owner = this;
