@@ -1,5 +1,6 @@
 // Host side of the CUDA backend: checks, the kernel sequence of each call, outputs, errors.
 #include "cuda/cuda_backend.hpp"
+#include "cuda/env_setting.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -22,25 +23,8 @@ namespace {
 
 constexpr int kDefaultBlocks = 24;
 
-// A tuning variable: unset gives `fallback`; set, it must be an integer in [lo, hi].
-int64_t env_integer(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
-  const char* v = std::getenv(name);
-  if (!v) return fallback;
-  char* end = nullptr;
-  const long long n = std::strtoll(v, &end, 10);
-  require(end != v && *end == '\0' && n >= lo && n <= hi, name, " must be an integer in [", lo, ", ", hi, "], got '", v,
-          "'");
-  return n;
-}
-
 // An engine variable: 'auto' when unset, else 'auto', 'sm' or 'copy'.
-std::string engine_setting(const char* name) {
-  const char* v = std::getenv(name);
-  const std::string engine = v ? v : "auto";
-  require(engine == "sm" || engine == "copy" || engine == "auto", name, " must be 'auto', 'sm' or 'copy', got '",
-          engine, "'");
-  return engine;
-}
+std::string engine_setting(const char* name) { return env_choice(name, {"auto", "sm", "copy"}); }
 
 // Copy-engine dispatch (kernels/broadcast.cu). EPX_DISPATCH_ENGINE=copy or sm forces an engine;
 // unset (auto), bf16 and fp8 wires at two ranks use the copy engines, where nearly every token
@@ -67,12 +51,7 @@ bool use_copy_combine(int ranks) {
 // layout as a kernel of its own after the plan, the whole broadcast before routing
 // (docs/performance.md).
 bool lean_dispatch() {
-  static const bool lean = [] {
-    const char* v = std::getenv("EPX_DISPATCH_ORDER");
-    const std::string order = v ? v : "lean";
-    require(order == "lean" || order == "classic", "EPX_DISPATCH_ORDER must be 'lean' or 'classic', got '", order, "'");
-    return order == "lean";
-  }();
+  static const bool lean = env_choice("EPX_DISPATCH_ORDER", {"lean", "classic"}) == "lean";
   return lean;
 }
 
