@@ -119,13 +119,18 @@ if want ll; then
   for t in ${LL_SWEEP_TOKENS:-1 8 32 64 256 512}; do
     bench --ranks "$ranks" --ops ll_dispatch,ll_combine --tokens "$t" --wire fp8 --json "$OUT/ll-t$t.part"
   done
+  # The combine's weights given to ll_dispatch (records say "weights_at": "dispatch"), into the sweep's file.
+  for t in 1 128; do
+    bench --ranks "$ranks" --ops ll_dispatch,ll_combine --tokens "$t" --wire fp8 --ll-weights-at dispatch \
+      --json "$OUT/ll-t$t-wd.part"
+  done
   for r in 4 8; do bench --shared-gpu --ranks "$r" --wire fp8 ${LL_SHARED_ARGS:-} --json "$OUT/ll-r$r.part"; done
   python3 - "$OUT" <<'PY'
 import glob, json, sys
 out = sys.argv[1]
 for name, pattern in (("ll-sweep.json", "ll-t*.part"), ("ll-shared.json", "ll-r*.part")):
     records = [r for f in sorted(glob.glob(f"{out}/{pattern}")) for r in json.load(open(f))]
-    records.sort(key=lambda r: (r["op"], r["ranks"], r["tokens"]))
+    records.sort(key=lambda r: (r["op"], r["ranks"], r.get("weights_at", ""), r["tokens"]))
     with open(f"{out}/{name}", "w") as o:
         o.write("[\n" + ",\n".join("  " + json.dumps(r) for r in records) + "\n]\n")
 PY

@@ -269,6 +269,7 @@ Record base_record(const Options& o, const Ranks& ranks, const verify::Problem& 
   rec.git_commit = EPX_GIT_COMMIT;
   if (o.shared_gpu) rec.transport = "shared-gpu";
   if (o.backend == "cuda" && op.rfind("ll_", 0) == 0) rec.timing = o.ll_eager ? "eager" : "graph";
+  if (op.rfind("ll_", 0) == 0 && o.ll_weights_at_dispatch) rec.weights_at = "dispatch";
   if (o.backend == "cuda" && op.rfind("ll_", 0) != 0) {  // the engines asked for (docs/cuda.md)
     auto asked = [](const char* name) {
       const char* v = std::getenv(name);
@@ -328,7 +329,9 @@ std::vector<Record> run_low_latency(const Options& o, const Ranks& ranks, const 
         in.topk_idx = io.view(p.inputs[r].idx, DType::i32, {p.inputs[r].tokens, k_count});
         LowLatencyCombineInput ci;
         ci.y = io.view(ys[r], DType::bf16, {l_count, slots, h});
-        ci.topk_weights = io.view(p.inputs[r].weights, DType::f32, {p.inputs[r].tokens, k_count});
+        const TensorView weights = io.view(p.inputs[r].weights, DType::f32, {p.inputs[r].tokens, k_count});
+        if (o.ll_weights_at_dispatch) in.topk_weights = weights;  // sent with the routing
+        else ci.topk_weights = weights;
         LowLatencyBuffer buffer(g, cfg);
         buffer.set_stream(io.stream());
         auto timed = [&](std::vector<double>& times, auto&& call) {

@@ -30,6 +30,8 @@ const char* kUsage = R"(epx-bench: dispatch and combine of one MoE layer over N 
                           transport (records say "transport": "shared-gpu"; a test transport's times)
   --ll-eager              time low-latency calls one by one with events (host launch included)
                           instead of as CUDA-graph replays of 10 calls
+  --ll-weights-at WHERE   combine (default) or dispatch: which low-latency call takes the
+                          combine's weights (records say "weights_at": "dispatch" for the latter)
   --warmup N --iters N    untimed and timed repetitions (default 2 and 20; host 1 and 5)
   --seed N                random seed for inputs and routing
   --json FILE             write the records as a JSON list
@@ -89,6 +91,10 @@ Options parse_options(int argc, char** argv) {
     const std::string v = argv[++i];
     if (flag == "--backend") o.backend = v;
     else if (flag == "--preset") o.preset = v;
+    else if (flag == "--ll-weights-at") {
+      if (v != "combine" && v != "dispatch") usage_error("--ll-weights-at takes combine or dispatch, got '" + v + "'");
+      o.ll_weights_at_dispatch = v == "dispatch";
+    }
     else if (flag == "--ranks") o.ranks = static_cast<int>(to_int(flag, v));
     else if (flag == "--tokens") o.tokens = to_int(flag, v);
     else if (flag == "--hidden") o.hidden = to_int(flag, v);

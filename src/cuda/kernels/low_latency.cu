@@ -150,8 +150,10 @@ __device__ void dispatch_send(const Ctx& c, int set, const Route& route, const R
   const bool first_thread = blockIdx.x == 0 && threadIdx.x == 0;
   const int64_t n = token_count(c, route, first_thread), chunks = chunks_of(c);
   if (first_thread) *s.num_tokens = static_cast<int32_t>(n);  // for combine_recv
-  if (blockIdx.x == 0 && threadIdx.x < ranks)
+  if (blockIdx.x == 0 && threadIdx.x < ranks) {
     at_window<int32_t>(c.peers, threadIdx.x, c.map.ntok)[set * ranks + rank] = static_cast<int32_t>(n);
+    at_window<int32_t>(c.peers, threadIdx.x, c.map.weights_from)[set * ranks + rank] = route.weights != nullptr;
+  }
   for (int64_t u = first_warp(); u < route.tokens * ranks; u += warps_in_grid()) {
     const int64_t t = u / ranks;
     const int d = static_cast<int>(u % ranks);
@@ -164,6 +166,11 @@ __device__ void dispatch_send(const Ctx& c, int set, const Route& route, const R
     int32_t* routes = at_window<int32_t>(c.peers, d, c.map.routes) + ((static_cast<int64_t>(set) * ranks + rank) * c.max_tokens + t) * c.topk;
     if (lane < c.topk) routes[lane] = e.lo;
     if (lane + 32 < c.topk) routes[lane + 32] = e.hi;
+    if (route.weights) {  // beside the routing: the combine's expert ranks wait for nothing else
+      float* weights = at_window<float>(c.peers, d, c.map.route_weights) +
+                       ((static_cast<int64_t>(set) * ranks + rank) * c.max_tokens + t) * c.topk;
+      for (int64_t k = lane; k < c.topk; k += 32) weights[k] = route.weights[t * route.weight_stride + k];
+    }
     int32_t* counts = at_window<int32_t>(c.peers, d, c.map.counts) + (static_cast<int64_t>(set) * ranks + rank) * c.local * chunks;
     const bool lo_here = e.lo >= 0 && e.lo / c.local == d, hi_here = e.hi >= 0 && e.hi / c.local == d;
     if (lo_here) atomicAdd(counts + (e.lo % c.local) * chunks + t / kChunk, 1);
@@ -378,11 +385,14 @@ __device__ bool wait_weights(const Ctx& c, int set, int source, int lane) {
 // one bf16 partial at the source's (token, this rank) place. `dset`: the dispatch's set.
 __device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, const uint16_t* y, const Sums& sums) {
   const int lane = threadIdx.x % 32, ranks = c.peers.ranks, rank = c.peers.rank;
-  if (sums.weighted && blockIdx.x == 0) send_weights(c, set, d, sums);
+  if (sums.weighted && !sums.at_dispatch && blockIdx.x == 0) send_weights(c, set, d, sums);
   const int64_t spans = (c.hidden + kSendSpan - 1) / kSendSpan, m = c.max_tokens;
   const int32_t* ntok = at_window<const int32_t>(c.peers, rank, c.map.ntok) + dset * ranks;
   const int32_t* routes = at_window<const int32_t>(c.peers, rank, c.map.routes) + dset * ranks * m * c.topk;
-  const float* weights = at_window<const float>(c.peers, rank, c.map.weights) + set * ranks * m * c.topk;
+  // Each source's weights: sent with its dispatch (weights_from), or by its combine's send half.
+  const int32_t* weights_from = at_window<const int32_t>(c.peers, rank, c.map.weights_from) + dset * ranks;
+  const float* combine_weights = at_window<const float>(c.peers, rank, c.map.weights) + set * ranks * m * c.topk;
+  const float* dispatch_weights = at_window<const float>(c.peers, rank, c.map.route_weights) + dset * ranks * m * c.topk;
   const bool wide = c.hidden % 8 == 0 && aligned16(y);
   uint32_t weights_seen = 0;  // sources whose weights this warp saw arrive
   for (int64_t unit = first_warp(); unit < ranks * m * spans; unit += warps_in_grid()) {
@@ -394,10 +404,12 @@ __device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, cons
       return e >= 0 && e / c.local == rank;
     };
     if (__ballot_sync(kAll, (lane < c.topk && here(lane)) || (lane + 32 < c.topk && here(lane + 32))) == 0) continue;
-    if (sums.weighted && !(weights_seen >> source & 1u)) {
+    const bool sent_at_dispatch = weights_from[source] != 0;
+    if (sums.weighted && !sent_at_dispatch && !(weights_seen >> source & 1u)) {
       if (!wait_weights(c, set, source, lane)) break;
       weights_seen |= 1u << source;
     }
+    const float* weights = sent_at_dispatch ? dispatch_weights : combine_weights;
     uint16_t* dst = at_window<uint16_t>(c.peers, source, c.map.ret) + ((set * m + t) * ranks + rank) * c.hidden + h0;
     sum_rows(static_cast<int>(c.topk), [&](int k, const uint16_t*& row, float& weight) {
       if (!here(k)) return false;
