@@ -4,8 +4,8 @@
 # sanitizer serializes kernels, so ranks waiting on each other could not progress), epx-bench.
 # Logs and JSON go to $OUT; a short summary is printed last.
 #   usage: [EPX_GIT_COMMIT=$(git rev-parse --short=12 HEAD)] [GTEST_FILTER=...] [GTEST_REPEAT=n] [BENCH_ARGS=...] [SANITIZE_TOOLS=...] \
-#          [AB_ENV="VAR=value ..."] bash scripts/device-check.sh [tests|sanitize|bench|ab|sweep|engines|ll|all]...
-#          (default: all but ab, sweep, engines)
+#          [AB_ENV="VAR=value ..."] bash scripts/device-check.sh [tests|sanitize|bench|ab|sweep|engines|ll|profile|all]...
+#          (default: all but ab, sweep, engines, profile)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
@@ -35,7 +35,7 @@ if ! cmake -S . -B build-gpu "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DEPX_
 fi
 note "built against NCCL in $NCCL_DIR"
 
-want() { [[ ( " $steps " == *" all "* && $1 != sweep && $1 != engines && $1 != ab ) || " $steps " == *" $1 "* ]]; }
+want() { [[ ( " $steps " == *" all "* && $1 != sweep && $1 != engines && $1 != ab && $1 != profile ) || " $steps " == *" $1 "* ]]; }
 
 if want tests; then
   # A lost flag or signal fails a test in 10 s instead of the 60 s default.
@@ -104,6 +104,31 @@ if want engines; then
   done
   grep -E "^==|^dispatch |^combine |FAILED|broadcast|receive kernel|send kernel|routing|combine: " "$OUT/engines.log"
   note "engines: $(grep -cE '^(dispatch|combine) ' "$OUT/engines.log") records, $(grep -c FAILED "$OUT/engines.log") failed"
+fi
+if want profile; then
+  # Nsight Compute (clock control off, full set) on the kernels that bound the calls, at one rank:
+  # ncu serializes kernels, so ranks waiting on each other could not progress. Copy-engine paths
+  # forced (at one rank they copy nothing, but their kernels run). Reports' text in ncu-*.log.
+  prof() {
+    local name=$1 kernel=$2
+    shift 2
+    timeout 300 env "$@" ncu --clock-control none --set full -k "regex:$kernel" --launch-skip 3 --launch-count 1 \
+      ./build-gpu/epx-bench --backend cuda --ranks 1 --warmup 2 --iters 3 ${PROFILE_ARGS[$name]} > "$OUT/ncu-$name.log" 2>&1
+    echo "== ncu $name ($kernel)"
+    grep -E "^\s+(Duration|Memory Throughput|DRAM Throughput|L1/TEX Cache Throughput|L2 Cache Throughput|Compute \(SM\) Throughput|Registers Per Thread|Achieved Occupancy|Warp Cycles Per Issued Instruction)" \
+      "$OUT/ncu-$name.log" | head -12
+  }
+  declare -A PROFILE_ARGS=(
+    [receiver]="--wire bf16 --layout rank_major --ops dispatch"
+    [partials]="--wire bf16 --layout expert_major --ops combine"
+    [ll_dispatch]="--preset ll --wire fp8 --ops ll_dispatch"
+    [ll_combine]="--preset ll --wire fp8 --ops ll_combine"
+  )
+  prof receiver 'dispatch_receive_kernel' EPX_DISPATCH_ENGINE=copy
+  prof partials 'reduce_partials_kernel' EPX_DISPATCH_ENGINE=copy EPX_COMBINE_ENGINE=copy
+  prof ll_dispatch '^dispatch_kernel$' EPX_TIMEOUT_MS=60000
+  prof ll_combine '^combine_kernel$' EPX_TIMEOUT_MS=60000
+  note "ncu profiles: $(ls "$OUT"/ncu-*.log 2>/dev/null | wc -l) logs"
 fi
 if want sweep; then
   bash scripts/perf-sweep.sh > /dev/null 2>&1
