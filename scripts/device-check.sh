@@ -4,8 +4,8 @@
 # sanitizer serializes kernels, so ranks waiting on each other could not progress), epx-bench.
 # Logs and JSON go to $OUT; a short summary is printed last.
 #   usage: [EPX_GIT_COMMIT=$(git rev-parse --short=12 HEAD)] [GTEST_FILTER=...] [GTEST_REPEAT=n] [BENCH_ARGS=...] [SANITIZE_TOOLS=...] \
-#          [AB_ENV="VAR=value ..."] bash scripts/device-check.sh [tests|sanitize|bench|ab|sweep|engines|ll|profile|all]...
-#          (default: all but ab, sweep, engines, profile)
+#          [AB_ENV="VAR=value ..."] bash scripts/device-check.sh [tests|sanitize|bench|ab|procs|sweep|engines|ll|profile|all]...
+#          (default: all but ab, procs, sweep, engines, profile)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
@@ -35,7 +35,7 @@ if ! cmake -S . -B build-gpu "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DEPX_
 fi
 note "built against NCCL in $NCCL_DIR"
 
-want() { [[ ( " $steps " == *" all "* && $1 != sweep && $1 != engines && $1 != ab && $1 != profile ) || " $steps " == *" $1 "* ]]; }
+want() { [[ ( " $steps " == *" all "* && $1 != sweep && $1 != engines && $1 != ab && $1 != profile && $1 != procs ) || " $steps " == *" $1 "* ]]; }
 
 if want tests; then
   # A lost flag or signal fails a test in 10 s instead of the 60 s default.
@@ -86,6 +86,15 @@ if want ab; then
   rc=$?
   tail -16 "$OUT/bench-ab.log"
   note "epx-bench with $AB_ENV rc=$rc"
+fi
+if want procs; then
+  # The benchmark of `bench` with one process per rank (--processes), as jobs and DeepEP's benchmark
+  # run their GPUs: the host's API calls of one rank no longer wait behind another's (bench-procs.json).
+  timeout 400 ./build-gpu/epx-bench --backend cuda --ranks "$(nvidia-smi -L | wc -l)" ${BENCH_ARGS:---wire bf16,fp8} \
+    --processes --json "$OUT/bench-procs.json" > "$OUT/bench-procs.log" 2>&1
+  rc=$?
+  tail -16 "$OUT/bench-procs.log"
+  note "epx-bench --processes rc=$rc"
 fi
 if want engines; then
   # The SM and copy engines side by side at the V3 shape (dispatch bf16 and fp8, combine), with
