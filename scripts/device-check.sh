@@ -172,6 +172,25 @@ PY
   grep -E "^ll_|FAILED" "$OUT/ll.log" | cut -c1-100
   note "low-latency runs: $(grep -c '^ll_' "$OUT/ll.log") records, $(grep -c 'FAILED' "$OUT/ll.log") failed"
 fi
+# The benchmark variants of this call side by side (median us): bench, ab, procs.
+if ls "$OUT"/bench*.json > /dev/null 2>&1; then
+  python3 - "$OUT" <<'PY'
+import glob, json, os, sys
+runs = {os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob(f"{sys.argv[1]}/bench*.json"))}
+keys = []
+for recs in runs.values():
+    for r in recs:
+        k = (r["op"], r["dtype"], r["layout"], r["sms"])
+        if k not in keys: keys.append(k)
+print("%-44s" % "op dtype layout sms" + "".join("%14s" % n for n in runs))
+for k in keys:
+    row = []
+    for recs in runs.values():
+        t = [r["time_us"] for r in recs if (r["op"], r["dtype"], r["layout"], r["sms"]) == k]
+        row.append("%14.1f" % t[0] if t else "%14s" % "-")
+    print("%-44s" % " ".join(map(str, k)) + "".join(row))
+PY
+fi
 # At most 8 files come back from the machine: the logs travel as one archive.
 (cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log)
 echo
