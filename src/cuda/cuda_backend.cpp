@@ -46,7 +46,7 @@ bool use_copy_combine(int ranks) {
 }
 
 // The dispatch's order of steps. lean (the default): the receiver's layout is computed by the plan
-// exchange's kernel, and a copy-engine dispatch enqueues its broadcast's first piece, launches its
+// exchange's kernel, and a copy-engine dispatch enqueues its broadcast's first two pieces, launches its
 // routing and then enqueues the other pieces. classic (for measuring one against the other): the
 // layout as a kernel of its own after the plan, the whole broadcast before routing
 // (docs/performance.md).
@@ -608,9 +608,9 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     // The placing data and the receivers wait for this: the peers read this rank's previous
     // broadcast, and its own encoded rows are in place.
     EPX_CUDA(cudaEventRecord(broadcast_begun_, copy_stream_));
-    // Lean: one piece keeps the copy engines busy (~50 us at V3) while the host launches the
-    // routing, which the receiver waits for; the other pieces follow the routing's launches.
-    broadcast_pieces(0, lean ? 1 : kMaxPieces);
+    // Lean: two pieces keep the copy engines busy (~100 us at V3, more than the host takes to
+    // launch the routing, which the receiver waits for); the other pieces follow the routing.
+    broadcast_pieces(0, lean ? 2 : kMaxPieces);
     host_steps_.mark("broadcast enqueued");
   }
 
@@ -643,7 +643,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   timer_.mark(9, stream_);
   host_steps_.mark("positions launched");
   if (broadcast_ && lean) {
-    broadcast_pieces(1, kMaxPieces);
+    broadcast_pieces(2, kMaxPieces);
     host_steps_.mark("broadcast's other pieces enqueued");
   }
   const kernels::Placing mine{dh->slot_expert, dh->slot_weight, dh->pos.send_pos, dh->pos.slot_pos};

@@ -111,7 +111,7 @@ struct SendRows {
 // Copy-engine dispatch, on stream `copies`: begin_broadcast waits until every rank has read this
 // rank's previous broadcast; broadcast_rows (after it) copies rows [0, tokens) of x (row_bytes
 // each) into every other rank's bcast_rows, piece by piece, each piece flagged in bcast_flag:
-// pieces [first_piece, end_piece) of them, so a dispatch can enqueue the first piece, launch its
+// pieces [first_piece, end_piece) of them, so a dispatch can enqueue the first pieces, launch its
 // routing and then enqueue the rest (one stream keeps them in order).
 void begin_broadcast(const Ctx& ctx, cudaStream_t copies);
 // Copy-engine dispatch of a quantized wire, on ctx.stream after begin_broadcast: this rank's wire
