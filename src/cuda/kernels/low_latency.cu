@@ -2,12 +2,12 @@
 // holding one of its experts, into slot (source rank, token) of that rank's window: known without
 // any count or plan, so the send half moves rows at its first instruction. With the row go the
 // source's checked routing (every rank gets all of it) and its rows per (expert, chunk of 32
-// tokens), added at the destination; each block counts itself in at every rank when it is done.
-// The receive half waits until every block of every source is in, then packs each local expert's
-// rows in (source rank, token) order, reading each row from its source's slot. Combine: each
-// expert rank sums a token's rows of its experts (slot order, the source's weights, which the
-// send half sends first) into one bf16 partial back at the source, which adds the partials in
-// rank order (the high-throughput combine's sums, docs/low-latency.md).
+// tokens), added at the destination; each block that had tokens to send counts itself in at every
+// rank when it is done. The receive half waits until those blocks of every source are in, then
+// packs each local expert's rows in (source rank, token) order, reading each row from its source's
+// slot. Combine: each expert rank sums a token's rows of its experts (slot order, the source's
+// weights, which the send half sends first) into one bf16 partial back at the source, which adds
+// the partials in rank order (the high-throughput combine's sums, docs/low-latency.md).
 #include "cuda/kernels/ll_launch.hpp"
 #include "cuda/kernels/row_copy.cuh"
 
@@ -89,7 +89,9 @@ __device__ uint32_t* weights_word(const Ctx& c, int owner, int set, int source) 
 // The calling block is done with this call's writes to every rank: after a system-scope fence
 // (it orders the writes of all the block's threads, which __syncthreads made visible to thread 0),
 // it raises the call's error word at each rank if this rank found an error, then counts itself in.
-__device__ void block_arrived(const Ctx& c, Kind kind, int set) {
+// Only blocks [0, arriving) count (block 0 says how many): the others wrote nothing to any rank.
+__device__ void block_arrived(const Ctx& c, Kind kind, int set, int64_t arriving) {
+  if (blockIdx.x >= arriving) return;
   __syncthreads();
   if (threadIdx.x != 0) return;
   __threadfence_system();
@@ -101,12 +103,12 @@ __device__ void block_arrived(const Ctx& c, Kind kind, int set) {
       atomicMax_system(word_of<uint32_t>(c, c.map.errors, d, kind, set, c.peers.rank), static_cast<uint32_t>(code));
     __threadfence_system();
   }
-  const unsigned long long add = 1ull + (blockIdx.x == 0 ? static_cast<unsigned long long>(gridDim.x) << kGridShift : 0ull);
+  const unsigned long long add = 1ull + (blockIdx.x == 0 ? static_cast<unsigned long long>(arriving) << kGridShift : 0ull);
   for (int d = 0; d < c.peers.ranks; ++d)
     atomicAdd_system(word_of<unsigned long long>(c, c.map.arrivals, d, kind, set, c.peers.rank), add);
 }
 
-// Lanes 0..R-1 wait until every block of source `lane` is in; a source that found an error (or
+// Lanes 0..R-1 wait until every counting block of source `lane` is in; a source that found an error (or
 // was rejected by its host) stops the call. Returns the same in every lane.
 __device__ bool wait_sources(const Ctx& c, Kind kind, int set, int lane) {
   int ok = 1;
@@ -183,7 +185,10 @@ __device__ void dispatch_send(const Ctx& c, int set, const Route& route, const R
     else if (c.wire == WireFormat::nvfp4) quantize_nvfp4_row(x, c.hidden, rows.nvfp4_global_scale, &dst, 1, lane);
     else quantize_fp8_row(x, c.hidden, c.wire == WireFormat::fp8_ue8m0, &dst, 1, lane);
   }
-  block_arrived(c, kDispatch, set);
+  // Units (token, destination) with t < n sit in the first blocks (warp u of the grid takes unit u
+  // first): the blocks past them only kept their tokens' routing here and need not count in.
+  const int64_t sending = (n * ranks + kWarps - 1) / kWarps;
+  block_arrived(c, kDispatch, set, sending < 1 ? 1 : sending > gridDim.x ? gridDim.x : sending);
 }
 
 // What this rank's window holds of one call (set) of dispatch: per source, its counts per
@@ -418,7 +423,7 @@ __device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, cons
       return true;
     }, sums.weighted, dst, min(kSendSpan, c.hidden - h0), wide, lane);
   }
-  block_arrived(c, kCombine, set);
+  block_arrived(c, kCombine, set, gridDim.x);
 }
 
 // Receive phase. Warp per (token, kSumSpan channels): the partials of the ranks holding its
