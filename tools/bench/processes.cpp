@@ -5,6 +5,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -158,6 +159,7 @@ std::vector<Record> run_processes(const Options& o, const verify::Problem& base,
     const pid_t pid = fork();
     check(pid >= 0, "fork failed");
     if (pid == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);  // a parent stopped by a timeout takes its ranks with it
       const int status = rank_process(o, base, configs, sh, r);
       std::fflush(nullptr);
       _exit(status);  // the parent's exit handlers and CUDA state are not this process's
