@@ -361,28 +361,11 @@ __device__ void send_weights(const Ctx& c, int set, const Set& d, const Sums& su
   for (int p = 0; p < ranks; ++p) set_flag(weights_word(c, p, set, rank), 1u);
 }
 
-// Lane 0 waits until `source`'s weights are here; false (in every lane) after the timeout, or
-// when the call failed already.
+// Lane 0 waits until `source`'s weights are here (its weights_in word is 1, a flag of "epoch" 1);
+// false (in every lane) after the timeout, or when the call failed already.
 __device__ bool wait_weights(const Ctx& c, int set, int source, int lane) {
-  int ok = 1;
-  if (lane == 0) {
-    cuda::atomic_ref<uint32_t, cuda::thread_scope_system> word(*weights_word(c, c.peers.rank, set, source));
-    const uint64_t start = globaltimer_ns();
-    while (word.load(cuda::memory_order_acquire) == 0) {
-      if (failed(c.status)) {
-        ok = 0;
-        break;
-      }
-      if (globaltimer_ns() - start > c.timeout_ns) {
-        report(c.status, kStatusTimeout, source, kCombine + 1);
-        ok = 0;
-        break;
-      }
-    }
-  }
-  ok = __shfl_sync(kAll, ok, 0);
-  __syncwarp();  // lane 0's acquire covers the weights every lane then reads
-  return ok != 0;
+  return warp_wait_lane_flags(lane == 0 ? weights_word(c, c.peers.rank, set, source) : nullptr, source, 1u,
+                              c.timeout_ns, c.status, kCombine + 1);
 }
 
 // Send phase. Warp per (source, token, kSendSpan channels) with one of its experts here: the
