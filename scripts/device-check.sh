@@ -4,8 +4,8 @@
 # sanitizer serializes kernels, so ranks waiting on each other could not progress), epx-bench.
 # Logs and JSON go to $OUT; a short summary is printed last.
 #   usage: [EPX_GIT_COMMIT=$(git rev-parse --short=12 HEAD)] [GTEST_FILTER=...] [GTEST_REPEAT=n] [BENCH_ARGS=...] [SANITIZE_TOOLS=...] \
-#          [AB_ENV="VAR=value ..."] bash scripts/device-check.sh [tests|sanitize|bench|ab|sweep|engines|ll|all]...
-#          (default: all but ab, sweep, engines)
+#          [AB_ENV="VAR=value ..."] bash scripts/device-check.sh [tests|sanitize|bench|ab|procs|sweep|engines|ll|profile|all]...
+#          (default: all but ab, procs, sweep, engines, profile)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
@@ -35,7 +35,7 @@ if ! cmake -S . -B build-gpu "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DEPX_
 fi
 note "built against NCCL in $NCCL_DIR"
 
-want() { [[ ( " $steps " == *" all "* && $1 != sweep && $1 != engines && $1 != ab ) || " $steps " == *" $1 "* ]]; }
+want() { [[ ( " $steps " == *" all "* && $1 != sweep && $1 != engines && $1 != ab && $1 != profile && $1 != procs ) || " $steps " == *" $1 "* ]]; }
 
 if want tests; then
   # A lost flag or signal fails a test in 10 s instead of the 60 s default.
@@ -87,6 +87,15 @@ if want ab; then
   tail -16 "$OUT/bench-ab.log"
   note "epx-bench with $AB_ENV rc=$rc"
 fi
+if want procs; then
+  # The benchmark of `bench` with one process per rank (--processes), as jobs and DeepEP's benchmark
+  # run their GPUs: the host's API calls of one rank no longer wait behind another's (bench-procs.json).
+  timeout 400 ./build-gpu/epx-bench --backend cuda --ranks "$(nvidia-smi -L | wc -l)" ${BENCH_ARGS:---wire bf16,fp8} \
+    --processes --json "$OUT/bench-procs.json" > "$OUT/bench-procs.log" 2>&1
+  rc=$?
+  tail -16 "$OUT/bench-procs.log"
+  note "epx-bench --processes rc=$rc"
+fi
 if want engines; then
   # The SM and copy engines side by side at the V3 shape (dispatch bf16 and fp8, combine), with
   # EPX_PROFILE's per-step times (engines.log) and the records (engines-sm.json, engines-copy.json).
@@ -105,6 +114,31 @@ if want engines; then
   grep -E "^==|^dispatch |^combine |FAILED|broadcast|receive kernel|send kernel|routing|combine: " "$OUT/engines.log"
   note "engines: $(grep -cE '^(dispatch|combine) ' "$OUT/engines.log") records, $(grep -c FAILED "$OUT/engines.log") failed"
 fi
+if want profile; then
+  # Nsight Compute (clock control off, full set) on the kernels that bound the calls, at one rank:
+  # ncu serializes kernels, so ranks waiting on each other could not progress. Copy-engine paths
+  # forced (at one rank they copy nothing, but their kernels run). Reports' text in ncu-*.log.
+  prof() {
+    local name=$1 kernel=$2
+    shift 2
+    timeout 300 env "$@" ncu --clock-control none --set full -k "regex:$kernel" --launch-skip 3 --launch-count 1 \
+      ./build-gpu/epx-bench --backend cuda --ranks 1 --warmup 2 --iters 3 ${PROFILE_ARGS[$name]} > "$OUT/ncu-$name.log" 2>&1
+    echo "== ncu $name ($kernel)"
+    grep -E "^\s+(Duration|Memory Throughput|DRAM Throughput|L1/TEX Cache Throughput|L2 Cache Throughput|Compute \(SM\) Throughput|Registers Per Thread|Achieved Occupancy|Warp Cycles Per Issued Instruction)" \
+      "$OUT/ncu-$name.log" | head -12
+  }
+  declare -A PROFILE_ARGS=(
+    [receiver]="--wire bf16 --layout rank_major --ops dispatch"
+    [partials]="--wire bf16 --layout expert_major --ops combine"
+    [ll_dispatch]="--preset ll --wire fp8 --ops ll_dispatch"
+    [ll_combine]="--preset ll --wire fp8 --ops ll_combine"
+  )
+  prof receiver 'dispatch_receive_kernel' EPX_DISPATCH_ENGINE=copy
+  prof partials 'reduce_partials_kernel' EPX_DISPATCH_ENGINE=copy EPX_COMBINE_ENGINE=copy
+  prof ll_dispatch '^dispatch_kernel$' EPX_TIMEOUT_MS=60000
+  prof ll_combine '^combine_kernel$' EPX_TIMEOUT_MS=60000
+  note "ncu profiles: $(ls "$OUT"/ncu-*.log 2>/dev/null | wc -l) logs"
+fi
 if want sweep; then
   bash scripts/perf-sweep.sh > /dev/null 2>&1
   grep -E "^==|^dispatch|^combine|profile" "$OUT/sweep.log" | cut -c1-150
@@ -119,19 +153,43 @@ if want ll; then
   for t in ${LL_SWEEP_TOKENS:-1 8 32 64 256 512}; do
     bench --ranks "$ranks" --ops ll_dispatch,ll_combine --tokens "$t" --wire fp8 --json "$OUT/ll-t$t.part"
   done
+  # The combine's weights given to ll_dispatch (records say "weights_at": "dispatch"), into the sweep's file.
+  for t in 1 128; do
+    bench --ranks "$ranks" --ops ll_dispatch,ll_combine --tokens "$t" --wire fp8 --ll-weights-at dispatch \
+      --json "$OUT/ll-t$t-wd.part"
+  done
   for r in 4 8; do bench --shared-gpu --ranks "$r" --wire fp8 ${LL_SHARED_ARGS:-} --json "$OUT/ll-r$r.part"; done
   python3 - "$OUT" <<'PY'
 import glob, json, sys
 out = sys.argv[1]
 for name, pattern in (("ll-sweep.json", "ll-t*.part"), ("ll-shared.json", "ll-r*.part")):
     records = [r for f in sorted(glob.glob(f"{out}/{pattern}")) for r in json.load(open(f))]
-    records.sort(key=lambda r: (r["op"], r["ranks"], r["tokens"]))
+    records.sort(key=lambda r: (r["op"], r["ranks"], r.get("weights_at", ""), r["tokens"]))
     with open(f"{out}/{name}", "w") as o:
         o.write("[\n" + ",\n".join("  " + json.dumps(r) for r in records) + "\n]\n")
 PY
   rm -f "$OUT"/*.part
   grep -E "^ll_|FAILED" "$OUT/ll.log" | cut -c1-100
   note "low-latency runs: $(grep -c '^ll_' "$OUT/ll.log") records, $(grep -c 'FAILED' "$OUT/ll.log") failed"
+fi
+# The benchmark variants of this call side by side (median us): bench, ab, procs.
+if ls "$OUT"/bench*.json > /dev/null 2>&1; then
+  python3 - "$OUT" <<'PY'
+import glob, json, os, sys
+runs = {os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob(f"{sys.argv[1]}/bench*.json"))}
+keys = []
+for recs in runs.values():
+    for r in recs:
+        k = (r["op"], r["dtype"], r["layout"], r["sms"])
+        if k not in keys: keys.append(k)
+print("%-44s" % "op dtype layout sms" + "".join("%14s" % n for n in runs))
+for k in keys:
+    row = []
+    for recs in runs.values():
+        t = [r["time_us"] for r in recs if (r["op"], r["dtype"], r["layout"], r["sms"]) == k]
+        row.append("%14.1f" % t[0] if t else "%14s" % "-")
+    print("%-44s" % " ".join(map(str, k)) + "".join(row))
+PY
 fi
 # At most 8 files come back from the machine: the logs travel as one archive.
 (cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log)

@@ -42,7 +42,9 @@ void PrintTo(const LlCase& c, std::ostream* os) {
 class LowLatency : public testing::TestWithParam<LlCase> {};
 
 // Several rounds on one buffer (sets alternate), each with its own token counts and data;
-// dispatch and combine in split form with the "expert computation" between the halves.
+// dispatch and combine in split form with the "expert computation" between the halves. The
+// combine's weights go with ll_dispatch on half the (round, rank) pairs, with ll_combine on the
+// others, so ranks of one call mix the two.
 TEST_P(LowLatency, RoundsMatchTheReference) {
   const LlCase& c = GetParam();
   const int rounds = 4;
@@ -65,13 +67,17 @@ TEST_P(LowLatency, RoundsMatchTheReference) {
       d.x = TensorView::of(const_cast<uint16_t*>(in.x.data()), DType::bf16, {in.tokens, c.hidden});
       d.topk_idx = TensorView::of(const_cast<int32_t*>(in.idx.data()), DType::i32, {in.tokens, c.topk});
       d.num_tokens = TensorView::of(&n, DType::i32, {1});
+      const bool weights_at_dispatch = (i + r) % 2 == 1;
+      const TensorView weights =
+          TensorView::of(const_cast<float*>(in.weights.data()), DType::f32, {in.tokens, c.topk});
+      if (weights_at_dispatch) d.topk_weights = weights;
       b.dispatch_send(d);
       const int64_t rows = (c.experts / c.ranks) * c.ranks * c.tokens;
       ys[i][r] = verify::random_bf16(rows * c.hidden, 700 + 10 * i + r);  // computed between the halves
       got[i][r] = b.dispatch_recv();
       LowLatencyCombineInput ci;
       ci.y = TensorView::of(ys[i][r].data(), DType::bf16, {c.experts / c.ranks, c.ranks * c.tokens, c.hidden});
-      ci.topk_weights = TensorView::of(const_cast<float*>(in.weights.data()), DType::f32, {in.tokens, c.topk});
+      if (!weights_at_dispatch) ci.topk_weights = weights;
       b.combine_send(ci, got[i][r].handle);
       outs[i][r] = b.combine_recv();
     }
@@ -200,6 +206,20 @@ TEST(LowLatency, ClearErrorsForMisuse) {
   c.y = TensorView::of(y.data(), DType::bf16, {4, 8, 128});
   EXPECT_THAT([&] { other.combine(c, res.handle); }, testing::ThrowsMessage<Error>(HasSubstr("belongs to another buffer")));
   EXPECT_THAT([&] { b.combine(c, res.handle); }, testing::Not(testing::Throws<Error>()));
+  // The combine's weights in one place: at ll_dispatch, or at a weighted ll_combine.
+  std::vector<float> w(8 * 2, 0.5f);
+  d.topk_weights = TensorView::of(w.data(), DType::f32, {8, 3});
+  EXPECT_THAT([&] { b.dispatch(d); }, testing::ThrowsMessage<Error>(HasSubstr("ll_dispatch: topk_weights: expected shape")));
+  d.topk_weights = TensorView::of(w.data(), DType::f32, {8, 2});
+  auto weighted = b.dispatch(d);
+  c.weighted = true;
+  c.topk_weights = TensorView::of(w.data(), DType::f32, {8, 2});
+  EXPECT_THAT([&] { b.combine(c, weighted.handle); },
+              testing::ThrowsMessage<Error>(HasSubstr("topk_weights were given to this handle's ll_dispatch")));
+  c.topk_weights = {};
+  EXPECT_THAT([&] { b.combine(c, weighted.handle); }, testing::Not(testing::Throws<Error>()));
+  EXPECT_THAT([&] { b.combine(c, res.handle); },
+              testing::ThrowsMessage<Error>(HasSubstr("ll_combine: topk_weights: missing; expected [T=8, K=2] (or given to ll_dispatch)")));
 }
 
 }  // namespace

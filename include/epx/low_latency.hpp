@@ -25,6 +25,10 @@ struct LowLatencyDispatchInput {
   TensorView topk_idx;     // [T, K] i32 or i64, -1 = unused slot
   TensorView num_tokens;   // optional [1] i32: only the first num_tokens rows count (read where the data lives)
   float nvfp4_global_scale = 0.0f;  // as DispatchOptions: 0 = per token
+  // Optional [T, K] f32: the weights a weighted ll_combine of this dispatch sums with, given now so
+  // they travel with the routing and the combine waits for nothing but the expert outputs (its own
+  // topk_weights then stay empty). docs/low-latency.md.
+  TensorView topk_weights;
 };
 
 namespace detail {
@@ -56,7 +60,7 @@ struct LowLatencyDispatchResult {
 
 struct LowLatencyCombineInput {
   TensorView y;             // [L, R*M, H] bf16: the expert outputs, rows as dispatched
-  TensorView topk_weights;  // [T, K] f32 (weighted combine), the dispatch's T
+  TensorView topk_weights;  // [T, K] f32 (weighted combine), the dispatch's T; empty when ll_dispatch took them
   bool weighted = true;     // false: plain sum of the expert rows
 };
 

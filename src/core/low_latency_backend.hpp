@@ -3,7 +3,9 @@
 #include <chrono>
 #include <vector>
 
+#include "core/check.hpp"
 #include "core/timeout.hpp"
+#include "core/validate.hpp"
 #include "core/wire.hpp"
 #include "epx/group.hpp"
 #include "epx/low_latency.hpp"
@@ -16,6 +18,8 @@ struct LowLatencyHandleState {
   int64_t tokens = 0;      // T of this rank's dispatch
   int64_t num_tokens = 0;  // rows that counted (num_tokens, or T)
   std::vector<int32_t> slot_expert;  // [T*K] this rank's routing (-1 unused, and for rows >= num_tokens)
+  bool weights_at_dispatch = false;   // ll_dispatch took the combine's weights
+  std::vector<float> dispatch_weights;  // CPU backend: [T*K] those weights
   // Receiver side: for each row (l, j < count[l]) of the dispatch output, where it came from.
   std::vector<int32_t> recv_count;   // [L]
   std::vector<int32_t> src_rank;     // [L * R * M]
@@ -53,6 +57,26 @@ class LowLatencyBackend {
   virtual void synchronize() {}
 
  protected:
+  // The combine's weights, where a call gives them: [T, K] f32 at ll_dispatch (optional), or at a
+  // weighted ll_combine unless its dispatch took them (then none: one place says what they are).
+  void check_dispatch_weights(const LowLatencyDispatchInput& in, int64_t tokens, DeviceKind kind) const {
+    if (in.topk_weights.defined())
+      check_tensor(in.topk_weights, "ll_dispatch: topk_weights", cat("[T=", tokens, ", K=", config_.topk, "]"), DType::f32,
+                   {tokens, config_.topk}, kind);
+  }
+  void check_combine_weights(const LowLatencyCombineInput& in, const LowLatencyHandleState& h, DeviceKind kind) const {
+    if (!in.weighted) return;
+    if (h.weights_at_dispatch) {
+      require(!in.topk_weights.defined(),
+              "ll_combine: topk_weights were given to this handle's ll_dispatch, which sent them with the routing; "
+              "pass none here");
+      return;
+    }
+    check_tensor(in.topk_weights, "ll_combine: topk_weights",
+                 cat("[T=", h.tokens, ", K=", config_.topk, "] (or given to ll_dispatch)"), DType::f32,
+                 {h.tokens, config_.topk}, kind);
+  }
+
   const int rank_, ranks_;
   const int64_t local_, slots_;  // local experts L; receive rows per expert R * M
   const WireRow wire_;

@@ -1,5 +1,6 @@
 // Host side of the CUDA backend: checks, the kernel sequence of each call, outputs, errors.
 #include "cuda/cuda_backend.hpp"
+#include "cuda/env_setting.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -22,25 +23,8 @@ namespace {
 
 constexpr int kDefaultBlocks = 24;
 
-// A tuning variable: unset gives `fallback`; set, it must be an integer in [lo, hi].
-int64_t env_integer(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
-  const char* v = std::getenv(name);
-  if (!v) return fallback;
-  char* end = nullptr;
-  const long long n = std::strtoll(v, &end, 10);
-  require(end != v && *end == '\0' && n >= lo && n <= hi, name, " must be an integer in [", lo, ", ", hi, "], got '", v,
-          "'");
-  return n;
-}
-
 // An engine variable: 'auto' when unset, else 'auto', 'sm' or 'copy'.
-std::string engine_setting(const char* name) {
-  const char* v = std::getenv(name);
-  const std::string engine = v ? v : "auto";
-  require(engine == "sm" || engine == "copy" || engine == "auto", name, " must be 'auto', 'sm' or 'copy', got '",
-          engine, "'");
-  return engine;
-}
+std::string engine_setting(const char* name) { return env_choice(name, {"auto", "sm", "copy"}); }
 
 // Copy-engine dispatch (kernels/broadcast.cu). EPX_DISPATCH_ENGINE=copy or sm forces an engine;
 // unset (auto), bf16 and fp8 wires at two ranks use the copy engines, where nearly every token
@@ -59,6 +43,16 @@ bool use_broadcast(const BufferConfig& c, int ranks) {
 bool use_copy_combine(int ranks) {
   const std::string engine = engine_setting("EPX_COMBINE_ENGINE");
   return engine == "copy" || (engine == "auto" && ranks == 2);
+}
+
+// The dispatch's order of steps. lean (the default): the receiver's layout is computed by the plan
+// exchange's kernel, and a copy-engine dispatch enqueues its broadcast's first two pieces, launches its
+// routing and then enqueues the other pieces. classic (for measuring one against the other): the
+// layout as a kernel of its own after the plan, the whole broadcast before routing
+// (docs/performance.md).
+bool lean_dispatch() {
+  static const bool lean = env_choice("EPX_DISPATCH_ORDER", {"lean", "classic"}) == "lean";
+  return lean;
 }
 
 WindowMap make_window_map(const BufferConfig& c, int ranks, const WireRow& wire, bool broadcast) {
@@ -427,12 +421,13 @@ void CudaBackend::reject(const Call& call, int phases, const std::string& error,
 }
 
 void CudaBackend::exchange_plan(const Call& call, int phase, int64_t tokens, int64_t signature, const int64_t* counts,
-                                int64_t count_len, int64_t* expert_prefix, int64_t* drop_capacity) {
+                                int64_t count_len, int64_t* expert_prefix, int64_t* drop_capacity,
+                                const kernels::LayoutJob* layout) {
   const PlanHeader h = plan_header(call, "", tokens, signature);
   const kernels::Ctx c = ctx();
   kernels::exchange_plan(c, h, counts, count_len, phase, expert_prefix != nullptr,
                          expert_prefix ? config().capacity_factor : 0.0, expert_prefix,
-                         drop_capacity ? drop_capacity : scratch_);
+                         drop_capacity ? drop_capacity : scratch_, layout);
 }
 
 void CudaBackend::wait(int kind) {
@@ -492,10 +487,13 @@ Tensor CudaBackend::output_block(int64_t bytes, cudaStream_t stream) {
   }
   // A cached block was released after its last use on the call stream, which this call's
   // stream waits for (fork_), so reusing it on either stream is ordered after that use.
+  const bool cached = p != nullptr;
   if (!p) {
     p = allocate(need, stream, !cacheable);
     have = need;
   }
+  // EPX_PROFILE=host tells the two apart (a pool allocation costs the host tens of us).
+  host_steps_.mark(cached ? "block from the cache" : "block from the pool");
   if (poison_outputs_) EPX_CUDA(cudaMemsetAsync(p, 0xa5, have, stream));
   std::weak_ptr<BlockCache> cache = block_cache_;
   auto free_block = stream_deleter();
@@ -589,25 +587,33 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     if (broadcast_) kernels::release_broadcast(ctx());  // peers' next broadcasts wait for this rank's receiver
     reject(call, c.capacity_factor > 0.0 ? 2 : 1, error, tokens, signature);
   }
+  const bool lean = lean_dispatch();
+  const char* bcast_from = rows.x;  // bf16: x itself
+  int64_t bcast_stride = rows.x_stride_bytes, bcast_row_bytes = wire_.bytes();
+  // Pieces [first, end) of the broadcast on the copy stream; after the last, copies_done_.
+  auto broadcast_pieces = [&](int64_t first, int64_t end) {
+    kernels::broadcast_rows(ctx(), copy_stream_, bcast_from, bcast_stride, bcast_row_bytes, tokens, first, end);
+    if (end < kMaxPieces) return;
+    timer_.mark(7, copy_stream_);
+    EPX_CUDA(cudaEventRecord(copies_done_, copy_stream_));
+  };
   if (broadcast_) {  // the copy engines start on the rows now; they need no plan
     rows.broadcast = true;
     EPX_CUDA(cudaEventRecord(fork_, stream_));
     EPX_CUDA(cudaStreamWaitEvent(copy_stream_, fork_, 0));
     timer_.mark(6, copy_stream_);
     kernels::begin_broadcast(ctx(), copy_stream_);
-    const char* from = rows.x;  // bf16: x itself
-    int64_t from_stride = rows.x_stride_bytes, row_bytes = wire_.bytes();
     if (c.wire != WireFormat::bf16) {  // quantized (or given fp8) rows wait in this rank's window
       kernels::encode_rows(ctx(copy_stream_), rows, tokens);
-      from = window_->local() + map_.bcast_rows + rank_ * c.max_tokens_per_rank * map_.bcast_stride;
-      from_stride = row_bytes = map_.bcast_stride;
+      bcast_from = window_->local() + map_.bcast_rows + rank_ * c.max_tokens_per_rank * map_.bcast_stride;
+      bcast_stride = bcast_row_bytes = map_.bcast_stride;
     }
     // The placing data and the receivers wait for this: the peers read this rank's previous
     // broadcast, and its own encoded rows are in place.
     EPX_CUDA(cudaEventRecord(broadcast_begun_, copy_stream_));
-    kernels::broadcast_rows(ctx(), copy_stream_, from, from_stride, row_bytes, tokens);
-    timer_.mark(7, copy_stream_);
-    EPX_CUDA(cudaEventRecord(copies_done_, copy_stream_));
+    // Lean: two pieces keep the copy engines busy (~100 us at V3, more than the host takes to
+    // launch the routing, which the receiver waits for); the other pieces follow the routing.
+    broadcast_pieces(0, lean ? 2 : kMaxPieces);
     host_steps_.mark("broadcast enqueued");
   }
 
@@ -639,6 +645,10 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   if (broadcast_) kernels::finalize_positions(x, tokens, dh->slot_expert, dh->pos);
   timer_.mark(9, stream_);
   host_steps_.mark("positions launched");
+  if (broadcast_ && lean) {
+    broadcast_pieces(2, kMaxPieces);
+    host_steps_.mark("broadcast's other pieces enqueued");
+  }
   const kernels::Placing mine{dh->slot_expert, dh->slot_weight, dh->pos.send_pos, dh->pos.slot_pos};
   if (broadcast_) {  // the placing data goes out on the side stream while the plans are exchanged
     EPX_CUDA(cudaEventRecord(fork_, stream_));
@@ -647,7 +657,9 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     kernels::broadcast_placing(ctx(side_stream_), mine, tokens);
     host_steps_.mark("placing launched");
   }
-  exchange_plan(call, phase, tokens, signature, dh->pos.totals, width);
+  const bool capacity_mode = c.mode == CapacityMode::capacity;
+  const kernels::LayoutJob layout{dh->recv, opt.layout, c.expert_alignment, capacity_mode ? c.capacity_rows : 0};
+  exchange_plan(call, phase, tokens, signature, dh->pos.totals, width, nullptr, nullptr, lean ? &layout : nullptr);
   host_steps_.mark("plan posted");
 
   // Senders start now on the call's stream; the receiver's layout, the output allocation (after
@@ -661,11 +673,11 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   host_steps_.mark("senders launched");
   timer_.mark(2, stream_);
   const kernels::Ctx side = ctx(side_stream_);
-  const bool capacity_mode = c.mode == CapacityMode::capacity;
-  kernels::receive_layout(side, phase, dh->recv, opt.layout, c.expert_alignment,
-                          capacity_mode ? c.capacity_rows : 0);
+  if (!lean) {
+    kernels::receive_layout(side, phase, layout);
+    host_steps_.mark("layout launched");
+  }
   timer_.mark(3, side_stream_);
-  host_steps_.mark("layout launched");
 
   auto h = std::make_shared<HandleState>();
   h->owner = this;

@@ -53,8 +53,10 @@ class CudaBackend final : public Backend {
   // Posts the plan (with count_len counts) in this call's phase, waits for every rank and
   // checks their plans; with expert_prefix (dispatch with dropping) also fills the lower
   // ranks' per-expert prefix and the drop capacity.
+  // With a layout job (a dispatch's last exchange), the same kernel computes the receiver's layout.
   void exchange_plan(const Call& call, int phase, int64_t tokens, int64_t signature, const int64_t* counts,
-                     int64_t count_len, int64_t* expert_prefix = nullptr, int64_t* drop_capacity = nullptr);
+                     int64_t count_len, int64_t* expert_prefix = nullptr, int64_t* drop_capacity = nullptr,
+                     const kernels::LayoutJob* layout = nullptr);
   // The start of a call on a dispatch's handle (combine and the backward passes): the handle and
   // the inputs are checked (a rejection reaches every peer), then the plan exchange, whose
   // signature holds `options` and the handle's layout.

@@ -61,6 +61,8 @@ class CudaLowLatency final : public LowLatencyBackend {
     map_.ret = take(2 * 2 * m * ranks_ * c.hidden);
     map_.weights = take(4 * 2 * ranks_ * m * c.topk);
     map_.weights_in = take(4 * 2 * ranks_);
+    map_.route_weights = take(4 * 2 * ranks_ * m * c.topk);
+    map_.weights_from = take(4 * 2 * ranks_);
     map_.total = at;
 
     // This rank's arrays: both sets in one allocation, zeroed (outputs start empty).
@@ -128,8 +130,12 @@ class CudaLowLatency final : public LowLatencyBackend {
         check_tensor(in.num_tokens, "ll_dispatch: num_tokens", "[1]", DType::i32, {1}, DeviceKind::cuda);
         on_device(in.num_tokens, "ll_dispatch: num_tokens");
       }
+      check_dispatch_weights(in, tokens, DeviceKind::cuda);
+      if (in.topk_weights.defined()) on_device(in.topk_weights, "ll_dispatch: topk_weights");
       route = {in.topk_idx.data, in.topk_idx.dtype == DType::i64, in.topk_idx.strides[0],
-               in.num_tokens.defined() ? in.num_tokens.ptr<const int32_t>() : nullptr, tokens};
+               in.num_tokens.defined() ? in.num_tokens.ptr<const int32_t>() : nullptr, tokens,
+               in.topk_weights.defined() ? in.topk_weights.ptr<const float>() : nullptr,
+               in.topk_weights.defined() ? in.topk_weights.strides[0] : 0};
       rows = {in.x.ptr<const uint16_t>(), in.x.strides[0], in.nvfp4_global_scale};
     } catch (const Error& e) {
       error = e.what();
@@ -177,6 +183,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     h->tokens = pending_route_.tokens;
     h->num_tokens = -1;  // on the device
     h->set = set;
+    h->weights_at_dispatch = pending_route_.weights != nullptr;
     out.handle = LowLatencyHandle(std::move(h));
     return out;
   }
@@ -207,17 +214,14 @@ class CudaLowLatency final : public LowLatencyBackend {
                    {local_, slots_, c.hidden}, DeviceKind::cuda);
       require(in.y.is_contiguous(), "ll_combine: y must be contiguous");
       on_device(in.y, "ll_combine: y");
-      if (in.weighted) {
-        check_tensor(in.topk_weights, "ll_combine: topk_weights", cat("[T=", handle.state().tokens, ", K=", c.topk, "]"),
-                     DType::f32, {handle.state().tokens, c.topk}, DeviceKind::cuda);
-        on_device(in.topk_weights, "ll_combine: topk_weights");
-      }
+      check_combine_weights(in, handle.state(), DeviceKind::cuda);
+      if (in.topk_weights.defined()) on_device(in.topk_weights, "ll_combine: topk_weights");
     } catch (const Error& e) {
       error = e.what();
     }
     if (!error.empty()) {  // as in dispatch_send: reject, then consume this call's arrival words
       ll::reject(ctx(), ll::kCombine, set, kStatusHostRejected);
-      ll::combine(ctx(), ll::kRecvPhase, set, 0, sets_[0], nullptr, ll::Sums{nullptr, 0, false, 0, sets_[set].out});
+      ll::combine(ctx(), ll::kRecvPhase, set, 0, sets_[0], nullptr, ll::Sums{nullptr, 0, false, 0, sets_[set].out, false});
       throw Error(ErrorCode::invalid_argument, error);
     }
     const LowLatencyHandleState& h = handle.state();
@@ -245,8 +249,9 @@ class CudaLowLatency final : public LowLatencyBackend {
   // where its sums go.
   ll::Sums sums(int set) const {
     const PendingCombine& p = pending_combine_;
-    return {p.weighted ? p.weights.ptr<const float>() : nullptr, p.weighted ? p.weights.strides[0] : 0, p.weighted,
-            p.handle->tokens, sets_[set].out};
+    const bool given = p.weighted && !p.handle->weights_at_dispatch;  // else the dispatch sent them
+    return {given ? p.weights.ptr<const float>() : nullptr, given ? p.weights.strides[0] : 0, p.weighted,
+            p.handle->tokens, sets_[set].out, p.handle->weights_at_dispatch};
   }
 
   struct PendingCombine {

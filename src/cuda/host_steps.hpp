@@ -40,7 +40,7 @@ class HostSteps {
   }
 
  private:
-  static constexpr int kMaxSteps = 16;
+  static constexpr int kMaxSteps = 24;
   struct Step {
     const char* name;
     std::chrono::steady_clock::time_point at;

@@ -150,9 +150,7 @@ class HostLowLatency final : public LowLatencyBackend {
       check_tensor(in.y, "ll_combine: y", cat("[L=", local_, ", R*M=", slots_, ", H=", c.hidden, "]"), DType::bf16,
                    {local_, slots_, c.hidden}, DeviceKind::host);
       require(in.y.is_contiguous(), "ll_combine: y must be contiguous");
-      if (in.weighted)
-        check_tensor(in.topk_weights, "ll_combine: topk_weights", cat("[T=", h->tokens, ", K=", c.topk, "]"), DType::f32,
-                     {h->tokens, c.topk}, DeviceKind::host);
+      check_combine_weights(in, *h, DeviceKind::host);
     } catch (const Error& e) {
       error = e.what();
     }
@@ -205,7 +203,10 @@ class HostLowLatency final : public LowLatencyBackend {
           if (e < 0 || e / local_ != d) continue;
           any = true;
           const uint16_t* y = &area.rows[(t * c.topk + k) * c.hidden];
-          if (p.weighted) fma_row(partial.data(), at<float>(p.weights, t, k), y, c.hidden);
+          const float w = !p.weighted               ? 0.0f
+                          : h.weights_at_dispatch ? h.dispatch_weights[t * c.topk + k]
+                                                  : at<float>(p.weights, t, k);
+          if (p.weighted) fma_row(partial.data(), w, y, c.hidden);
           else add_row(partial.data(), y, c.hidden);
         }
         if (!any) continue;
@@ -261,6 +262,13 @@ class HostLowLatency final : public LowLatencyBackend {
       const int32_t n = *in.num_tokens.ptr<const int32_t>();
       require(n >= 0 && n <= h.tokens, "ll_dispatch: num_tokens = ", n, " must be in [0, T=", h.tokens, "]");
       h.num_tokens = n;
+    }
+    check_dispatch_weights(in, h.tokens, DeviceKind::host);
+    if (in.topk_weights.defined()) {  // kept for this dispatch's combine
+      h.weights_at_dispatch = true;
+      h.dispatch_weights.resize(h.tokens * c.topk);
+      for (int64_t t = 0; t < h.tokens; ++t)
+        for (int64_t k = 0; k < c.topk; ++k) h.dispatch_weights[t * c.topk + k] = at<float>(in.topk_weights, t, k);
     }
     h.slot_expert.assign(h.tokens * c.topk, -1);
     for (int64_t t = 0; t < h.num_tokens; ++t)

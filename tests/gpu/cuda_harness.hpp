@@ -3,6 +3,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <functional>
 #include <thread>
 #include <utility>
 
@@ -61,13 +62,15 @@ inline int64_t rows_bound(const verify::Problem& p) {
   return p.ranks * p.cfg.max_tokens_per_rank * std::min(p.cfg.topk, l_count) + l_count * p.cfg.expert_alignment;
 }
 
-// The CUDA twin of run_problem: same inputs, same calls, results on the host.
-inline std::vector<RankRun> run_problem_cuda(const CudaWorld& world, const verify::Problem& p, const RunOptions& o) {
+// The CUDA twin of run_problem: same inputs, same calls, results on the host. group(r): rank r's
+// group (of a CudaWorld, or joined by cuda_group_init_rank).
+inline std::vector<RankRun> run_problem_cuda(const std::function<Group(int)>& group, const verify::Problem& p,
+                                             const RunOptions& o) {
   std::vector<RankRun> runs(p.ranks);
   const int64_t h = p.cfg.hidden, k_count = p.cfg.topk;
   const bool weighted = o.dispatch.layout == Layout::expert_major && p.inputs[0].has_weights;
   const std::vector<std::string> errors = verify::run_threads(p.ranks, [&](int r) {
-    const Group g = world.group(r);
+    const Group g = group(r);
     const int dev = cuda_device(g);
     cudaSetDevice(dev);
     RankRun& run = runs[r];
@@ -123,6 +126,10 @@ inline std::vector<RankRun> run_problem_cuda(const CudaWorld& world, const verif
   });
   for (int r = 0; r < p.ranks; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
   return runs;
+}
+
+inline std::vector<RankRun> run_problem_cuda(const CudaWorld& world, const verify::Problem& p, const RunOptions& o) {
+  return run_problem_cuda([&](int r) { return world.group(r); }, p, o);
 }
 
 }  // namespace epx::test

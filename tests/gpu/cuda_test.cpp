@@ -119,6 +119,31 @@ INSTANTIATE_TEST_SUITE_P(
         GpuCase{S, 3, 512, 40, 9, 3, W::bf16, L::expert_major, 4, U, 0.0, CapacityMode::blocking, 0.7}),
     gpu_case_name);
 
+// The multi-process API (nccl_unique_id, cuda_group_init_rank: one rank per process in a job), here
+// from one thread per GPU: each rank's group holds its own communicator only, as in a job. Every
+// op against the reference, on two GPUs where there are two.
+TEST(CudaGroupInitRank, RanksJoinedByIdMatchTheReference) {
+  const int ranks = std::min(gpu_count(), 2);
+  verify::ProblemSpec spec;
+  spec.cfg = small_config(2048, 256, 32, 8, WireFormat::bf16, 1);
+  spec.cfg.num_sms = 16;
+  spec.ranks = ranks;
+  spec.seed = 4242;
+  const verify::Problem p = verify::make_problem(spec);
+  const std::string id = nccl_unique_id();
+  std::vector<Group> groups(ranks);
+  // ncclCommInitRank returns once every rank has joined: each joins from its own thread.
+  const std::vector<std::string> joined =
+      verify::run_threads(ranks, [&](int r) { groups[r] = cuda_group_init_rank(id, r, ranks, r); });
+  for (int r = 0; r < ranks; ++r) ASSERT_EQ(joined[r], "") << "rank " << r;
+  for (Layout layout : {Layout::rank_major, Layout::expert_major}) {
+    RunOptions o;
+    o.dispatch.layout = layout;
+    const auto runs = run_problem_cuda([&](int r) { return groups[r]; }, p, o);
+    expect_matches_reference(p, o, runs);
+  }
+}
+
 // Runs fn(rank, group, inputs) for 2 ranks sharing GPU 0, each on its own thread. The device
 // copies of the rank's inputs exist before fn runs (allocations may synchronize the device,
 // which must not happen while a peer waits inside a call; docs/cuda.md).

@@ -71,7 +71,8 @@ struct RoundInputs {
 class CudaLowLatency : public testing::TestWithParam<LlGpuCase> {};
 
 // Four rounds on one buffer (sets alternate), each with its own token counts and data; dispatch
-// and combine in split form.
+// and combine in split form. The combine's weights go with ll_dispatch on half the (round, rank)
+// pairs, with ll_combine on the others, so the ranks of one call mix the two.
 TEST_P(CudaLowLatency, RoundsMatchTheReference) {
   const LlGpuCase& c = GetParam();
   if (!c.shared && gpus() < c.ranks) GTEST_SKIP() << "needs " << c.ranks << " GPUs";
@@ -109,11 +110,14 @@ TEST_P(CudaLowLatency, RoundsMatchTheReference) {
       d.x = device_view(in[i].x, DType::bf16, {c.tokens, c.hidden}, dev);
       d.topk_idx = device_view(in[i].idx, DType::i32, {c.tokens, c.topk}, dev);
       d.num_tokens = device_view(in[i].count, DType::i32, {1}, dev);
+      const bool weights_at_dispatch = (i + r) % 2 == 1;
+      const TensorView weights = device_view(in[i].weights, DType::f32, {c.tokens, c.topk}, dev);
+      if (weights_at_dispatch) d.topk_weights = weights;
       b.dispatch_send(d);
       LowLatencyDispatchResult res = b.dispatch_recv();
       LowLatencyCombineInput ci;
       ci.y = device_view(in[i].y, DType::bf16, {l_count, slots, c.hidden}, dev);
-      ci.topk_weights = device_view(in[i].weights, DType::f32, {c.tokens, c.topk}, dev);
+      if (!weights_at_dispatch) ci.topk_weights = weights;
       b.combine_send(ci, res.handle);
       Tensor out = b.combine_recv();
       b.synchronize();

@@ -7,6 +7,8 @@
 #ifdef EPX_HAS_CUDA
 #include <cuda_runtime.h>
 #include <nccl.h>
+
+#include "bench/local_copy.hpp"
 #endif
 
 namespace epx::bench {
@@ -160,6 +162,23 @@ Record nccl_alltoall(const Options& o, const std::vector<std::vector<double>>& b
   return record(o, "nccl_alltoall", times, received / n, crossed / n, n);
 }
 
+// A copy within GPU 0 of the bytes a rank's dispatch receives (bytes_to's column 0): by the SM
+// budget's blocks, by every SM, and by the copy engines ("local_copy", sms = blocks, 0: engines).
+std::vector<Record> local_copies(const Options& o, const std::vector<std::vector<double>>& bytes_to) {
+  double received = 0;
+  for (const auto& row : bytes_to) received += row[0];
+  int sms = 0;
+  BENCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const int budget = o.sms > 0 ? o.sms : 24;
+  std::vector<Record> out;
+  for (const LocalCopyTime& t : time_local_copies(static_cast<size_t>(received), {budget, sms}, o.warmup, o.iters)) {
+    Record r = record(o, "local_copy", t.times, received, 0.0, 1);
+    r.sms = t.blocks;
+    out.push_back(r);
+  }
+  return out;
+}
+
 }  // namespace
 #endif
 
@@ -171,6 +190,7 @@ std::vector<Record> measure_baselines(const Options& o, const std::vector<std::v
   try {
     out.push_back(peer_copy(o));
     out.push_back(nccl_alltoall(o, bytes_to));
+    for (Record& r : local_copies(o, bytes_to)) out.push_back(std::move(r));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "epx-bench: %s (baselines skipped)\n", e.what());
   }

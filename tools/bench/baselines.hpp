@@ -9,8 +9,9 @@
 namespace epx::bench {
 
 // bytes_to[s][d]: bytes rank s sends to rank d in the all-to-all (the dispatch's bf16 traffic).
-// Returns records "peer_copy" (both directions at once, copy engines) and "nccl_alltoall";
-// none when the build has no CUDA or fewer than 2 GPUs.
+// Returns records "peer_copy" (both directions at once, copy engines), "nccl_alltoall" and
+// "local_copy" (a copy within GPU 0 of what a rank's dispatch receives, by the SM budget's blocks,
+// by every SM and by the copy engines: sms 0); none when the build has no CUDA or fewer than 2 GPUs.
 std::vector<Record> measure_baselines(const Options& o, const std::vector<std::vector<double>>& bytes_to);
 
 }  // namespace epx::bench

@@ -30,6 +30,10 @@ const char* kUsage = R"(epx-bench: dispatch and combine of one MoE layer over N 
                           transport (records say "transport": "shared-gpu"; a test transport's times)
   --ll-eager              time low-latency calls one by one with events (host launch included)
                           instead of as CUDA-graph replays of 10 calls
+  --processes             CUDA, high-throughput ops: one process per rank (one per GPU), as jobs
+                          and DeepEP's benchmark run them; default: one thread per rank
+  --ll-weights-at WHERE   combine (default) or dispatch: which low-latency call takes the
+                          combine's weights (records say "weights_at": "dispatch" for the latter)
   --warmup N --iters N    untimed and timed repetitions (default 2 and 20; host 1 and 5)
   --seed N                random seed for inputs and routing
   --json FILE             write the records as a JSON list
@@ -85,10 +89,18 @@ Options parse_options(int argc, char** argv) {
       o.ll_eager = true;
       continue;
     }
+    if (flag == "--processes") {
+      o.processes = true;
+      continue;
+    }
     if (i + 1 >= argc) usage_error(flag + " needs a value");
     const std::string v = argv[++i];
     if (flag == "--backend") o.backend = v;
     else if (flag == "--preset") o.preset = v;
+    else if (flag == "--ll-weights-at") {
+      if (v != "combine" && v != "dispatch") usage_error("--ll-weights-at takes combine or dispatch, got '" + v + "'");
+      o.ll_weights_at_dispatch = v == "dispatch";
+    }
     else if (flag == "--ranks") o.ranks = static_cast<int>(to_int(flag, v));
     else if (flag == "--tokens") o.tokens = to_int(flag, v);
     else if (flag == "--hidden") o.hidden = to_int(flag, v);
@@ -154,6 +166,11 @@ Options parse_options(int argc, char** argv) {
     if (o.backend != "cuda") usage_error("--shared-gpu needs --backend cuda");
     for (const std::string& op : o.ops)
       if (op != "ll_dispatch" && op != "ll_combine") usage_error("--shared-gpu runs only ll_dispatch and ll_combine, not " + op);
+  }
+  if (o.processes) {
+    if (o.backend != "cuda" || o.shared_gpu) usage_error("--processes needs --backend cuda, one GPU per rank");
+    for (const std::string& op : o.ops)
+      if (op == "ll_dispatch" || op == "ll_combine") usage_error("--processes runs the high-throughput ops only, not " + op);
   }
   return o;
 }

@@ -118,11 +118,12 @@ void encode_rows(const Ctx& ctx, const SendRows& rows, int64_t tokens) {
 }
 
 void broadcast_rows(const Ctx& ctx, cudaStream_t copies, const char* x, int64_t x_stride_bytes, int64_t row_bytes,
-                    int64_t tokens) {
+                    int64_t tokens, int64_t first_piece, int64_t end_piece) {
   const PeerWindows& w = ctx.peers;
   const WindowMap& m = ctx.map;
   const char* epoch = w.base[w.rank] + m.bcast_epoch_src;
-  for (int64_t first = 0, piece = 0; first < tokens; first += m.piece_tokens, ++piece)
+  for (int64_t piece = first_piece, first = first_piece * m.piece_tokens; first < tokens && piece < end_piece;
+       first += m.piece_tokens, ++piece)
     for (int k = 1; k < w.ranks; ++k) {
       const int d = (w.rank + k) % w.ranks;
       const int64_t rows = std::min(m.piece_tokens, tokens - first);

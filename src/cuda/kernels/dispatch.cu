@@ -10,6 +10,7 @@
 
 #include "core/check.hpp"
 #include "cuda/cuda_check.hpp"
+#include "cuda/env_setting.hpp"
 #include "cuda/kernels/bulk_copy.cuh"
 #include "cuda/kernels/empty_rows.cuh"
 #include "cuda/kernels/launch.hpp"
@@ -30,12 +31,7 @@ constexpr int kRecvWarps = kBroadcast ? 16 : 24;
 // The copy-engine receiver moves rows by bulk copy unless EPX_RECV_COPY=registers (the register
 // copy loop, for measuring one against the other).
 bool bulk_receive() {
-  static const bool bulk = [] {
-    const char* v = std::getenv("EPX_RECV_COPY");
-    const std::string how = v ? v : "bulk";
-    require(how == "bulk" || how == "registers", "EPX_RECV_COPY must be 'bulk' or 'registers', got '", how, "'");
-    return how == "bulk";
-  }();
+  static const bool bulk = env_choice("EPX_RECV_COPY", {"bulk", "registers"}) == "bulk";
   return bulk;
 }
 constexpr int kRowGroup = 8;  // output rows one read of a received row is written to at once

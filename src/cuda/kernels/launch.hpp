@@ -62,8 +62,11 @@ void wait_signals(const Ctx& ctx, int kind, uint64_t increment, bool wait = true
 // The plan exchange of this call's `phase` in one launch: post_plan, wait_signals(kSignalPlan, 1),
 // then checks every rank's plan: same call, no rejected input. Fills drop_capacity (when
 // capacity_factor > 0, else -1) and, with_counts, per-expert prefix counts of lower ranks [E].
+// With a layout job, the same kernel then computes the receiver's layout (receive_layout).
+struct LayoutJob;
 void exchange_plan(const Ctx& ctx, const PlanHeader& mine, const int64_t* counts, int64_t count_len, int phase,
-                   bool with_counts, double capacity_factor, int64_t* expert_prefix, int64_t* drop_capacity);
+                   bool with_counts, double capacity_factor, int64_t* expert_prefix, int64_t* drop_capacity,
+                   const LayoutJob* layout = nullptr);
 // The drop rule on this rank's slots; adds the dropped count to *dropped.
 void drop_slots(const Ctx& ctx, int64_t tokens, int32_t* slot_expert, float* slot_weight, const int64_t* expert_prefix,
                 const int64_t* drop_capacity, int64_t* dropped);
@@ -107,13 +110,15 @@ struct SendRows {
 
 // Copy-engine dispatch, on stream `copies`: begin_broadcast waits until every rank has read this
 // rank's previous broadcast; broadcast_rows (after it) copies rows [0, tokens) of x (row_bytes
-// each) into every other rank's bcast_rows, piece by piece, each piece flagged in bcast_flag.
+// each) into every other rank's bcast_rows, piece by piece, each piece flagged in bcast_flag:
+// pieces [first_piece, end_piece) of them, so a dispatch can enqueue the first pieces, launch its
+// routing and then enqueue the rest (one stream keeps them in order).
 void begin_broadcast(const Ctx& ctx, cudaStream_t copies);
 // Copy-engine dispatch of a quantized wire, on ctx.stream after begin_broadcast: this rank's wire
 // rows [0, tokens) into its own part of bcast_rows (broadcast_rows then sends them from there).
 void encode_rows(const Ctx& ctx, const SendRows& rows, int64_t tokens);
 void broadcast_rows(const Ctx& ctx, cudaStream_t copies, const char* x, int64_t x_stride_bytes, int64_t row_bytes,
-                    int64_t tokens);
+                    int64_t tokens, int64_t first_piece, int64_t end_piece);
 // Tells every rank that this rank read their broadcasts of this call (a dispatch whose receiver
 // does not run: its input was rejected on the host).
 void release_broadcast(const Ctx& ctx);
@@ -138,9 +143,14 @@ struct RecvArrays {
   int64_t* slot_row;        // output row of the pair (expert-major), the row itself (rank-major), or -1
 };
 // From the dispatch plans (of this call's `phase`): offsets, counts and sizes of this rank's
-// receive layout.
-void receive_layout(const Ctx& ctx, int phase, const RecvArrays& r, Layout layout, int64_t alignment,
-                    int64_t capacity_rows);
+// receive layout (receive_layout.cuh). capacity_rows > 0: capacity mode's fixed output rows.
+struct LayoutJob {
+  RecvArrays r;
+  Layout layout;
+  int64_t alignment;
+  int64_t capacity_rows;
+};
+void receive_layout(const Ctx& ctx, int phase, const LayoutJob& job);
 
 // The dispatch's transfer, split in two kernels that run at the same time on different
 // streams: the sender (ctx.stream, `blocks` blocks) moves rows into every destination's window

@@ -28,6 +28,8 @@ struct Map {
   int64_t ret;             // bf16 [2 sets][M][R][H]: rank d's partial of token t, back at its source
   int64_t weights;         // f32 [2 sets][R][M][K]: each source's combine weights (weighted combine)
   int64_t weights_in;      // uint32 [2 sets][R]: 1 once source s's weights are here; reset by the receiver
+  int64_t route_weights;   // f32 [2 sets][R][M][K]: the weights a source gave its dispatch (beside routes)
+  int64_t weights_from;    // int32 [2 sets][R]: 1 when source s's dispatch of the set sent its weights
   int64_t total;
 };
 
@@ -70,6 +72,8 @@ struct Route {
   int64_t idx_stride;
   const int32_t* num_tokens;  // device, or null: all T rows
   int64_t tokens;             // T
+  const float* weights;       // [T, K] the combine's weights, given at dispatch, or null
+  int64_t weight_stride;
 };
 
 struct Rows {
@@ -78,14 +82,16 @@ struct Rows {
   float nvfp4_global_scale;
 };
 
-// Combine's weights (this rank's tokens', sent to the expert ranks by the send half) and where its
-// sums go: out[t] for t < tokens (T of the dispatch). Every rank must pass weights alike.
+// Combine's weights (this rank's tokens', sent to the expert ranks by the send half, unless this
+// rank's dispatch sent them already: at_dispatch) and where its sums go: out[t] for t < tokens (T
+// of the dispatch). Every rank must pass `weighted` alike.
 struct Sums {
   const float* weights;
   int64_t weight_stride;
   bool weighted;
   int64_t tokens;
   uint16_t* out;
+  bool at_dispatch;
 };
 
 // The phases of one launch: the send half, the receive half, or both (the fused call: one

@@ -2,12 +2,12 @@
 // holding one of its experts, into slot (source rank, token) of that rank's window: known without
 // any count or plan, so the send half moves rows at its first instruction. With the row go the
 // source's checked routing (every rank gets all of it) and its rows per (expert, chunk of 32
-// tokens), added at the destination; each block counts itself in at every rank when it is done.
-// The receive half waits until every block of every source is in, then packs each local expert's
-// rows in (source rank, token) order, reading each row from its source's slot. Combine: each
-// expert rank sums a token's rows of its experts (slot order, the source's weights, which the
-// send half sends first) into one bf16 partial back at the source, which adds the partials in
-// rank order (the high-throughput combine's sums, docs/low-latency.md).
+// tokens), added at the destination; each block that had tokens to send counts itself in at every
+// rank when it is done. The receive half waits until those blocks of every source are in, then
+// packs each local expert's rows in (source rank, token) order, reading each row from its source's
+// slot. Combine: each expert rank sums a token's rows of its experts (slot order, the source's
+// weights, which the send half sends first) into one bf16 partial back at the source, which adds
+// the partials in rank order (the high-throughput combine's sums, docs/low-latency.md).
 #include "cuda/kernels/ll_launch.hpp"
 #include "cuda/kernels/row_copy.cuh"
 
@@ -89,7 +89,9 @@ __device__ uint32_t* weights_word(const Ctx& c, int owner, int set, int source) 
 // The calling block is done with this call's writes to every rank: after a system-scope fence
 // (it orders the writes of all the block's threads, which __syncthreads made visible to thread 0),
 // it raises the call's error word at each rank if this rank found an error, then counts itself in.
-__device__ void block_arrived(const Ctx& c, Kind kind, int set) {
+// Only blocks [0, arriving) count (block 0 says how many): the others wrote nothing to any rank.
+__device__ void block_arrived(const Ctx& c, Kind kind, int set, int64_t arriving) {
+  if (blockIdx.x >= arriving) return;
   __syncthreads();
   if (threadIdx.x != 0) return;
   __threadfence_system();
@@ -101,12 +103,12 @@ __device__ void block_arrived(const Ctx& c, Kind kind, int set) {
       atomicMax_system(word_of<uint32_t>(c, c.map.errors, d, kind, set, c.peers.rank), static_cast<uint32_t>(code));
     __threadfence_system();
   }
-  const unsigned long long add = 1ull + (blockIdx.x == 0 ? static_cast<unsigned long long>(gridDim.x) << kGridShift : 0ull);
+  const unsigned long long add = 1ull + (blockIdx.x == 0 ? static_cast<unsigned long long>(arriving) << kGridShift : 0ull);
   for (int d = 0; d < c.peers.ranks; ++d)
     atomicAdd_system(word_of<unsigned long long>(c, c.map.arrivals, d, kind, set, c.peers.rank), add);
 }
 
-// Lanes 0..R-1 wait until every block of source `lane` is in; a source that found an error (or
+// Lanes 0..R-1 wait until every counting block of source `lane` is in; a source that found an error (or
 // was rejected by its host) stops the call. Returns the same in every lane.
 __device__ bool wait_sources(const Ctx& c, Kind kind, int set, int lane) {
   int ok = 1;
@@ -150,8 +152,10 @@ __device__ void dispatch_send(const Ctx& c, int set, const Route& route, const R
   const bool first_thread = blockIdx.x == 0 && threadIdx.x == 0;
   const int64_t n = token_count(c, route, first_thread), chunks = chunks_of(c);
   if (first_thread) *s.num_tokens = static_cast<int32_t>(n);  // for combine_recv
-  if (blockIdx.x == 0 && threadIdx.x < ranks)
+  if (blockIdx.x == 0 && threadIdx.x < ranks) {
     at_window<int32_t>(c.peers, threadIdx.x, c.map.ntok)[set * ranks + rank] = static_cast<int32_t>(n);
+    at_window<int32_t>(c.peers, threadIdx.x, c.map.weights_from)[set * ranks + rank] = route.weights != nullptr;
+  }
   for (int64_t u = first_warp(); u < route.tokens * ranks; u += warps_in_grid()) {
     const int64_t t = u / ranks;
     const int d = static_cast<int>(u % ranks);
@@ -164,6 +168,11 @@ __device__ void dispatch_send(const Ctx& c, int set, const Route& route, const R
     int32_t* routes = at_window<int32_t>(c.peers, d, c.map.routes) + ((static_cast<int64_t>(set) * ranks + rank) * c.max_tokens + t) * c.topk;
     if (lane < c.topk) routes[lane] = e.lo;
     if (lane + 32 < c.topk) routes[lane + 32] = e.hi;
+    if (route.weights) {  // beside the routing: the combine's expert ranks wait for nothing else
+      float* weights = at_window<float>(c.peers, d, c.map.route_weights) +
+                       ((static_cast<int64_t>(set) * ranks + rank) * c.max_tokens + t) * c.topk;
+      for (int64_t k = lane; k < c.topk; k += 32) weights[k] = route.weights[t * route.weight_stride + k];
+    }
     int32_t* counts = at_window<int32_t>(c.peers, d, c.map.counts) + (static_cast<int64_t>(set) * ranks + rank) * c.local * chunks;
     const bool lo_here = e.lo >= 0 && e.lo / c.local == d, hi_here = e.hi >= 0 && e.hi / c.local == d;
     if (lo_here) atomicAdd(counts + (e.lo % c.local) * chunks + t / kChunk, 1);
@@ -176,7 +185,10 @@ __device__ void dispatch_send(const Ctx& c, int set, const Route& route, const R
     else if (c.wire == WireFormat::nvfp4) quantize_nvfp4_row(x, c.hidden, rows.nvfp4_global_scale, &dst, 1, lane);
     else quantize_fp8_row(x, c.hidden, c.wire == WireFormat::fp8_ue8m0, &dst, 1, lane);
   }
-  block_arrived(c, kDispatch, set);
+  // Units (token, destination) with t < n sit in the first blocks (warp u of the grid takes unit u
+  // first): the blocks past them only kept their tokens' routing here and need not count in.
+  const int64_t sending = (n * ranks + kWarps - 1) / kWarps;
+  block_arrived(c, kDispatch, set, sending < 1 ? 1 : sending > gridDim.x ? gridDim.x : sending);
 }
 
 // What this rank's window holds of one call (set) of dispatch: per source, its counts per
@@ -349,28 +361,11 @@ __device__ void send_weights(const Ctx& c, int set, const Set& d, const Sums& su
   for (int p = 0; p < ranks; ++p) set_flag(weights_word(c, p, set, rank), 1u);
 }
 
-// Lane 0 waits until `source`'s weights are here; false (in every lane) after the timeout, or
-// when the call failed already.
+// Lane 0 waits until `source`'s weights are here (its weights_in word is 1, a flag of "epoch" 1);
+// false (in every lane) after the timeout, or when the call failed already.
 __device__ bool wait_weights(const Ctx& c, int set, int source, int lane) {
-  int ok = 1;
-  if (lane == 0) {
-    cuda::atomic_ref<uint32_t, cuda::thread_scope_system> word(*weights_word(c, c.peers.rank, set, source));
-    const uint64_t start = globaltimer_ns();
-    while (word.load(cuda::memory_order_acquire) == 0) {
-      if (failed(c.status)) {
-        ok = 0;
-        break;
-      }
-      if (globaltimer_ns() - start > c.timeout_ns) {
-        report(c.status, kStatusTimeout, source, kCombine + 1);
-        ok = 0;
-        break;
-      }
-    }
-  }
-  ok = __shfl_sync(kAll, ok, 0);
-  __syncwarp();  // lane 0's acquire covers the weights every lane then reads
-  return ok != 0;
+  return warp_wait_lane_flags(lane == 0 ? weights_word(c, c.peers.rank, set, source) : nullptr, source, 1u,
+                              c.timeout_ns, c.status, kCombine + 1);
 }
 
 // Send phase. Warp per (source, token, kSendSpan channels) with one of its experts here: the
@@ -378,11 +373,14 @@ __device__ bool wait_weights(const Ctx& c, int set, int source, int lane) {
 // one bf16 partial at the source's (token, this rank) place. `dset`: the dispatch's set.
 __device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, const uint16_t* y, const Sums& sums) {
   const int lane = threadIdx.x % 32, ranks = c.peers.ranks, rank = c.peers.rank;
-  if (sums.weighted && blockIdx.x == 0) send_weights(c, set, d, sums);
+  if (sums.weighted && !sums.at_dispatch && blockIdx.x == 0) send_weights(c, set, d, sums);
   const int64_t spans = (c.hidden + kSendSpan - 1) / kSendSpan, m = c.max_tokens;
   const int32_t* ntok = at_window<const int32_t>(c.peers, rank, c.map.ntok) + dset * ranks;
   const int32_t* routes = at_window<const int32_t>(c.peers, rank, c.map.routes) + dset * ranks * m * c.topk;
-  const float* weights = at_window<const float>(c.peers, rank, c.map.weights) + set * ranks * m * c.topk;
+  // Each source's weights: sent with its dispatch (weights_from), or by its combine's send half.
+  const int32_t* weights_from = at_window<const int32_t>(c.peers, rank, c.map.weights_from) + dset * ranks;
+  const float* combine_weights = at_window<const float>(c.peers, rank, c.map.weights) + set * ranks * m * c.topk;
+  const float* dispatch_weights = at_window<const float>(c.peers, rank, c.map.route_weights) + dset * ranks * m * c.topk;
   const bool wide = c.hidden % 8 == 0 && aligned16(y);
   uint32_t weights_seen = 0;  // sources whose weights this warp saw arrive
   for (int64_t unit = first_warp(); unit < ranks * m * spans; unit += warps_in_grid()) {
@@ -394,10 +392,12 @@ __device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, cons
       return e >= 0 && e / c.local == rank;
     };
     if (__ballot_sync(kAll, (lane < c.topk && here(lane)) || (lane + 32 < c.topk && here(lane + 32))) == 0) continue;
-    if (sums.weighted && !(weights_seen >> source & 1u)) {
+    const bool sent_at_dispatch = weights_from[source] != 0;
+    if (sums.weighted && !sent_at_dispatch && !(weights_seen >> source & 1u)) {
       if (!wait_weights(c, set, source, lane)) break;
       weights_seen |= 1u << source;
     }
+    const float* weights = sent_at_dispatch ? dispatch_weights : combine_weights;
     uint16_t* dst = at_window<uint16_t>(c.peers, source, c.map.ret) + ((set * m + t) * ranks + rank) * c.hidden + h0;
     sum_rows(static_cast<int>(c.topk), [&](int k, const uint16_t*& row, float& weight) {
       if (!here(k)) return false;
@@ -406,7 +406,7 @@ __device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, cons
       return true;
     }, sums.weighted, dst, min(kSendSpan, c.hidden - h0), wide, lane);
   }
-  block_arrived(c, kCombine, set);
+  block_arrived(c, kCombine, set, gridDim.x);
 }
 
 // Receive phase. Warp per (token, kSumSpan channels): the partials of the ranks holding its
