@@ -4,8 +4,8 @@
 # sanitizer serializes kernels, so ranks waiting on each other could not progress), epx-bench.
 # Logs and JSON go to $OUT; a short summary is printed last.
 #   usage: [EPX_GIT_COMMIT=$(git rev-parse --short=12 HEAD)] [GTEST_FILTER=...] [GTEST_REPEAT=n] [BENCH_ARGS=...] [SANITIZE_TOOLS=...] \
-#          [AB_ENV="VAR=value ..."] bash scripts/device-check.sh [tests|sanitize|bench|ab|procs|sweep|engines|ll|profile|all]...
-#          (default: all but ab, procs, sweep, engines, profile)
+#          [AB_ENV="VAR=value ..."] bash scripts/device-check.sh [tests|sanitize|bench|ab|interleave|procs|sweep|engines|ll|profile|all]...
+#          (default: all but ab, interleave, procs, sweep, engines, profile)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
@@ -35,7 +35,7 @@ if ! cmake -S . -B build-gpu "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DEPX_
 fi
 note "built against NCCL in $NCCL_DIR"
 
-want() { [[ ( " $steps " == *" all "* && $1 != sweep && $1 != engines && $1 != ab && $1 != profile && $1 != procs ) || " $steps " == *" $1 "* ]]; }
+want() { [[ ( " $steps " == *" all "* && $1 != sweep && $1 != engines && $1 != ab && $1 != interleave && $1 != profile && $1 != procs ) || " $steps " == *" $1 "* ]]; }
 
 if want tests; then
   # A lost flag or signal fails a test in 10 s instead of the 60 s default.
@@ -86,6 +86,22 @@ if want ab; then
   rc=$?
   tail -16 "$OUT/bench-ab.log"
   note "epx-bench with $AB_ENV rc=$rc"
+fi
+if want interleave; then
+  # Two variants (the defaults, AB_ENV's) in alternating runs, INTERLEAVE_RUNS of each: between two
+  # runs of one tree the medians move by up to ~20 us, so a difference shows only when every run of
+  # one variant beats the other's (interleave.log; INTERLEAVE_ARGS picks the ops).
+  for i in $(seq "${INTERLEAVE_RUNS:-3}"); do
+    for variant in default ab; do
+      vars=()
+      [ "$variant" = ab ] && read -ra vars <<< "${AB_ENV:?interleave needs AB_ENV}"
+      env "${vars[@]}" timeout 120 ./build-gpu/epx-bench --backend cuda --ranks "$(nvidia-smi -L | wc -l)" \
+        ${INTERLEAVE_ARGS:---wire bf16,fp8 --layout rank_major --ops dispatch} 2>&1 |
+        grep -E '^(dispatch|combine)' | sed "s/^/$variant run $i: /" >> "$OUT/interleave.log"
+    done
+  done
+  sort -k4,6 -s "$OUT/interleave.log"
+  note "interleaved runs: $(wc -l < "$OUT/interleave.log") lines (default vs $AB_ENV)"
 fi
 if want procs; then
   # The benchmark of `bench` with one process per rank (--processes), as jobs and DeepEP's benchmark
