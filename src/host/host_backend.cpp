@@ -90,6 +90,22 @@ const HandleState& HostBackend::state_of(const Handle& h, const Call& call) cons
   return h.state();
 }
 
+const HandleState& HostBackend::start_handle_call(const Call& call, const Handle& handle,
+                                                  const std::function<std::string(const HandleState&)>& signature,
+                                                  const std::function<void(const HandleState&)>& validate) {
+  Mailbox mine;
+  const HandleState* h = nullptr;
+  try {
+    h = &state_of(handle, call);
+    mine.signature = signature(*h);
+    validate(*h);
+  } catch (const Error& e) {
+    mine.error = e.what();
+  }
+  exchange_plan(call, std::move(mine));  // throws on every rank if any rank's input was bad
+  return *h;
+}
+
 void HostBackend::push_forward(const HandleState& h, int64_t row_bytes,
                                const std::function<void(int64_t, uint8_t*)>& encode) {
   const int64_t max_tokens = config().max_tokens_per_rank;

@@ -48,6 +48,12 @@ class HostBackend final : public Backend {
 
   // Checks that a handle came from this buffer's dispatch.
   const HandleState& state_of(const Handle& h, const Call& call) const;
+  // The start of a call on a dispatch's handle (combine and the backward passes): the handle is
+  // checked, the call's signature taken, the inputs validated; then the plans are exchanged, so
+  // an error on any rank fails every rank with its message.
+  const HandleState& start_handle_call(const Call& call, const Handle& handle,
+                                       const std::function<std::string(const HandleState&)>& signature,
+                                       const std::function<void(const HandleState&)>& validate);
 
   // Forward transfer: writes `row_bytes` produced by encode(t, dst) for every (token, rank)
   // pair the handle sends, into the peers' forward areas.

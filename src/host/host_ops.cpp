@@ -172,16 +172,9 @@ DispatchResult HostBackend::dispatch(const DispatchInput& in, const DispatchOpti
 CombineResult HostBackend::combine(const CombineInput& in, const Handle& handle, const CombineOptions& opt) {
   const Call call = begin_call("combine");
   const BufferConfig& c = config();
-  Mailbox mine;
-  const HandleState* h = nullptr;
-  try {
-    h = &state_of(handle, call);
-    mine.signature = cat("weighted=", opt.weighted, " layout=", layout_name(h->layout));
-    validate_combine(in, *h, c, opt, DeviceKind::host);
-  } catch (const Error& e) {
-    mine.error = e.what();
-  }
-  exchange_plan(call, std::move(mine));
+  const HandleState* h = &start_handle_call(
+      call, handle, [&](const HandleState& s) { return cat("weighted=", opt.weighted, " layout=", layout_name(s.layout)); },
+      [&](const HandleState& s) { validate_combine(in, s, c, opt, DeviceKind::host); });
 
   return guarded(call, [&] {
     const int64_t hidden = c.hidden;
@@ -202,16 +195,9 @@ CombineResult HostBackend::combine(const CombineInput& in, const Handle& handle,
 DispatchBackwardResult HostBackend::dispatch_backward(const DispatchBackwardInput& in, const Handle& handle) {
   const Call call = begin_call("dispatch_backward");
   const BufferConfig& c = config();
-  Mailbox mine;
-  const HandleState* h = nullptr;
-  try {
-    h = &state_of(handle, call);
-    mine.signature = cat("grad_weights=", in.grad_recv_weights.defined());
-    validate_dispatch_backward(in, *h, c, DeviceKind::host);
-  } catch (const Error& e) {
-    mine.error = e.what();
-  }
-  exchange_plan(call, std::move(mine));
+  const HandleState* h = &start_handle_call(
+      call, handle, [&](const HandleState&) { return cat("grad_weights=", in.grad_recv_weights.defined()); },
+      [&](const HandleState& s) { validate_dispatch_backward(in, s, c, DeviceKind::host); });
 
   return guarded(call, [&] {
     const int64_t hidden = c.hidden, k_count = c.topk;
@@ -243,16 +229,9 @@ CombineBackwardResult HostBackend::combine_backward(const CombineBackwardInput& 
                                                     const CombineOptions& opt) {
   const Call call = begin_call("combine_backward");
   const BufferConfig& c = config();
-  Mailbox mine;
-  const HandleState* h = nullptr;
-  try {
-    h = &state_of(handle, call);
-    mine.signature = cat("weighted=", opt.weighted);
-    validate_combine_backward(in, *h, c, opt, DeviceKind::host);
-  } catch (const Error& e) {
-    mine.error = e.what();
-  }
-  exchange_plan(call, std::move(mine));
+  const HandleState* h = &start_handle_call(
+      call, handle, [&](const HandleState&) { return cat("weighted=", opt.weighted); },
+      [&](const HandleState& s) { validate_combine_backward(in, s, c, opt, DeviceKind::host); });
 
   return guarded(call, [&] {
     const int64_t hidden = c.hidden, k_count = c.topk;
