@@ -5,10 +5,6 @@
 // input when the wire needs no quantizing (docs/performance.md). With a copy-engine broadcast
 // (broadcast.cu) there is no sender: the receiver takes every source's tokens from the copies of
 // its rows and placing data, each once flagged.
-#include <cstdlib>
-#include <string>
-
-#include "core/check.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/env_setting.hpp"
 #include "cuda/kernels/bulk_copy.cuh"

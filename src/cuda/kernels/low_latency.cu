@@ -6,8 +6,9 @@
 // rank when it is done. The receive half waits until those blocks of every source are in, then
 // packs each local expert's rows in (source rank, token) order, reading each row from its source's
 // slot. Combine: each expert rank sums a token's rows of its experts (slot order, the source's
-// weights, which the send half sends first) into one bf16 partial back at the source, which adds
-// the partials in rank order (the high-throughput combine's sums, docs/low-latency.md).
+// weights: sent beside its routing by ll_dispatch, or first thing by combine's send half) into one
+// bf16 partial back at the source, which adds the partials in rank order (the high-throughput
+// combine's sums, docs/low-latency.md).
 #include "cuda/kernels/ll_launch.hpp"
 #include "cuda/kernels/row_copy.cuh"
 
