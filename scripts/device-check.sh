@@ -35,7 +35,10 @@ if ! cmake -S . -B build-gpu "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DEPX_
 fi
 note "built against NCCL in $NCCL_DIR"
 
-want() { [[ ( " $steps " == *" all "* && $1 != sweep && $1 != engines && $1 != ab && $1 != interleave && $1 != profile && $1 != procs ) || " $steps " == *" $1 "* ]]; }
+# Steps that run only when named ("all" leaves them out).
+optional_steps="ab interleave procs sweep engines profile"
+want() { [[ ( " $steps " == *" all "* && " $optional_steps " != *" $1 "* ) || " $steps " == *" $1 "* ]]; }
+gpus=$(nvidia-smi -L | wc -l)
 
 if want tests; then
   # A lost flag or signal fails a test in 10 s instead of the 60 s default.
@@ -72,7 +75,7 @@ if want sanitize; then
 fi
 if want bench; then
   # BENCH_ARGS overrides the shape and formats (default: the V3 preset, bf16 and fp8).
-  timeout 400 ./build-gpu/epx-bench --backend cuda --ranks "$(nvidia-smi -L | wc -l)" ${BENCH_ARGS:---wire bf16,fp8} \
+  timeout 400 ./build-gpu/epx-bench --backend cuda --ranks "$gpus" ${BENCH_ARGS:---wire bf16,fp8} \
     --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   rc=$?
   cat "$OUT/bench.log" | tail -25
@@ -82,7 +85,7 @@ if want ab; then
   # The same benchmark once more with AB_ENV's variables set (e.g. AB_ENV="EPX_RECV_COPY=registers"):
   # two variants of one tree measured in one machine session (bench-ab.json).
   env ${AB_ENV:?ab needs AB_ENV, e.g. AB_ENV=EPX_RECV_COPY=registers} timeout 400 ./build-gpu/epx-bench --backend cuda \
-    --ranks "$(nvidia-smi -L | wc -l)" ${BENCH_ARGS:---wire bf16,fp8} --json "$OUT/bench-ab.json" > "$OUT/bench-ab.log" 2>&1
+    --ranks "$gpus" ${BENCH_ARGS:---wire bf16,fp8} --json "$OUT/bench-ab.json" > "$OUT/bench-ab.log" 2>&1
   rc=$?
   tail -16 "$OUT/bench-ab.log"
   note "epx-bench with $AB_ENV rc=$rc"
@@ -95,7 +98,7 @@ if want interleave; then
     for variant in default ab; do
       vars=()
       [ "$variant" = ab ] && read -ra vars <<< "${AB_ENV:?interleave needs AB_ENV}"
-      env "${vars[@]}" timeout 120 ./build-gpu/epx-bench --backend cuda --ranks "$(nvidia-smi -L | wc -l)" \
+      env "${vars[@]}" timeout 120 ./build-gpu/epx-bench --backend cuda --ranks "$gpus" \
         ${INTERLEAVE_ARGS:---wire bf16,fp8 --layout rank_major --ops dispatch} 2>&1 |
         grep -E '^(dispatch|combine)' | sed "s/^/$variant run $i: /" >> "$OUT/interleave.log"
     done
@@ -106,7 +109,7 @@ fi
 if want procs; then
   # The benchmark of `bench` with one process per rank (--processes), as jobs and DeepEP's benchmark
   # run their GPUs: the host's API calls of one rank no longer wait behind another's (bench-procs.json).
-  timeout 400 ./build-gpu/epx-bench --backend cuda --ranks "$(nvidia-smi -L | wc -l)" ${BENCH_ARGS:---wire bf16,fp8} \
+  timeout 400 ./build-gpu/epx-bench --backend cuda --ranks "$gpus" ${BENCH_ARGS:---wire bf16,fp8} \
     --processes --json "$OUT/bench-procs.json" > "$OUT/bench-procs.log" 2>&1
   rc=$?
   tail -16 "$OUT/bench-procs.log"
@@ -118,11 +121,11 @@ if want engines; then
   for engine in sm copy; do
     echo "== engines $engine" >> "$OUT/engines.log"
     EPX_DISPATCH_ENGINE=$engine EPX_COMBINE_ENGINE=$engine EPX_PROFILE=1 timeout 120 ./build-gpu/epx-bench --backend cuda \
-      --ranks "$(nvidia-smi -L | wc -l)" --wire bf16,fp8 --ops dispatch,combine --json "$OUT/engines-$engine.json" \
+      --ranks "$gpus" --wire bf16,fp8 --ops dispatch,combine --json "$OUT/engines-$engine.json" \
       >> "$OUT/engines.log" 2>&1 || echo "FAILED: engine $engine" >> "$OUT/engines.log"
   done
   # The host's steps without CUDA events (EPX_PROFILE=host), with the default engines and at one rank.
-  for ranks in "$(nvidia-smi -L | wc -l)" 1; do
+  for ranks in "$gpus" 1; do
     echo "== host steps, $ranks ranks, default engines" >> "$OUT/engines.log"
     EPX_PROFILE=host timeout 120 ./build-gpu/epx-bench --backend cuda --ranks "$ranks" --wire bf16 --layout rank_major \
       --ops dispatch,combine >> "$OUT/engines.log" 2>&1 || echo "FAILED: host steps at $ranks ranks" >> "$OUT/engines.log"
@@ -163,7 +166,7 @@ fi
 if want ll; then
   # Low-latency mode: EP over every GPU at the decode shape (ll.json), a token sweep of fp8
   # dispatch and combine (ll-sweep.json), EP4 and EP8 on the shared-GPU transport (ll-shared.json).
-  ranks=$(nvidia-smi -L | wc -l)
+  ranks=$gpus
   bench() { timeout 120 ./build-gpu/epx-bench --backend cuda --preset ll "$@" >> "$OUT/ll.log" 2>&1 || echo "FAILED: $*" >> "$OUT/ll.log"; }
   bench --ranks "$ranks" --ops ll_dispatch,ll_combine --wire fp8,bf16 --json "$OUT/ll.json"
   for t in ${LL_SWEEP_TOKENS:-1 8 32 64 256 512}; do
