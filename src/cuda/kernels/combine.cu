@@ -8,6 +8,9 @@
 // copy_return.cpp), and every block reduces, waiting per piece. The rows arrive as y holds them, -0
 // included, where the returning warps write bf16(0 + y): the same sums, since a sum from +0 never
 // tells -0 from +0.
+#include "cuda/cuda_check.hpp"
+#include "cuda/env_setting.hpp"
+#include "cuda/kernels/bulk_sum.cuh"
 #include "cuda/kernels/launch.hpp"
 #include "cuda/kernels/row_copy.cuh"
 
@@ -44,8 +47,9 @@ __device__ void copy_bf16_plus_zero(const uint16_t* src, uint16_t* dst, int64_t 
 
 // Expert side, one warp: the partial of received row i (rank-major order): the bf16 row into
 // dst (when y is given) and the token's K slot values into dst_slots (when a.slot_values is).
+// bulk: an expert-major sum's terms come through the warp's bulk-copy stage (bulk_sum.cuh).
 __device__ void partial_row(const Shape& s, const RecvArrays& r, Layout layout, const CombineArgs& a, bool wide,
-                            int64_t i, uint16_t* dst, float* dst_slots, int lane) {
+                            bool bulk, int64_t i, uint16_t* dst, float* dst_slots, int lane) {
   const int64_t capacity = r.info[2];
   if (a.y) {
     if (layout == Layout::rank_major && wide) {  // one term: 0 + y, a copy that turns -0 into +0
@@ -57,12 +61,14 @@ __device__ void partial_row(const Shape& s, const RecvArrays& r, Layout layout, 
         return i < capacity;
       }, false, dst, s.hidden, wide, lane);
     } else {
-      sum_rows(static_cast<int>(s.topk), [&](int k, const uint16_t*& row, float& weight) {
+      auto term = [&](int k, const uint16_t*& row, float& weight) {
         const int64_t out_row = r.slot_row[i * s.topk + k];
         row = a.y + out_row * a.y_stride;
         weight = r.slot_weight[i * s.topk + k];
         return out_row >= 0 && out_row < capacity;
-      }, a.weighted, dst, s.hidden, wide, lane);
+      };
+      if (bulk) sum_rows_bulk(static_cast<int>(s.topk), term, a.weighted, dst, s.hidden, lane);
+      else sum_rows(static_cast<int>(s.topk), term, a.weighted, dst, s.hidden, wide, lane);
     }
   }
   if (a.slot_values) {
@@ -80,7 +86,7 @@ __device__ void partial_row(const Shape& s, const RecvArrays& r, Layout layout, 
 __device__ void return_row(const PeerWindows& w, const WindowMap& m, const Shape& s, const RecvArrays& r, Layout layout,
                            const CombineArgs& a, bool wide, int source, int64_t pos, int lane) {
   const int64_t at = w.rank * s.max_tokens + pos;
-  partial_row(s, r, layout, a, wide, r.rank_offsets[source] + pos,
+  partial_row(s, r, layout, a, wide, false, r.rank_offsets[source] + pos,
               at_window<uint16_t>(w, source, m.rev_rows + at * s.hidden * 2),
               at_window<float>(w, source, m.rev_slots + at * s.topk * 4), lane);
 }
@@ -166,21 +172,31 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PeerWindows w, Window
 // Copy-engine return of the expert-major layout: every warp of the grid sums received rows'
 // partials into a local buffer in rank-major order (partials [M, H], partial_slots [M, K]), which
 // the copy engines then return like a rank-major y. Warp j takes row first + j, skipping `gap`
-// rows at gap_at (this rank's own rows while the other ranks' are reduced first). Blocks of 24
-// warps: the sums are bound by the loads a warp keeps in flight, so an SM needs many warps
-// (24 warps at 80 registers, no spills; 32 warps spilled at 64).
-constexpr int kPartialThreads = 768;
-__global__ void __launch_bounds__(kPartialThreads) reduce_partials_kernel(Shape s, RecvArrays r, CombineArgs a,
-                                                                          PartialRows p, const DeviceStatus* st) {
+// rows at gap_at (this rank's own rows while the other ranks' are reduced first). The sums are
+// bound by the bytes an SM keeps in flight: by registers, 24 warps (80 registers, no spills; 32
+// warps spilled at 64) of 2 KiB each; by bulk copies (the default), 16 warps of up to 14 KiB each,
+// in their stages of shared memory (EPX_PARTIALS_COPY=registers keeps the register loop).
+template <bool kBulk>
+constexpr int kPartialWarps = kBulk ? 16 : 24;
+template <bool kBulk>
+__global__ void __launch_bounds__(kPartialWarps<kBulk> * 32) reduce_partials_kernel(Shape s, RecvArrays r, CombineArgs a,
+                                                                                    PartialRows p, const DeviceStatus* st) {
   if (failed(st)) return;
   const int lane = threadIdx.x % 32;
   const bool wide = s.hidden % 8 == 0 && aligned16(a.y) && a.y_stride % 8 == 0 && aligned16(p.rows);
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kPartialThreads / 32);
-  for (int64_t j = blockIdx.x * static_cast<int64_t>(kPartialThreads / 32) + threadIdx.x / 32; j < p.count; j += warps) {
+  const bool bulk = kBulk && wide && s.topk <= 32;  // a term per lane
+  if (bulk) init_bulk_stage(lane);
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kPartialWarps<kBulk>;
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(kPartialWarps<kBulk>) + threadIdx.x / 32; j < p.count; j += warps) {
     const int64_t i = p.first + j + (j >= p.gap_at ? p.gap : 0);
-    partial_row(s, r, Layout::expert_major, a, wide, i, p.rows + i * s.hidden, p.slots ? p.slots + i * s.topk : nullptr,
-                lane);
+    partial_row(s, r, Layout::expert_major, a, wide, bulk, i, p.rows + i * s.hidden,
+                p.slots ? p.slots + i * s.topk : nullptr, lane);
   }
+}
+
+bool bulk_partials() {
+  static const bool bulk = env_choice("EPX_PARTIALS_COPY", {"bulk", "registers"}) == "bulk";
+  return bulk;
 }
 
 }  // namespace
@@ -194,9 +210,17 @@ void combine(const Ctx& ctx, int send_blocks, const RecvArrays& r, Layout layout
 
 void reduce_partials(const Ctx& ctx, const RecvArrays& r, const CombineArgs& a, const PartialRows& p) {
   if (p.count == 0) return;
-  reduce_partials_kernel<<<ctx.blocks, kPartialThreads, 0, ctx.stream>>>(ctx.shape, r, a, p, ctx.status);
+  if (bulk_partials())
+    reduce_partials_kernel<true><<<ctx.blocks, kPartialWarps<true> * 32, bulk_stage_smem(kPartialWarps<true>),
+                                   ctx.stream>>>(ctx.shape, r, a, p, ctx.status);
+  else
+    reduce_partials_kernel<false><<<ctx.blocks, kPartialWarps<false> * 32, 0, ctx.stream>>>(ctx.shape, r, a, p, ctx.status);
 }
 
-void preload_combine_kernels() { preload(combine_kernel, reduce_partials_kernel); }
+void preload_combine_kernels() {
+  preload(combine_kernel, reduce_partials_kernel<false>, reduce_partials_kernel<true>);
+  EPX_CUDA(cudaFuncSetAttribute(reduce_partials_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                static_cast<int>(bulk_stage_smem(kPartialWarps<true>))));
+}
 
 }  // namespace epx::detail::kernels
