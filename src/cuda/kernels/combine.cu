@@ -15,7 +15,9 @@ namespace epx::detail::kernels {
 
 namespace {
 
-constexpr int kSendWarps = 16;  // of a returning block; one more warp flags finished chunks
+// Of a returning block; one more warp flags finished chunks. 15 + 1 warps: at 16 warps a block a
+// thread may hold 128 registers (at 17, 96), room for the reducers' two terms' loads in flight.
+constexpr int kSendWarps = 15;
 constexpr int kThreads = (kSendWarps + 1) * 32;
 // dst = bf16(0 + src) for a 16-byte aligned row (hidden % 8 == 0): the bits of src except that
 // -0 becomes +0, as the fp32 sum from 0 gives; zeros when src is null (a row lost to overflow).
@@ -90,7 +92,7 @@ __device__ void reduce_token(const PeerWindows& w, const WindowMap& m, const Sha
                              const int32_t* slot_expert, const CombineArgs& a, bool wide, int64_t t, int lane) {
   const uint16_t* rev = at_window<const uint16_t>(w, w.rank, m.rev_rows);
   if (a.out)
-    sum_rows(w.ranks + 1, [&](int d, const uint16_t*& row, float& weight) {
+    sum_rows<2>(w.ranks + 1, [&](int d, const uint16_t*& row, float& weight) {
       weight = 1.0f;
       if (d == w.ranks) {
         row = a.shared + t * a.shared_stride;
