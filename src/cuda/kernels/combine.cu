@@ -8,6 +8,7 @@
 // copy_return.cpp), and every block reduces, waiting per piece. The rows arrive as y holds them, -0
 // included, where the returning warps write bf16(0 + y): the same sums, since a sum from +0 never
 // tells -0 from +0.
+#include "cuda/env_setting.hpp"
 #include "cuda/kernels/launch.hpp"
 #include "cuda/kernels/row_copy.cuh"
 
@@ -91,17 +92,18 @@ __device__ void return_row(const PeerWindows& w, const WindowMap& m, const Shape
 __device__ void reduce_token(const PeerWindows& w, const WindowMap& m, const Shape& s, const int32_t* send_pos,
                              const int32_t* slot_expert, const CombineArgs& a, bool wide, int64_t t, int lane) {
   const uint16_t* rev = at_window<const uint16_t>(w, w.rank, m.rev_rows);
-  if (a.out)
-    sum_rows<2>(w.ranks + 1, [&](int d, const uint16_t*& row, float& weight) {
-      weight = 1.0f;
-      if (d == w.ranks) {
-        row = a.shared + t * a.shared_stride;
-        return a.shared != nullptr;
-      }
-      const int32_t pos = send_pos[t * w.ranks + d];
-      row = a.by_copy && d == w.rank ? a.own_rows + pos * a.y_stride : rev + (d * s.max_tokens + pos) * s.hidden;
-      return pos >= 0;
-    }, false, a.out + t * s.hidden, s.hidden, wide, lane);
+  auto term = [&](int d, const uint16_t*& row, float& weight) {
+    weight = 1.0f;
+    if (d == w.ranks) {
+      row = a.shared + t * a.shared_stride;
+      return a.shared != nullptr;
+    }
+    const int32_t pos = send_pos[t * w.ranks + d];
+    row = a.by_copy && d == w.rank ? a.own_rows + pos * a.y_stride : rev + (d * s.max_tokens + pos) * s.hidden;
+    return pos >= 0;
+  };
+  if (a.out && a.paired_terms) sum_rows<2>(w.ranks + 1, term, false, a.out + t * s.hidden, s.hidden, wide, lane);
+  else if (a.out) sum_rows(w.ranks + 1, term, false, a.out + t * s.hidden, s.hidden, wide, lane);
   if (a.slot_out) {
     const float* rev_slots = at_window<const float>(w, w.rank, m.rev_slots);
     for (int64_t k = lane; k < s.topk; k += 32) {
@@ -187,10 +189,18 @@ __global__ void __launch_bounds__(kPartialThreads) reduce_partials_kernel(Shape 
 
 }  // namespace
 
+// EPX_SUM_GROUP=1: the reducers add a token's rows one load round at a time (for measuring).
+bool paired_terms() {
+  static const bool paired = env_choice("EPX_SUM_GROUP", {"2", "1"}) == "2";
+  return paired;
+}
+
 void combine(const Ctx& ctx, int send_blocks, const RecvArrays& r, Layout layout, int64_t tokens,
              const int32_t* send_pos, const int32_t* slot_expert, const CombineArgs& a) {
+  CombineArgs args = a;
+  args.paired_terms = paired_terms();
   combine_kernel<<<ctx.blocks, kThreads, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, layout, tokens, send_pos,
-                                                          slot_expert, a, send_blocks, ctx.state, ctx.timeout_ns,
+                                                          slot_expert, args, send_blocks, ctx.state, ctx.timeout_ns,
                                                           ctx.status);
 }
 
