@@ -18,7 +18,9 @@ namespace epx::detail::kernels {
 
 namespace {
 
-constexpr int kSendWarps = 16;  // of a returning block; one more warp flags finished chunks
+// Of a returning block; one more warp flags finished chunks. 15 + 1 warps: at 16 warps a block a
+// thread may hold 128 registers (at 17, 96), room for the reducers' two terms' loads in flight.
+constexpr int kSendWarps = 15;
 constexpr int kThreads = (kSendWarps + 1) * 32;
 // dst = bf16(0 + src) for a 16-byte aligned row (hidden % 8 == 0): the bits of src except that
 // -0 becomes +0, as the fp32 sum from 0 gives; zeros when src is null (a row lost to overflow).
@@ -95,17 +97,18 @@ __device__ void return_row(const PeerWindows& w, const WindowMap& m, const Shape
 __device__ void reduce_token(const PeerWindows& w, const WindowMap& m, const Shape& s, const int32_t* send_pos,
                              const int32_t* slot_expert, const CombineArgs& a, bool wide, int64_t t, int lane) {
   const uint16_t* rev = at_window<const uint16_t>(w, w.rank, m.rev_rows);
-  if (a.out)
-    sum_rows(w.ranks + 1, [&](int d, const uint16_t*& row, float& weight) {
-      weight = 1.0f;
-      if (d == w.ranks) {
-        row = a.shared + t * a.shared_stride;
-        return a.shared != nullptr;
-      }
-      const int32_t pos = send_pos[t * w.ranks + d];
-      row = a.by_copy && d == w.rank ? a.own_rows + pos * a.y_stride : rev + (d * s.max_tokens + pos) * s.hidden;
-      return pos >= 0;
-    }, false, a.out + t * s.hidden, s.hidden, wide, lane);
+  auto term = [&](int d, const uint16_t*& row, float& weight) {
+    weight = 1.0f;
+    if (d == w.ranks) {
+      row = a.shared + t * a.shared_stride;
+      return a.shared != nullptr;
+    }
+    const int32_t pos = send_pos[t * w.ranks + d];
+    row = a.by_copy && d == w.rank ? a.own_rows + pos * a.y_stride : rev + (d * s.max_tokens + pos) * s.hidden;
+    return pos >= 0;
+  };
+  if (a.out && a.paired_terms) sum_rows<2>(w.ranks + 1, term, false, a.out + t * s.hidden, s.hidden, wide, lane);
+  else if (a.out) sum_rows(w.ranks + 1, term, false, a.out + t * s.hidden, s.hidden, wide, lane);
   if (a.slot_out) {
     const float* rev_slots = at_window<const float>(w, w.rank, m.rev_slots);
     for (int64_t k = lane; k < s.topk; k += 32) {
@@ -201,10 +204,18 @@ bool bulk_partials() {
 
 }  // namespace
 
+// EPX_SUM_GROUP=1: the reducers add a token's rows one load round at a time (for measuring).
+bool paired_terms() {
+  static const bool paired = env_choice("EPX_SUM_GROUP", {"2", "1"}) == "2";
+  return paired;
+}
+
 void combine(const Ctx& ctx, int send_blocks, const RecvArrays& r, Layout layout, int64_t tokens,
              const int32_t* send_pos, const int32_t* slot_expert, const CombineArgs& a) {
+  CombineArgs args = a;
+  args.paired_terms = paired_terms();
   combine_kernel<<<ctx.blocks, kThreads, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, layout, tokens, send_pos,
-                                                          slot_expert, a, send_blocks, ctx.state, ctx.timeout_ns,
+                                                          slot_expert, args, send_blocks, ctx.state, ctx.timeout_ns,
                                                           ctx.status);
 }
 

@@ -201,6 +201,7 @@ struct CombineArgs {
   bool by_copy = false;
   const uint16_t* own_rows = nullptr;
   const float* own_slot_values = nullptr;
+  bool paired_terms = true;  // the reducers load two rows of a token before adding (EPX_SUM_GROUP, combine.cu)
 };
 void combine(const Ctx& ctx, int send_blocks, const RecvArrays& r, Layout layout, int64_t tokens,
              const int32_t* send_pos, const int32_t* slot_expert, const CombineArgs& a);

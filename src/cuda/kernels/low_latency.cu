@@ -400,7 +400,7 @@ __device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, cons
     }
     const float* weights = sent_at_dispatch ? dispatch_weights : combine_weights;
     uint16_t* dst = at_window<uint16_t>(c.peers, source, c.map.ret) + ((set * m + t) * ranks + rank) * c.hidden + h0;
-    sum_rows(static_cast<int>(c.topk), [&](int k, const uint16_t*& row, float& weight) {
+    sum_rows<2>(static_cast<int>(c.topk), [&](int k, const uint16_t*& row, float& weight) {
       if (!here(k)) return false;
       row = y + static_cast<int64_t>(d.row_of[first + k]) * c.hidden + h0;
       weight = sums.weighted ? weights[first + k] : 1.0f;
@@ -426,7 +426,7 @@ __device__ void combine_recv(const Ctx& c, int set, const Set& d, const Sums& su
       if (e >= 0) held |= 1u << (e / c.local);
     }
     held = __reduce_or_sync(kAll, held);
-    sum_rows(ranks, [&](int r, const uint16_t*& row, float& weight) {
+    sum_rows<2>(ranks, [&](int r, const uint16_t*& row, float& weight) {
       row = ret + ((t * ranks + r) * c.hidden + h0);
       weight = 1.0f;
       return (held >> r & 1u) != 0;

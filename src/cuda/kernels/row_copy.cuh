@@ -167,8 +167,10 @@ constexpr int kSumUnroll = 4;   // 16-byte vectors per lane in flight per term
 
 // out = bf16(sum over terms i = 0..n-1 in order), fp32 accumulation from 0: acc = fma(w_i, v, acc)
 // when weighted, else acc + v. term(i, row, weight) returns false for an absent term. Wide
-// (16-byte) accesses when every row is 16-byte aligned and hidden % 8 == 0.
-template <typename Term>
+// (16-byte) accesses when every row is 16-byte aligned and hidden % 8 == 0; then the loads of the
+// next kGroup present terms are issued before any of their adds (a warp's loads in flight: kGroup
+// x 4 vectors per lane), the adds still in term order.
+template <int kGroup = 1, typename Term>
 __device__ void sum_rows(int n, Term term, bool weighted, uint16_t* out, int64_t hidden, bool wide, int lane) {
   if (!wide) {
     for (int64_t h = lane; h < hidden; h += 32) {
@@ -187,23 +189,34 @@ __device__ void sum_rows(int n, Term term, bool weighted, uint16_t* out, int64_t
   const int64_t vectors = hidden / 8;
   for (int64_t base = 0; base < vectors; base += 32 * kSumUnroll) {
     float acc[kSumUnroll][8] = {};
-    for (int i = 0; i < n; ++i) {
-      const uint16_t* row;
-      float weight;
-      if (!term(i, row, weight)) continue;
-      int4 raw[kSumUnroll];
+    for (int next = 0; next < n;) {
+      int4 raw[kGroup][kSumUnroll];
+      float weight[kGroup];
+      bool present[kGroup];
 #pragma unroll
-      for (int u = 0; u < kSumUnroll; ++u) {
-        const int64_t v = base + u * 32 + lane;
-        if (v < vectors) raw[u] = reinterpret_cast<const int4*>(row)[v];
+      for (int g = 0; g < kGroup; ++g) {  // the next kGroup present terms, in order
+        const uint16_t* row = nullptr;
+        while (next < n && !term(next, row, weight[g])) ++next;
+        present[g] = next < n;
+        ++next;
+        if (!present[g]) continue;
+#pragma unroll
+        for (int u = 0; u < kSumUnroll; ++u) {
+          const int64_t v = base + u * 32 + lane;
+          if (v < vectors) raw[g][u] = reinterpret_cast<const int4*>(row)[v];
+        }
       }
 #pragma unroll
-      for (int u = 0; u < kSumUnroll; ++u) {
-        const uint16_t* b = reinterpret_cast<const uint16_t*>(&raw[u]);
+      for (int g = 0; g < kGroup; ++g) {
+        if (!present[g]) continue;
 #pragma unroll
-        for (int c = 0; c < 8; ++c) {
-          const float v = bf16_to_float(b[c]);
-          acc[u][c] = weighted ? __fmaf_rn(weight, v, acc[u][c]) : __fadd_rn(acc[u][c], v);
+        for (int u = 0; u < kSumUnroll; ++u) {
+          const uint16_t* b = reinterpret_cast<const uint16_t*>(&raw[g][u]);
+#pragma unroll
+          for (int c = 0; c < 8; ++c) {
+            const float v = bf16_to_float(b[c]);
+            acc[u][c] = weighted ? __fmaf_rn(weight[g], v, acc[u][c]) : __fadd_rn(acc[u][c], v);
+          }
         }
       }
     }
