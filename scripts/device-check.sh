@@ -188,6 +188,12 @@ for name, pattern in (("ll-sweep.json", "ll-t*.part"), ("ll-shared.json", "ll-r*
         o.write("[\n" + ",\n".join("  " + json.dumps(r) for r in records) + "\n]\n")
 PY
   rm -f "$OUT"/*.part
+  # Where a call's time goes: each block's steps (EPX_PROFILE=ll), the last call at 1 and 128 tokens.
+  for t in 1 128; do
+    EPX_PROFILE=ll timeout 120 ./build-gpu/epx-bench --backend cuda --preset ll --ranks "$ranks" \
+      --ops ll_dispatch,ll_combine --tokens "$t" --wire fp8 2>&1 | grep -E "timeline" | sed "s/^/$t tokens: /" >> "$OUT/ll-timeline.log"
+  done
+  cat "$OUT/ll-timeline.log"
   grep -E "^ll_|FAILED" "$OUT/ll.log" | cut -c1-100
   note "low-latency runs: $(grep -c '^ll_' "$OUT/ll.log") records, $(grep -c 'FAILED' "$OUT/ll.log") failed"
 fi

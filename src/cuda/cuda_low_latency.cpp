@@ -1,8 +1,13 @@
 // Low-latency mode on the CUDA backend: host side of src/cuda/kernels/low_latency.cu. The
 // buffer owns every array (window, two sets of outputs); results are views into the set of
 // their call, valid until the receive half of the call after next (docs/low-latency.md).
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "core/check.hpp"
 #include "core/low_latency_backend.hpp"
@@ -79,6 +84,11 @@ class CudaLowLatency final : public LowLatencyBackend {
     EPX_CUDA(cudaMemset(status_, 0, sizeof(DeviceStatus)));
     EPX_CUDA(cudaMalloc(&done_, 2 * sizeof(uint32_t)));
     EPX_CUDA(cudaMemset(done_, 0, 2 * sizeof(uint32_t)));
+    const char* profile = std::getenv("EPX_PROFILE");
+    if (profile && std::string(profile) == "ll") {
+      EPX_CUDA(cudaMalloc(&stamps_, stamp_bytes()));
+      EPX_CUDA(cudaMemset(stamps_, 0, stamp_bytes()));
+    }
     EPX_CUDA(cudaHostAlloc(&host_status_, sizeof(DeviceStatus), cudaHostAllocMapped));
     std::memset(host_status_, 0, sizeof(DeviceStatus));
     EPX_CUDA(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
@@ -92,6 +102,8 @@ class CudaLowLatency final : public LowLatencyBackend {
     cudaSetDevice(device_);
     cudaStreamSynchronize(stream_);
     cudaStreamSynchronize(own_stream_);
+    if (stamps_) print_timeline();
+    cudaFree(stamps_);
     window_.reset();
     cudaFree(status_);
     cudaFree(done_);
@@ -305,7 +317,36 @@ class CudaLowLatency final : public LowLatencyBackend {
     const LowLatencyConfig& c = config();
     return ll::Ctx{window_->peers(), map_, c.hidden, c.topk, c.num_experts, local_, c.max_tokens_per_rank, c.wire,
                    wire_.x_bytes, wire_.scale_bytes, wire_.global_bytes, status_, host_status_, done_,
-                   static_cast<uint64_t>(timeout_.count()) * 1000000ull, blocks_, pack_parts_, stream_};
+                   static_cast<uint64_t>(timeout_.count()) * 1000000ull, blocks_, pack_parts_, stream_, stamps_};
+  }
+
+  size_t stamp_bytes() const { return static_cast<size_t>(2 * blocks_ * ll::kStampSteps) * sizeof(uint64_t); }
+
+  // EPX_PROFILE=ll: the last dispatch's and combine's steps, each as min / median / max over the
+  // blocks that stamped it, in us from the call's first block start (docs/low-latency.md).
+  void print_timeline() const {
+    std::vector<uint64_t> stamps(stamp_bytes() / sizeof(uint64_t));
+    if (cudaMemcpy(stamps.data(), stamps_, stamp_bytes(), cudaMemcpyDeviceToHost) != cudaSuccess) return;
+    static const char* const kSteps[ll::kStampSteps] = {"start", "own writes", "counted in", "sources in", "received", "end"};
+    for (int kind = 0; kind < 2; ++kind) {
+      const uint64_t* k = stamps.data() + static_cast<size_t>(kind) * blocks_ * ll::kStampSteps;
+      uint64_t t0 = UINT64_MAX;
+      for (int b = 0; b < blocks_; ++b)
+        if (k[b * ll::kStampSteps] != 0) t0 = std::min(t0, k[b * ll::kStampSteps]);
+      if (t0 == UINT64_MAX) continue;
+      std::string line = cat("epx ll timeline rank ", rank_, kind == ll::kDispatch ? " dispatch:" : " combine:");
+      for (int step = 0; step < ll::kStampSteps; ++step) {
+        std::vector<double> us;
+        for (int b = 0; b < blocks_; ++b)
+          if (k[b * ll::kStampSteps + step] >= t0) us.push_back(static_cast<double>(k[b * ll::kStampSteps + step] - t0) / 1000.0);
+        if (us.empty()) continue;
+        std::sort(us.begin(), us.end());
+        char part[96];
+        std::snprintf(part, sizeof(part), " %s %.1f/%.1f/%.1f", kSteps[step], us.front(), us[us.size() / 2], us.back());
+        line += part;
+      }
+      std::fprintf(stderr, "%s us (min/median/max over blocks)\n", line.c_str());
+    }
   }
 
   void on_device(const TensorView& t, std::string_view what) const {
@@ -368,6 +409,7 @@ class CudaLowLatency final : public LowLatencyBackend {
   DeviceStatus* status_ = nullptr;
   DeviceStatus* host_status_ = nullptr;
   uint32_t* done_ = nullptr;
+  uint64_t* stamps_ = nullptr;  // EPX_PROFILE=ll (ll::Ctx::stamps)
   cudaStream_t own_stream_ = nullptr;
   cudaStream_t stream_ = nullptr;  // the calls' stream: own_stream_ or the caller's
   bool dispatch_pending_ = false, combine_pending_ = false;

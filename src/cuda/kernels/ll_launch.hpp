@@ -64,7 +64,12 @@ struct Ctx {
   int blocks;
   int pack_parts;  // warps sharing the rows of one receive unit (chunk of a source's tokens)
   cudaStream_t stream;
+  uint64_t* stamps;  // EPX_PROFILE=ll: [2 kinds][blocks][kStampSteps] global timer per step, else null
 };
+
+// The steps a block stamps (EPX_PROFILE=ll): start, its own writes done, counted in at every rank,
+// every source in, its receive work done, and (the last block only) the call's end.
+constexpr int kStampSteps = 6;
 
 struct Route {
   const void* topk_idx;

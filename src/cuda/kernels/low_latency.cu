@@ -76,6 +76,13 @@ __device__ int64_t chunks_of(const Ctx& c) { return (c.max_tokens + kChunk - 1) 
 __device__ int64_t first_warp() { return blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32; }
 __device__ int64_t warps_in_grid() { return static_cast<int64_t>(gridDim.x) * kWarps; }
 
+// EPX_PROFILE=ll: thread 0 of the block notes the global timer at `step` of this call (the host
+// prints the last call's timeline when the buffer goes).
+__device__ void stamp(const Ctx& c, Kind kind, int step) {
+  if (c.stamps && threadIdx.x == 0)
+    c.stamps[(static_cast<int64_t>(kind) * gridDim.x + blockIdx.x) * kStampSteps + step] = globaltimer_ns();
+}
+
 // Word `source` of one of the window's per-(kind, set) arrays at rank `owner`.
 template <typename T>
 __device__ T* word_of(const Ctx& c, int64_t offset, int owner, Kind kind, int set, int source) {
@@ -189,7 +196,9 @@ __device__ void dispatch_send(const Ctx& c, int set, const Route& route, const R
   // Units (token, destination) with t < n sit in the first blocks (warp u of the grid takes unit u
   // first): the blocks past them only kept their tokens' routing here and need not count in.
   const int64_t sending = (n * ranks + kWarps - 1) / kWarps;
+  stamp(c, kDispatch, 1);
   block_arrived(c, kDispatch, set, sending < 1 ? 1 : sending > gridDim.x ? gridDim.x : sending);
+  stamp(c, kDispatch, 2);
 }
 
 // What this rank's window holds of one call (set) of dispatch: per source, its counts per
@@ -312,6 +321,7 @@ __device__ void clear_chunk(const Ctx& c, const Set& s, const Arrived& a, int64_
 __device__ void dispatch_recv(const Ctx& c, int set, const Set& s) {
   const int lane = threadIdx.x % 32;
   const bool ok = wait_sources(c, kDispatch, set, lane);
+  stamp(c, kDispatch, 3);
   const Arrived a = arrived(c, set);
   const int64_t slots = c.peers.ranks * c.max_tokens;
   const int64_t pack_units = c.local * c.peers.ranks * chunks_of(c) * c.pack_parts;
@@ -320,6 +330,7 @@ __device__ void dispatch_recv(const Ctx& c, int set, const Set& s) {
     if (u < pack_units) pack_chunk(c, set, s, a, u, lane);
     else clear_chunk(c, s, a, u - pack_units, lane);
   }
+  stamp(c, kDispatch, 4);
   if (!last_block(c.done + 0)) return;
   for (int64_t l = threadIdx.x; l < c.local; l += blockDim.x) {
     int32_t first = 0;
@@ -337,11 +348,13 @@ __device__ void dispatch_recv(const Ctx& c, int set, const Set& s) {
   int32_t* counts = at_window<int32_t>(c.peers, c.peers.rank, c.map.counts) + set * c.peers.ranks * c.local * chunks_of(c);
   for (int64_t i = threadIdx.x; i < c.peers.ranks * c.local * chunks_of(c); i += blockDim.x) counts[i] = 0;
   end_call(c, kDispatch, set);
+  stamp(c, kDispatch, 5);
 }
 
 // One launch for either phase or both (the fused call): a block done sending goes on to
 // receive. With both, every block of the grid must be resident at once (one per SM at most).
 __global__ void __launch_bounds__(kWarps * 32) dispatch_kernel(Ctx c, int phases, int set, Route route, Rows rows, Set s) {
+  stamp(c, kDispatch, 0);
   if (phases & kSendPhase) dispatch_send(c, set, route, rows, s);
   if (phases & kRecvPhase) dispatch_recv(c, set, s);
 }
@@ -407,7 +420,9 @@ __device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, cons
       return true;
     }, sums.weighted, dst, min(kSendSpan, c.hidden - h0), wide, lane);
   }
+  stamp(c, kCombine, 1);
   block_arrived(c, kCombine, set, gridDim.x);
+  stamp(c, kCombine, 2);
 }
 
 // Receive phase. Warp per (token, kSumSpan channels): the partials of the ranks holding its
@@ -415,6 +430,7 @@ __device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, cons
 __device__ void combine_recv(const Ctx& c, int set, const Set& d, const Sums& sums) {
   const int lane = threadIdx.x % 32, ranks = c.peers.ranks;
   const bool ok = wait_sources(c, kCombine, set, lane);
+  stamp(c, kCombine, 3);
   const int64_t n = ok ? *d.num_tokens : 0, spans = (c.hidden + kSumSpan - 1) / kSumSpan;
   const uint16_t* ret = at_window<const uint16_t>(c.peers, c.peers.rank, c.map.ret) + set * c.max_tokens * ranks * c.hidden;
   const bool wide = c.hidden % 8 == 0 && aligned16(sums.out);
@@ -432,13 +448,16 @@ __device__ void combine_recv(const Ctx& c, int set, const Set& d, const Sums& su
       return (held >> r & 1u) != 0;
     }, false, sums.out + t * c.hidden + h0, min(kSumSpan, c.hidden - h0), wide, lane);
   }
+  stamp(c, kCombine, 4);
   if (!last_block(c.done + 1)) return;
   end_call(c, kCombine, set);
+  stamp(c, kCombine, 5);
 }
 
 // As dispatch_kernel: either phase, or both.
 __global__ void __launch_bounds__(kWarps * 32) combine_kernel(Ctx c, int phases, int set, int dset, Set d, const uint16_t* y,
                                                               Sums sums) {
+  stamp(c, kCombine, 0);
   if (phases & kSendPhase) combine_send(c, set, dset, d, y, sums);
   if (phases & kRecvPhase) combine_recv(c, set, d, sums);
 }
