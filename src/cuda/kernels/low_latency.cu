@@ -18,6 +18,7 @@ namespace {
 
 constexpr int kWarps = 16;
 constexpr int64_t kSendSpan = 2048;  // channels of a row one warp returns in combine_send
+constexpr int64_t kWireSpan = 2048;  // channels of a row one warp sends in dispatch_send (bf16, fp8)
 constexpr int64_t kSumSpan = 1024;   // channels of a token one warp sums in combine_recv
 constexpr unsigned kAll = 0xffffffffu;
 // A source's arrival word at a receiver: blocks in (bits 0..19), the source grid's size (bits
@@ -151,51 +152,69 @@ __device__ void end_call(const Ctx& c, Kind kind, int set) {
   if (threadIdx.x == 0 && *reinterpret_cast<volatile int32_t*>(&c.status->code) != 0) publish(c.status, c.host_status);
 }
 
-// Send phase. Warp per (token, destination rank): the token's checked routing to the
-// destination's copy of this source's; if one of its experts lives there, its wire row (once,
-// whatever the number of those experts) to slot (this rank, token) and one count per such
-// expert in the token's chunk. The destination-0 warp also keeps the routing for combine.
+// Token t's checked routing (and weights, when given) to destination d's copy of this source's,
+// and one count per expert of t at d in t's chunk there.
+__device__ void send_routing(const Ctx& c, int set, const Route& route, int64_t t, int d, const Checked& e, bool lo_here,
+                             bool hi_here, int lane) {
+  const int rank = c.peers.rank, ranks = c.peers.ranks;
+  const int64_t pair = ((static_cast<int64_t>(set) * ranks + rank) * c.max_tokens + t) * c.topk;
+  int32_t* routes = at_window<int32_t>(c.peers, d, c.map.routes) + pair;
+  if (lane < c.topk) routes[lane] = e.lo;
+  if (lane + 32 < c.topk) routes[lane + 32] = e.hi;
+  if (route.weights) {  // beside the routing: the combine's expert ranks wait for nothing else
+    float* weights = at_window<float>(c.peers, d, c.map.route_weights) + pair;
+    for (int64_t k = lane; k < c.topk; k += 32) weights[k] = route.weights[t * route.weight_stride + k];
+  }
+  const int64_t chunks = chunks_of(c);
+  int32_t* counts = at_window<int32_t>(c.peers, d, c.map.counts) + (static_cast<int64_t>(set) * ranks + rank) * c.local * chunks;
+  if (lo_here) atomicAdd(counts + (e.lo % c.local) * chunks + t / kChunk, 1);
+  if (hi_here) atomicAdd(counts + (e.hi % c.local) * chunks + t / kChunk, 1);
+}
+
+// Send phase. Warp per (token, destination rank, span of kWireSpan channels; nvfp4: the whole
+// row, whose global scale needs all of it): the token's checked routing; if one of its experts
+// lives at the destination, the span of its wire row (once, whatever the number of those experts)
+// to slot (this rank, token) there. The span-0 warp also sends the routing (and weights) and one
+// count per such expert in the token's chunk; the (destination 0, span 0) warp keeps the routing
+// for combine. Spans cut the chain of a row's load rounds a warp waits through (a one-token call
+// is that chain) into one round per warp.
 __device__ void dispatch_send(const Ctx& c, int set, const Route& route, const Rows& rows, const Set& s) {
   const int lane = threadIdx.x % 32, rank = c.peers.rank, ranks = c.peers.ranks;
   const bool first_thread = blockIdx.x == 0 && threadIdx.x == 0;
-  const int64_t n = token_count(c, route, first_thread), chunks = chunks_of(c);
+  const int64_t n = token_count(c, route, first_thread);
+  const int64_t span = c.wire == WireFormat::nvfp4 ? c.hidden : kWireSpan, spans = (c.hidden + span - 1) / span;
   if (first_thread) *s.num_tokens = static_cast<int32_t>(n);  // for combine_recv
   if (blockIdx.x == 0 && threadIdx.x < ranks) {
     at_window<int32_t>(c.peers, threadIdx.x, c.map.ntok)[set * ranks + rank] = static_cast<int32_t>(n);
     at_window<int32_t>(c.peers, threadIdx.x, c.map.weights_from)[set * ranks + rank] = route.weights != nullptr;
   }
-  for (int64_t u = first_warp(); u < route.tokens * ranks; u += warps_in_grid()) {
-    const int64_t t = u / ranks;
-    const int d = static_cast<int>(u % ranks);
-    const Checked e = checked_route(c, route, n, t, lane, d == 0);
-    if (d == 0) {
+  for (int64_t u = first_warp(); u < route.tokens * ranks * spans; u += warps_in_grid()) {
+    const int64_t t = u / (ranks * spans), h0 = u % spans * span, h1 = min(h0 + span, c.hidden);
+    const int d = static_cast<int>(u / spans % ranks);
+    const Checked e = checked_route(c, route, n, t, lane, d == 0 && h0 == 0);
+    if (d == 0 && h0 == 0) {
       if (lane < c.topk) s.slot_expert[t * c.topk + lane] = e.lo;
       if (lane + 32 < c.topk) s.slot_expert[t * c.topk + lane + 32] = e.hi;
     }
     if (t >= n) continue;
-    int32_t* routes = at_window<int32_t>(c.peers, d, c.map.routes) + ((static_cast<int64_t>(set) * ranks + rank) * c.max_tokens + t) * c.topk;
-    if (lane < c.topk) routes[lane] = e.lo;
-    if (lane + 32 < c.topk) routes[lane + 32] = e.hi;
-    if (route.weights) {  // beside the routing: the combine's expert ranks wait for nothing else
-      float* weights = at_window<float>(c.peers, d, c.map.route_weights) +
-                       ((static_cast<int64_t>(set) * ranks + rank) * c.max_tokens + t) * c.topk;
-      for (int64_t k = lane; k < c.topk; k += 32) weights[k] = route.weights[t * route.weight_stride + k];
-    }
-    int32_t* counts = at_window<int32_t>(c.peers, d, c.map.counts) + (static_cast<int64_t>(set) * ranks + rank) * c.local * chunks;
     const bool lo_here = e.lo >= 0 && e.lo / c.local == d, hi_here = e.hi >= 0 && e.hi / c.local == d;
-    if (lo_here) atomicAdd(counts + (e.lo % c.local) * chunks + t / kChunk, 1);
-    if (hi_here) atomicAdd(counts + (e.hi % c.local) * chunks + t / kChunk, 1);
+    if (h0 == 0) send_routing(c, set, route, t, d, e, lo_here, hi_here, lane);
     if (__ballot_sync(kAll, lo_here || hi_here) == 0) continue;
     const int64_t slot = (static_cast<int64_t>(set) * ranks + rank) * c.max_tokens + t;
     char* dst = at_window<char>(c.peers, d, c.map.rows + slot * c.map.payload_stride);
     const uint16_t* x = rows.x + t * rows.x_stride;
-    if (c.wire == WireFormat::bf16) copy_row<true>(reinterpret_cast<const char*>(x), &dst, 1, 2 * c.hidden, lane);
-    else if (c.wire == WireFormat::nvfp4) quantize_nvfp4_row(x, c.hidden, rows.nvfp4_global_scale, &dst, 1, lane);
-    else quantize_fp8_row(x, c.hidden, c.wire == WireFormat::fp8_ue8m0, &dst, 1, lane);
+    if (c.wire == WireFormat::bf16) {
+      char* at = dst + 2 * h0;
+      copy_row<true>(reinterpret_cast<const char*>(x + h0), &at, 1, 2 * (h1 - h0), lane);
+    } else if (c.wire == WireFormat::nvfp4) {
+      quantize_nvfp4_row(x, c.hidden, rows.nvfp4_global_scale, &dst, 1, lane);
+    } else {
+      quantize_fp8_row(x, c.hidden, c.wire == WireFormat::fp8_ue8m0, &dst, 1, lane, h0, h1);
+    }
   }
-  // Units (token, destination) with t < n sit in the first blocks (warp u of the grid takes unit u
-  // first): the blocks past them only kept their tokens' routing here and need not count in.
-  const int64_t sending = (n * ranks + kWarps - 1) / kWarps;
+  // Units (token, destination, span) with t < n sit in the first blocks (warp u of the grid takes
+  // unit u first): the blocks past them only kept their tokens' routing here and need not count in.
+  const int64_t sending = (n * ranks * spans + kWarps - 1) / kWarps;
   stamp(c, kDispatch, 1);
   block_arrived(c, kDispatch, set, sending < 1 ? 1 : sending > gridDim.x ? gridDim.x : sending);
   stamp(c, kDispatch, 2);
@@ -266,18 +285,6 @@ __device__ void pack_chunk(const Ctx& c, int set, const Set& s, const Arrived& a
     const int i = __ffs(left) - 1;
     const int64_t token = chunk * kChunk + i, u = l * slots + first + rank_in_chunk;
     const int32_t slot = __shfl_sync(kAll, k, i);
-    const int64_t from = (static_cast<int64_t>(set) * c.peers.ranks + source) * c.max_tokens + token;
-    const char* payload = at_window<const char>(c.peers, c.peers.rank, c.map.rows + from * c.map.payload_stride);
-    char* x = s.recv_x + u * c.x_bytes;
-    copy_row(payload, &x, 1, c.x_bytes, lane);
-    if (s.recv_scales) {
-      char* sc = s.recv_scales + u * c.scale_bytes;
-      copy_row(payload + c.x_bytes, &sc, 1, c.scale_bytes, lane);
-    }
-    if (s.recv_global) {
-      char* g = s.recv_global + u * 4;
-      copy_row(payload + c.x_bytes + c.scale_bytes, &g, 1, 4, lane);
-    }
     if (lane == 0) {
       s.recv_src[2 * u] = source;
       s.recv_src[2 * u + 1] = static_cast<int32_t>(token);
@@ -285,6 +292,15 @@ __device__ void pack_chunk(const Ctx& c, int set, const Set& s, const Arrived& a
       s.src_token[u] = static_cast<int32_t>(token);
       s.src_slot[u] = slot;
       s.row_of[(source * c.max_tokens + token) * c.topk + slot] = static_cast<int32_t>(u);
+    }
+    const int64_t from = (static_cast<int64_t>(set) * c.peers.ranks + source) * c.max_tokens + token;
+    const char* payload = at_window<const char>(c.peers, c.peers.rank, c.map.rows + from * c.map.payload_stride);
+    char* x = s.recv_x + u * c.x_bytes;
+    if (s.recv_scales) copy_row_split(payload, x, c.x_bytes, s.recv_scales + u * c.scale_bytes, c.scale_bytes, lane);
+    else copy_row(payload, &x, 1, c.x_bytes, lane);
+    if (s.recv_global) {
+      char* g = s.recv_global + u * 4;
+      copy_row(payload + c.x_bytes + c.scale_bytes, &g, 1, 4, lane);
     }
   }
 }

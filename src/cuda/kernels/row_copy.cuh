@@ -51,6 +51,34 @@ __device__ void copy_row(const char* src, char* const* dst, int n, int64_t bytes
   }
 }
 
+// bytes_a + bytes_b consecutive bytes from src, the first bytes_a to dst_a and the rest to dst_b,
+// in the same load rounds (a wire row's codes and scales into their own arrays: a round fewer
+// per row than two copy_row calls).
+__device__ inline void copy_row_split(const char* src, char* dst_a, int64_t bytes_a, char* dst_b, int64_t bytes_b,
+                                      int lane) {
+  if (!(aligned16(src) && aligned16(dst_a) && aligned16(dst_b) && bytes_a % 16 == 0 && bytes_b % 16 == 0)) {
+    copy_row(src, &dst_a, 1, bytes_a, lane);
+    copy_row(src + bytes_a, &dst_b, 1, bytes_b, lane);
+    return;
+  }
+  const int4* from = reinterpret_cast<const int4*>(src);
+  const int in_a = static_cast<int>(bytes_a / 16), vectors = in_a + static_cast<int>(bytes_b / 16);  // a row: < 2^31
+  for (int base = 0; base < vectors; base += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * 32 + lane;
+      if (i < vectors) v[u] = *(from + i);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * 32 + lane;
+      if (i < in_a) reinterpret_cast<int4*>(dst_a)[i] = v[u];
+      else if (i < vectors) reinterpret_cast<int4*>(dst_b)[i - in_a] = v[u];
+    }
+  }
+}
+
 // Zero bytes at each of dst[0..n).
 __device__ inline void zero_row(char* const* dst, int n, int64_t bytes, int lane) {
   for (int d = 0; d < n; ++d) {
@@ -86,29 +114,33 @@ __device__ inline void fp8_step(const float* v, bool on, int64_t h, int64_t hidd
   }
 }
 
-// fp8 wire row (codes [H], then f32 scales [H/128]) of a bf16 row, to each of dst[0..n).
-// A lane owns 16 channels of a 512-channel step; the 8 lanes of a 128-channel block agree on
-// its scale. With an aligned row, kFp8Steps steps are loaded before any is converted, so a
-// warp keeps 4 KiB of the row in flight. Same arithmetic as the codec's row quantizer.
+// fp8 wire row (codes [H], then f32 scales [H/128]) of a bf16 row, to each of dst[0..n): its
+// channels [begin, end) (begin a multiple of 128; end < 0: the whole row), codes and scales in
+// their places in the row. A lane owns 16 channels of a 512-channel step; the 8 lanes of a
+// 128-channel block agree on its scale. With an aligned row, kFp8Steps steps are loaded before
+// any is converted, so a warp keeps 4 KiB of the row in flight. Same arithmetic as the codec's
+// row quantizer.
 constexpr int kFp8Steps = 4;
-__device__ inline void quantize_fp8_row(const uint16_t* x, int64_t hidden, bool ue8m0, char* const* dst, int n, int lane) {
+__device__ inline void quantize_fp8_row(const uint16_t* x, int64_t hidden, bool ue8m0, char* const* dst, int n, int lane,
+                                        int64_t begin = 0, int64_t end = -1) {
+  if (end < 0) end = hidden;
   float v[16];
   if (!aligned16(x)) {
-    for (int64_t base = 0; base < hidden; base += 512) {
+    for (int64_t base = begin; base < end; base += 512) {
       const int64_t h = base + lane * 16;
-      const bool on = h < hidden;  // hidden % 128 == 0: a block's 8 lanes are all on or all off
+      const bool on = h < end;  // hidden % 128 == 0: a block's 8 lanes are all on or all off
       if (on)
         for (int i = 0; i < 16; ++i) v[i] = bf16_to_float(x[h + i]);
       fp8_step(v, on, h, hidden, ue8m0, dst, n, lane);
     }
     return;
   }
-  for (int64_t base = 0; base < hidden; base += 512 * kFp8Steps) {
+  for (int64_t base = begin; base < end; base += 512 * kFp8Steps) {
     int4 raw[2 * kFp8Steps];
 #pragma unroll
     for (int u = 0; u < kFp8Steps; ++u) {
       const int64_t h = base + u * 512 + lane * 16;
-      if (h < hidden) {
+      if (h < end) {
         raw[2 * u] = __ldg(reinterpret_cast<const int4*>(x + h));
         raw[2 * u + 1] = __ldg(reinterpret_cast<const int4*>(x + h) + 1);
       }
@@ -116,7 +148,7 @@ __device__ inline void quantize_fp8_row(const uint16_t* x, int64_t hidden, bool 
 #pragma unroll
     for (int u = 0; u < kFp8Steps; ++u) {
       const int64_t h = base + u * 512 + lane * 16;
-      const bool on = h < hidden;
+      const bool on = h < end;
       if (on)
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
