@@ -297,7 +297,8 @@ class CudaLowLatency final : public LowLatencyBackend {
     s.recv_src = reinterpret_cast<int32_t*>(take(8 * rows));
     s.recv_count = reinterpret_cast<int32_t*>(take(4 * local_));
     s.recv_layout = reinterpret_cast<int32_t*>(take(8 * local_ * ranks_));
-    s.prev_count = reinterpret_cast<int32_t*>(take(4 * local_));
+    s.prev_count = reinterpret_cast<int32_t*>(take(2 * 4 * local_));
+    s.count_half = reinterpret_cast<int32_t*>(take(4));
     s.src_rank = reinterpret_cast<int32_t*>(take(4 * rows));
     s.src_token = reinterpret_cast<int32_t*>(take(4 * rows));
     s.src_slot = reinterpret_cast<int32_t*>(take(4 * rows));

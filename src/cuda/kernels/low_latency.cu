@@ -306,11 +306,11 @@ __device__ void pack_chunk(const Ctx& c, int set, const Set& s, const Arrived& a
 }
 
 // Clear unit (l, 32 output rows): rows at or past this call's count that held data at the
-// previous dispatch on this set are zeroed.
-__device__ void clear_chunk(const Ctx& c, const Set& s, const Arrived& a, int64_t unit, int lane) {
+// previous dispatch on this set (its counts: half `half` of prev_count) are zeroed.
+__device__ void clear_chunk(const Ctx& c, const Set& s, const Arrived& a, int half, int64_t unit, int lane) {
   const int64_t slots = c.peers.ranks * c.max_tokens, units = (slots + kChunk - 1) / kChunk;
   const int64_t l = unit / units, begin = unit % units * kChunk;
-  const int64_t to = min(begin + kChunk, static_cast<int64_t>(s.prev_count[l]));
+  const int64_t to = min(begin + kChunk, static_cast<int64_t>(s.prev_count[half * c.local + l]));
   if (to <= begin) return;
   int64_t count = 0;
   for (int p = 0; p < c.peers.ranks; ++p) count += warp_rows_from(c, a, l, p, chunks_of(c), lane);
@@ -330,24 +330,11 @@ __device__ void clear_chunk(const Ctx& c, const Set& s, const Arrived& a, int64_
   }
 }
 
-// Receive phase. Warp per unit: every (local expert, source, chunk of tokens) to pack, then every
-// (local expert, 32 output rows) to clear; a failed call packs and clears nothing. Each packed
-// row's place is kept by (source, token, slot) for combine_send. The grid's last block writes the
-// counts and the layout, publishes the status and resets this set's flags.
-__device__ void dispatch_recv(const Ctx& c, int set, const Set& s) {
-  const int lane = threadIdx.x % 32;
-  const bool ok = wait_sources(c, kDispatch, set, lane);
-  stamp(c, kDispatch, 3);
-  const Arrived a = arrived(c, set);
-  const int64_t slots = c.peers.ranks * c.max_tokens;
-  const int64_t pack_units = c.local * c.peers.ranks * chunks_of(c) * c.pack_parts;
-  const int64_t units = pack_units + c.local * ((slots + kChunk - 1) / kChunk);
-  for (int64_t u = ok ? first_warp() : units; u < units; u += warps_in_grid()) {
-    if (u < pack_units) pack_chunk(c, set, s, a, u, lane);
-    else clear_chunk(c, s, a, u - pack_units, lane);
-  }
-  stamp(c, kDispatch, 4);
-  if (!last_block(c.done + 0)) return;
+// Block 0, before its receive units: each local expert's rows per source into recv_layout and
+// recv_count (from the counts, all in once the sources are), and the counts for the next dispatch
+// on this set to clear against into the other half of prev_count (this call's clears read half
+// `half`; a failed call moved nothing, so the next one clears what this one would have).
+__device__ void write_layout(const Ctx& c, const Set& s, const Arrived& a, int half, bool ok) {
   for (int64_t l = threadIdx.x; l < c.local; l += blockDim.x) {
     int32_t first = 0;
     for (int p = 0; p < c.peers.ranks; ++p) {
@@ -357,12 +344,35 @@ __device__ void dispatch_recv(const Ctx& c, int set, const Set& s) {
       first += n;
     }
     s.recv_count[l] = first;
-    s.prev_count[l] = max(first, ok ? 0 : s.prev_count[l]);
+    s.prev_count[(half ^ 1) * c.local + l] = ok ? first : s.prev_count[half * c.local + l];
   }
-  __syncthreads();
+}
+
+// Receive phase. Warp per unit: every (local expert, source, chunk of tokens) to pack, then every
+// (local expert, 32 output rows) to clear; a failed call packs and clears nothing. Each packed
+// row's place is kept by (source, token, slot) for combine_send. Block 0 writes the layout first;
+// the grid's last block zeroes the counts, publishes the status, resets this set's flags and flips
+// the half of prev_count the next dispatch on the set reads (a short tail: the call ends with it).
+__device__ void dispatch_recv(const Ctx& c, int set, const Set& s) {
+  const int lane = threadIdx.x % 32;
+  const int half = *s.count_half;
+  const bool ok = wait_sources(c, kDispatch, set, lane);
+  stamp(c, kDispatch, 3);
+  const Arrived a = arrived(c, set);
+  if (blockIdx.x == 0) write_layout(c, s, a, half, ok);
+  const int64_t slots = c.peers.ranks * c.max_tokens;
+  const int64_t pack_units = c.local * c.peers.ranks * chunks_of(c) * c.pack_parts;
+  const int64_t units = pack_units + c.local * ((slots + kChunk - 1) / kChunk);
+  for (int64_t u = ok ? first_warp() : units; u < units; u += warps_in_grid()) {
+    if (u < pack_units) pack_chunk(c, set, s, a, u, lane);
+    else clear_chunk(c, s, a, half, u - pack_units, lane);
+  }
+  stamp(c, kDispatch, 4);
+  if (!last_block(c.done + 0)) return;
   // The sources add their counts for the call after next on this set from zero.
   int32_t* counts = at_window<int32_t>(c.peers, c.peers.rank, c.map.counts) + set * c.peers.ranks * c.local * chunks_of(c);
   for (int64_t i = threadIdx.x; i < c.peers.ranks * c.local * chunks_of(c); i += blockDim.x) counts[i] = 0;
+  if (threadIdx.x == 0) *s.count_half = half ^ 1;
   end_call(c, kDispatch, set);
   stamp(c, kDispatch, 5);
 }

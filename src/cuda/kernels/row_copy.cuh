@@ -51,32 +51,22 @@ __device__ void copy_row(const char* src, char* const* dst, int n, int64_t bytes
   }
 }
 
-// bytes_a + bytes_b consecutive bytes from src, the first bytes_a to dst_a and the rest to dst_b,
-// in the same load rounds (a wire row's codes and scales into their own arrays: a round fewer
-// per row than two copy_row calls).
+// bytes_a + bytes_b consecutive bytes from src, the first bytes_a to dst_a and the rest to dst_b
+// (a wire row's codes and scales into their own arrays). A tail of at most 512 bytes is loaded,
+// a 16-byte vector per lane, before the head's first round, so it costs no round of its own.
 __device__ inline void copy_row_split(const char* src, char* dst_a, int64_t bytes_a, char* dst_b, int64_t bytes_b,
                                       int lane) {
-  if (!(aligned16(src) && aligned16(dst_a) && aligned16(dst_b) && bytes_a % 16 == 0 && bytes_b % 16 == 0)) {
+  const char* tail = src + bytes_a;
+  if (!(bytes_b <= 512 && bytes_b % 16 == 0 && aligned16(tail) && aligned16(dst_b))) {
     copy_row(src, &dst_a, 1, bytes_a, lane);
-    copy_row(src + bytes_a, &dst_b, 1, bytes_b, lane);
+    copy_row(tail, &dst_b, 1, bytes_b, lane);
     return;
   }
-  const int4* from = reinterpret_cast<const int4*>(src);
-  const int in_a = static_cast<int>(bytes_a / 16), vectors = in_a + static_cast<int>(bytes_b / 16);  // a row: < 2^31
-  for (int base = 0; base < vectors; base += 32 * kUnroll) {
-    int4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int i = base + u * 32 + lane;
-      if (i < vectors) v[u] = *(from + i);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int i = base + u * 32 + lane;
-      if (i < in_a) reinterpret_cast<int4*>(dst_a)[i] = v[u];
-      else if (i < vectors) reinterpret_cast<int4*>(dst_b)[i - in_a] = v[u];
-    }
-  }
+  const bool mine = lane < bytes_b / 16;
+  int4 v{};
+  if (mine) v = reinterpret_cast<const int4*>(tail)[lane];
+  copy_row(src, &dst_a, 1, bytes_a, lane);
+  if (mine) reinterpret_cast<int4*>(dst_b)[lane] = v;
 }
 
 // Zero bytes at each of dst[0..n).
