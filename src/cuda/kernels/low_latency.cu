@@ -103,10 +103,11 @@ __device__ void block_arrived(const Ctx& c, Kind kind, int set, int64_t arriving
   if (blockIdx.x >= arriving) return;
   __syncthreads();
   if (threadIdx.x != 0) return;
+  // The status is read before the fence (the barrier put the block's own reports in), so its load
+  // and the fence's wait for the block's remote writes overlap instead of adding up.
+  int32_t code = *reinterpret_cast<volatile int32_t*>(&c.status->code);
   __threadfence_system();
-  int32_t code;
-  while ((code = *reinterpret_cast<volatile int32_t*>(&c.status->code)) == -1) {  // a report being written
-  }
+  while (code == -1) code = *reinterpret_cast<volatile int32_t*>(&c.status->code);  // a report being written
   if (code > 0) {
     for (int d = 0; d < c.peers.ranks; ++d)
       atomicMax_system(word_of<uint32_t>(c, c.map.errors, d, kind, set, c.peers.rank), static_cast<uint32_t>(code));
