@@ -17,7 +17,8 @@ namespace epx::detail::ll {
 namespace {
 
 constexpr int kWarps = 16;
-constexpr int64_t kSendSpan = 2048;  // channels of a row one warp returns in combine_send
+constexpr int64_t kSendSpan = 1024;  // channels of a row one warp returns in combine_send
+constexpr int kMaxTopk = 64;
 constexpr int64_t kWireSpan = 2048;  // channels of a row one warp sends in dispatch_send (bf16, fp8)
 constexpr int64_t kSumSpan = 1024;   // channels of a token one warp sums in combine_recv
 constexpr unsigned kAll = 0xffffffffu;
@@ -50,8 +51,9 @@ struct Checked {
 };
 
 __device__ Checked checked_route(const Ctx& c, const Route& r, int64_t n, int64_t t, int lane, bool reporter) {
-  int64_t id[2] = {t < n && lane < c.topk ? read_index(r, t, lane) : -1,
-                   t < n && lane + 32 < c.topk ? read_index(r, t, lane + 32) : -1};
+  // Loaded whatever the count (t < T rows exist), so the loads need not wait for the count's.
+  int64_t id[2] = {lane < c.topk ? read_index(r, t, lane) : -1, lane + 32 < c.topk ? read_index(r, t, lane + 32) : -1};
+  if (t >= n) id[0] = id[1] = -1;
   int32_t out[2];
   for (int h = 0; h < 2; ++h) {
     const int k = lane + 32 * h;
@@ -424,28 +426,43 @@ __device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, cons
   const float* dispatch_weights = at_window<const float>(c.peers, rank, c.map.route_weights) + dset * ranks * m * c.topk;
   const bool wide = c.hidden % 8 == 0 && aligned16(y);
   uint32_t weights_seen = 0;  // sources whose weights this warp saw arrive
+  // The warp's unit: per slot k, the row of y holding it if its expert is here (else -1) and its
+  // weight, looked up by lanes k and k + 32 in one load round, then read by every lane as the sum
+  // goes (not one dependent pair of loads per term).
+  __shared__ int32_t term_rows[kWarps][kMaxTopk];
+  __shared__ float term_weights[kWarps][kMaxTopk];
+  const int warp = threadIdx.x / 32;
   for (int64_t unit = first_warp(); unit < ranks * m * spans; unit += warps_in_grid()) {
     const int source = static_cast<int>(unit / (m * spans));
     const int64_t t = unit / spans % m, h0 = unit % spans * kSendSpan, first = (source * m + t) * c.topk;
-    if (t >= ntok[source]) continue;
-    auto here = [&](int64_t k) {
-      const int32_t e = routes[first + k];
-      return e >= 0 && e / c.local == rank;
-    };
-    if (__ballot_sync(kAll, (lane < c.topk && here(lane)) || (lane + 32 < c.topk && here(lane + 32))) == 0) continue;
+    // Loaded together: past the source's count, or for a slot elsewhere, the values go unused.
+    const int64_t tokens = ntok[source];
     const bool sent_at_dispatch = weights_from[source] != 0;
-    if (sums.weighted && !sent_at_dispatch && !(weights_seen >> source & 1u)) {
-      if (!wait_weights(c, set, source, lane)) break;
-      weights_seen |= 1u << source;
+    bool any = false;
+    for (int64_t k = lane; k < c.topk; k += 32) {
+      const int32_t e = routes[first + k], row = d.row_of[first + k];  // row_of: for local slots only
+      const float w = dispatch_weights[first + k];
+      const bool here = e >= 0 && e / c.local == rank;
+      term_rows[warp][k] = here ? row : -1;
+      term_weights[warp][k] = w;
+      any |= here;
     }
-    const float* weights = sent_at_dispatch ? dispatch_weights : combine_weights;
+    if (t >= tokens || __ballot_sync(kAll, any) == 0) continue;
+    if (sums.weighted && !sent_at_dispatch) {
+      if (!(weights_seen >> source & 1u) && !wait_weights(c, set, source, lane)) break;
+      weights_seen |= 1u << source;
+      for (int64_t k = lane; k < c.topk; k += 32) term_weights[warp][k] = combine_weights[first + k];
+    }
+    __syncwarp();
     uint16_t* dst = at_window<uint16_t>(c.peers, source, c.map.ret) + ((set * m + t) * ranks + rank) * c.hidden + h0;
     sum_rows<2>(static_cast<int>(c.topk), [&](int k, const uint16_t*& row, float& weight) {
-      if (!here(k)) return false;
-      row = y + static_cast<int64_t>(d.row_of[first + k]) * c.hidden + h0;
-      weight = sums.weighted ? weights[first + k] : 1.0f;
+      const int32_t r = term_rows[warp][k];
+      if (r < 0) return false;
+      row = y + static_cast<int64_t>(r) * c.hidden + h0;
+      weight = sums.weighted ? term_weights[warp][k] : 1.0f;
       return true;
     }, sums.weighted, dst, min(kSendSpan, c.hidden - h0), wide, lane);
+    __syncwarp();  // every lane done reading the unit's terms before the next unit's go in
   }
   stamp(c, kCombine, 1);
   block_arrived(c, kCombine, set, gridDim.x);
@@ -456,17 +473,18 @@ __device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, cons
 // experts, in rank order, bf16; rows past the token count are zero.
 __device__ void combine_recv(const Ctx& c, int set, const Set& d, const Sums& sums) {
   const int lane = threadIdx.x % 32, ranks = c.peers.ranks;
+  const int64_t count = *d.num_tokens;  // this rank's dispatch wrote it: read while the sources come
   const bool ok = wait_sources(c, kCombine, set, lane);
   stamp(c, kCombine, 3);
-  const int64_t n = ok ? *d.num_tokens : 0, spans = (c.hidden + kSumSpan - 1) / kSumSpan;
+  const int64_t n = ok ? count : 0, spans = (c.hidden + kSumSpan - 1) / kSumSpan;
   const uint16_t* ret = at_window<const uint16_t>(c.peers, c.peers.rank, c.map.ret) + set * c.max_tokens * ranks * c.hidden;
   const bool wide = c.hidden % 8 == 0 && aligned16(sums.out);
   for (int64_t unit = first_warp(); unit < sums.tokens * spans; unit += warps_in_grid()) {
     const int64_t t = unit / spans, h0 = unit % spans * kSumSpan;
     uint32_t held = 0;  // bit d: one of the token's experts is on rank d
-    for (int64_t k = lane; t < n && k < c.topk; k += 32) {
+    for (int64_t k = lane; k < c.topk; k += 32) {  // loaded beside the count (-1 past it anyway)
       const int32_t e = d.slot_expert[t * c.topk + k];
-      if (e >= 0) held |= 1u << (e / c.local);
+      if (t < n && e >= 0) held |= 1u << (e / c.local);
     }
     held = __reduce_or_sync(kAll, held);
     sum_rows<2>(ranks, [&](int r, const uint16_t*& row, float& weight) {
