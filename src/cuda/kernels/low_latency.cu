@@ -238,8 +238,7 @@ __device__ Arrived arrived(const Ctx& c, int set) {
           at_window<const int32_t>(c.peers, c.peers.rank, c.map.routes) + set * r * c.max_tokens * c.topk};
 }
 
-// Rows of local expert l from `source`'s chunks [0, chunks): one thread's sum, or (warp_rows_from)
-// the warp's, each lane adding every 32nd chunk.
+// Rows of local expert l from `source`'s chunks [0, chunks): one thread's sum.
 __device__ int32_t rows_from(const Ctx& c, const Arrived& a, int64_t l, int source, int64_t chunks) {
   const int32_t* v = a.counts + (source * c.local + l) * chunks_of(c);
   int32_t n = 0;
@@ -247,10 +246,12 @@ __device__ int32_t rows_from(const Ctx& c, const Arrived& a, int64_t l, int sour
   return n;
 }
 
-__device__ int32_t warp_rows_from(const Ctx& c, const Arrived& a, int64_t l, int source, int64_t chunks, int lane) {
-  const int32_t* v = a.counts + (source * c.local + l) * chunks_of(c);
+// The warp's sum of local expert l's rows in (source, chunk) order before (source, chunk): every
+// lane adds every 32nd count, so the loads go out in one round (R x chunks counts: 32 at EP8, M 128).
+__device__ int32_t warp_rows_before(const Ctx& c, const Arrived& a, int64_t l, int source, int64_t chunk, int lane) {
+  const int64_t chunks = chunks_of(c);
   int32_t n = 0;
-  for (int64_t q = lane; q < chunks; q += 32) n += v[q];
+  for (int64_t i = lane; i < source * chunks + chunk; i += 32) n += a.counts[(i / chunks * c.local + l) * chunks + i % chunks];
   for (int o = 16; o > 0; o /= 2) n += __shfl_xor_sync(kAll, n, o);
   return n;
 }
@@ -264,11 +265,13 @@ __device__ void pack_chunk(const Ctx& c, int set, const Set& s, const Arrived& a
   unit /= c.pack_parts;
   const int64_t l = unit / (c.peers.ranks * chunks), chunk = unit % chunks;
   const int source = static_cast<int>(unit / chunks % c.peers.ranks);
-  if (a.counts[(source * c.local + l) * chunks + chunk] == 0) return;
+  // One load round for the unit's count, the source's token count, the chunk's routing (rows past
+  // the count hold stale ids, unused) and the counts of the rows packed before this unit's.
+  const int32_t unit_rows = a.counts[(source * c.local + l) * chunks + chunk];
   const int64_t n = a.ntok[source], t = chunk * kChunk + lane;
   const int32_t expert = static_cast<int32_t>(c.peers.rank * c.local + l);
   int k = -1;  // the slot of lane's token holding the expert
-  if (t < n) {
+  if (t < c.max_tokens) {
     const int32_t* route = a.routes + (source * c.max_tokens + t) * c.topk;
     for (int k0 = 0; k0 < c.topk; k0 += 8) {  // 8 loads in flight at once
       int32_t id[8];
@@ -279,8 +282,9 @@ __device__ void pack_chunk(const Ctx& c, int set, const Set& s, const Arrived& a
         if (k < 0 && id[i] == expert) k = k0 + i;
     }
   }
-  int64_t first = warp_rows_from(c, a, l, source, chunk, lane);
-  for (int p = 0; p < source; ++p) first += warp_rows_from(c, a, l, p, chunks, lane);
+  const int64_t first = warp_rows_before(c, a, l, source, chunk, lane);
+  if (unit_rows == 0) return;
+  if (t >= n) k = -1;
   const unsigned held = __ballot_sync(kAll, k >= 0);
   int rank_in_chunk = 0;
   for (unsigned left = held; left != 0; left &= left - 1, ++rank_in_chunk) {
@@ -315,8 +319,7 @@ __device__ void clear_chunk(const Ctx& c, const Set& s, const Arrived& a, int ha
   const int64_t l = unit / units, begin = unit % units * kChunk;
   const int64_t to = min(begin + kChunk, static_cast<int64_t>(s.prev_count[half * c.local + l]));
   if (to <= begin) return;
-  int64_t count = 0;
-  for (int p = 0; p < c.peers.ranks; ++p) count += warp_rows_from(c, a, l, p, chunks_of(c), lane);
+  const int64_t count = warp_rows_before(c, a, l, c.peers.ranks, 0, lane);
   for (int64_t j = max(begin, count); j < to; ++j) {
     const int64_t u = l * slots + j;
     char* x = s.recv_x + u * c.x_bytes;
