@@ -65,7 +65,6 @@ struct Ctx {
   uint64_t timeout_ns;
   int blocks;
   int pack_parts;  // warps sharing the rows of one receive unit (chunk of a source's tokens)
-  bool prefetch;   // combine's send warps prefetch their rows into L1 while they wait for weights
   cudaStream_t stream;
   uint64_t* stamps;  // EPX_PROFILE=ll: [2 kinds][blocks][kStampSteps] global timer per step, else null
 };

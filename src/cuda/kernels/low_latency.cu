@@ -462,19 +462,7 @@ __device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, cons
     }
     if (t >= tokens || __ballot_sync(kAll, any) == 0) continue;
     if (sums.weighted && !sent_at_dispatch) {
-      if (!(weights_seen >> source & 1u)) {
-        if (c.prefetch) {  // the unit's rows into L1 while the weights come: the sums then wait on L1
-          __syncwarp();
-          const int64_t bytes = 2 * min(kSendSpan, c.hidden - h0);
-          for (int k = 0; k < c.topk; ++k) {
-            const int32_t r = term_rows[warp][k];
-            if (r < 0) continue;
-            const char* row = reinterpret_cast<const char*>(y + static_cast<int64_t>(r) * c.hidden + h0);
-            for (int64_t b = lane * 128; b < bytes; b += 32 * 128) asm volatile("prefetch.global.L1 [%0];" ::"l"(row + b));
-          }
-        }
-        if (!wait_weights(c, set, source, lane)) break;
-      }
+      if (!(weights_seen >> source & 1u) && !wait_weights(c, set, source, lane)) break;
       weights_seen |= 1u << source;
       for (int64_t k = lane; k < c.topk; k += 32) term_weights[warp][k] = combine_weights[first + k];
     }
