@@ -258,7 +258,7 @@ __device__ int32_t warp_rows_before(const Ctx& c, const Arrived& a, int64_t l, i
 
 // Receive unit (l, source, chunk, part): the source's tokens [32 chunk, 32 chunk + 32) that
 // chose local expert l, packed after the rows of earlier sources and chunks (from the counts);
-// the unit's part of them (every pack_parts-th half row) when pack_parts > 1.
+// the unit's part of them (every pack_parts-th row) when experts are few and rows many.
 __device__ void pack_chunk(const Ctx& c, int set, const Set& s, const Arrived& a, int64_t unit, int lane) {
   const int64_t chunks = chunks_of(c), slots = c.peers.ranks * c.max_tokens;
   const int part = static_cast<int>(unit % c.pack_parts);
@@ -286,38 +286,28 @@ __device__ void pack_chunk(const Ctx& c, int set, const Set& s, const Arrived& a
   if (unit_rows == 0) return;
   if (t >= n) k = -1;
   const unsigned held = __ballot_sync(kAll, k >= 0);
-  // Each row in two halves (the second with the scales and global), so that with two parts or
-  // more, the warps of a unit share the copying of every row, not only of every other row.
-  const int64_t cut = c.x_bytes / 2 / 16 * 16;
   int rank_in_chunk = 0;
   for (unsigned left = held; left != 0; left &= left - 1, ++rank_in_chunk) {
+    if (rank_in_chunk % c.pack_parts != part) continue;  // another warp's row
     const int i = __ffs(left) - 1;
     const int64_t token = chunk * kChunk + i, u = l * slots + first + rank_in_chunk;
     const int32_t slot = __shfl_sync(kAll, k, i);
+    if (lane == 0) {
+      s.recv_src[2 * u] = source;
+      s.recv_src[2 * u + 1] = static_cast<int32_t>(token);
+      s.src_rank[u] = source;
+      s.src_token[u] = static_cast<int32_t>(token);
+      s.src_slot[u] = slot;
+      s.row_of[(source * c.max_tokens + token) * c.topk + slot] = static_cast<int32_t>(u);
+    }
     const int64_t from = (static_cast<int64_t>(set) * c.peers.ranks + source) * c.max_tokens + token;
     const char* payload = at_window<const char>(c.peers, c.peers.rank, c.map.rows + from * c.map.payload_stride);
     char* x = s.recv_x + u * c.x_bytes;
-    if ((2 * rank_in_chunk) % c.pack_parts == part) {  // the first half, and where the row came from
-      if (lane == 0) {
-        s.recv_src[2 * u] = source;
-        s.recv_src[2 * u + 1] = static_cast<int32_t>(token);
-        s.src_rank[u] = source;
-        s.src_token[u] = static_cast<int32_t>(token);
-        s.src_slot[u] = slot;
-        s.row_of[(source * c.max_tokens + token) * c.topk + slot] = static_cast<int32_t>(u);
-      }
-      copy_row(payload, &x, 1, cut, lane);
-    }
-    if ((2 * rank_in_chunk + 1) % c.pack_parts == part) {  // the second half
-      char* rest = x + cut;
-      if (s.recv_scales)
-        copy_row_split(payload + cut, rest, c.x_bytes - cut, s.recv_scales + u * c.scale_bytes, c.scale_bytes, lane);
-      else
-        copy_row(payload + cut, &rest, 1, c.x_bytes - cut, lane);
-      if (s.recv_global) {
-        char* g = s.recv_global + u * 4;
-        copy_row(payload + c.x_bytes + c.scale_bytes, &g, 1, 4, lane);
-      }
+    if (s.recv_scales) copy_row_split(payload, x, c.x_bytes, s.recv_scales + u * c.scale_bytes, c.scale_bytes, lane);
+    else copy_row(payload, &x, 1, c.x_bytes, lane);
+    if (s.recv_global) {
+      char* g = s.recv_global + u * 4;
+      copy_row(payload + c.x_bytes + c.scale_bytes, &g, 1, 4, lane);
     }
   }
 }
