@@ -19,7 +19,7 @@ namespace {
 constexpr int kWarps = 16;
 constexpr int64_t kSendSpan = 1024;  // channels of a row one warp returns in combine_send
 constexpr int kMaxTopk = 64;
-constexpr int64_t kWireSpan = 2048;  // channels of a row one warp sends in dispatch_send (bf16, fp8)
+constexpr int64_t kWireSpans = 4;  // at most, pieces of a row that warps send apart in dispatch_send (bf16, fp8)
 constexpr int64_t kSumSpan = 1024;   // channels of a token one warp sums in combine_recv
 constexpr unsigned kAll = 0xffffffffu;
 // A source's arrival word at a receiver: blocks in (bits 0..19), the source grid's size (bits
@@ -174,8 +174,9 @@ __device__ void send_routing(const Ctx& c, int set, const Route& route, int64_t 
   if (hi_here) atomicAdd(counts + (e.hi % c.local) * chunks + t / kChunk, 1);
 }
 
-// Send phase. Warp per (token, destination rank, span of kWireSpan channels; nvfp4: the whole
-// row, whose global scale needs all of it): the token's checked routing; if one of its experts
+// Send phase. Warp per (token, destination rank, span of the row: up to kWireSpans of them while
+// the grid's warps cover every unit at once; nvfp4: the whole row, whose global scale needs all
+// of it): the token's checked routing; if one of its experts
 // lives at the destination, the span of its wire row (once, whatever the number of those experts)
 // to slot (this rank, token) there. The span-0 warp also sends the routing (and weights) and one
 // count per such expert in the token's chunk; the (destination 0, span 0) warp keeps the routing
@@ -185,7 +186,17 @@ __device__ void dispatch_send(const Ctx& c, int set, const Route& route, const R
   const int lane = threadIdx.x % 32, rank = c.peers.rank, ranks = c.peers.ranks;
   const bool first_thread = blockIdx.x == 0 && threadIdx.x == 0;
   const int64_t n = token_count(c, route, first_thread);
-  const int64_t span = c.wire == WireFormat::nvfp4 ? c.hidden : kWireSpan, spans = (c.hidden + span - 1) / span;
+  // Spans only as far as the grid's warps cover them in one pass: with few warps per rank (the
+  // shared-GPU transport: 8 blocks at EP8) they would only repeat each token's routing checks.
+  int64_t span = c.hidden;
+  if (c.wire != WireFormat::nvfp4)
+    for (int64_t parts = kWireSpans; parts > 1; parts /= 2)
+      if (n * ranks * parts <= warps_in_grid()) {
+        span = (c.hidden + parts - 1) / parts;
+        span = (span + 511) / 512 * 512;  // whole 512-channel steps of quantize_fp8_row
+        break;
+      }
+  const int64_t spans = (c.hidden + span - 1) / span;
   if (first_thread) *s.num_tokens = static_cast<int32_t>(n);  // for combine_recv
   if (blockIdx.x == 0 && threadIdx.x < ranks) {
     at_window<int32_t>(c.peers, threadIdx.x, c.map.ntok)[set * ranks + rank] = static_cast<int32_t>(n);
