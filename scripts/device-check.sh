@@ -4,8 +4,8 @@
 # sanitizer serializes kernels, so ranks waiting on each other could not progress), epx-bench.
 # Logs and JSON go to $OUT; a short summary is printed last.
 #   usage: [EPX_GIT_COMMIT=$(git rev-parse --short=12 HEAD)] [GTEST_FILTER=...] [GTEST_REPEAT=n] [BENCH_ARGS=...] [SANITIZE_TOOLS=...] \
-#          [AB_ENV="VAR=value ..."] bash scripts/device-check.sh [tests|sanitize|bench|ab|interleave|procs|sweep|engines|ll|profile|all]...
-#          (default: all but ab, interleave, procs, sweep, engines, profile)
+#          [AB_ENV="VAR=value ..."] bash scripts/device-check.sh [tests|sanitize|bench|ab|interleave|procs|sweep|engines|ll|holdback|profile|all]...
+#          (default: all but ab, interleave, procs, sweep, engines, profile, holdback)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
@@ -36,7 +36,7 @@ fi
 note "built against NCCL in $NCCL_DIR"
 
 # Steps that run only when named ("all" leaves them out).
-optional_steps="ab interleave procs sweep engines profile"
+optional_steps="ab interleave procs sweep engines profile holdback"
 want() { [[ ( " $steps " == *" all "* && " $optional_steps " != *" $1 "* ) || " $steps " == *" $1 "* ]]; }
 gpus=$(nvidia-smi -L | wc -l)
 
@@ -133,6 +133,21 @@ if want engines; then
   grep -E "^==|^dispatch |^combine |FAILED|broadcast|receive kernel|send kernel|routing|combine: " "$OUT/engines.log"
   note "engines: $(grep -cE '^(dispatch|combine) ' "$OUT/engines.log") records, $(grep -c FAILED "$OUT/engines.log") failed"
 fi
+if want holdback; then
+  # The shared-GPU hold-back (docs/cuda.md, Known gaps): EP8 of the low-latency benchmark on one GPU,
+  # HOLDBACK_RUNS times with 8 hardware queues and with 32 (what the tests and --shared-gpu ask
+  # for). If streams of different ranks sharing a queue is the cause, 8 queues fail far more often.
+  for queues in 8 32; do
+    fails=0
+    for i in $(seq "${HOLDBACK_RUNS:-3}"); do
+      echo "== $queues queues, run $i" >> "$OUT/holdback.log"
+      CUDA_DEVICE_MAX_CONNECTIONS=$queues EPX_TIMEOUT_MS=3000 timeout 90 ./build-gpu/epx-bench --backend cuda --preset ll \
+        --shared-gpu --ranks 8 --wire fp8 --ops ll_dispatch,ll_combine --iters 5 >> "$OUT/holdback.log" 2>&1 || fails=$((fails + 1))
+    done
+    note "shared-GPU EP8 with $queues hardware queues: $fails of ${HOLDBACK_RUNS:-3} runs failed"
+  done
+fi
+
 if want profile; then
   # Nsight Compute (clock control off, full set) on the kernels that bound the calls, at one rank:
   # ncu serializes kernels, so ranks waiting on each other could not progress. Copy-engine paths
