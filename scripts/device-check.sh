@@ -205,8 +205,11 @@ PY
   rm -f "$OUT"/*.part
   # Where a call's time goes: each block's steps (EPX_PROFILE=ll), the last call at 1 and 128 tokens.
   for t in 1 128; do
-    EPX_PROFILE=ll timeout 120 ./build-gpu/epx-bench --backend cuda --preset ll --ranks "$ranks" \
-      --ops ll_dispatch,ll_combine --tokens "$t" --wire fp8 2>&1 | grep -E "timeline" | sed "s/^/$t tokens: /" >> "$OUT/ll-timeline.log"
+    for at in combine dispatch; do  # where the combine's weights were given
+      EPX_PROFILE=ll timeout 120 ./build-gpu/epx-bench --backend cuda --preset ll --ranks "$ranks" \
+        --ops ll_dispatch,ll_combine --tokens "$t" --wire fp8 --ll-weights-at "$at" 2>&1 | grep -E "timeline" |
+        sed "s/^/$t tokens, weights at $at: /" >> "$OUT/ll-timeline.log"
+    done
   done
   cat "$OUT/ll-timeline.log"
   grep -E "^ll_|FAILED" "$OUT/ll.log" | cut -c1-100
