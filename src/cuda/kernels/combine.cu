@@ -202,13 +202,13 @@ bool bulk_partials() {
   return bulk;
 }
 
-}  // namespace
-
 // EPX_SUM_GROUP=1: the reducers add a token's rows one load round at a time (for measuring).
 bool paired_terms() {
   static const bool paired = env_choice("EPX_SUM_GROUP", {"2", "1"}) == "2";
   return paired;
 }
+
+}  // namespace
 
 void combine(const Ctx& ctx, int send_blocks, const RecvArrays& r, Layout layout, int64_t tokens,
              const int32_t* send_pos, const int32_t* slot_expert, const CombineArgs& a) {
