@@ -16,6 +16,7 @@
 #include "core/wire.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/cuda_group.hpp"
+#include "cuda/env_setting.hpp"
 #include "cuda/kernels/launch.hpp"
 #include "cuda/kernels/ll_launch.hpp"
 #include "cuda/phase_timer.hpp"
@@ -48,6 +49,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     // share the unit's rows (a few experts with many rows each would serialize on one warp).
     const int64_t expected = ll::kChunk * c.topk / c.num_experts;
     while (pack_parts_ < 8 && 2 * pack_parts_ < expected) pack_parts_ *= 2;
+    pack_parts_ = static_cast<int>(env_integer("EPX_LL_PACK_PARTS", pack_parts_, 1, 8));  // for A/B runs
 
     const int64_t m = c.max_tokens_per_rank, rows = 2 * slots_;  // one per (set, source, token)
     int64_t at = 0;
@@ -295,7 +297,8 @@ class CudaLowLatency final : public LowLatencyBackend {
     s.recv_src = reinterpret_cast<int32_t*>(take(8 * rows));
     s.recv_count = reinterpret_cast<int32_t*>(take(4 * local_));
     s.recv_layout = reinterpret_cast<int32_t*>(take(8 * local_ * ranks_));
-    s.prev_count = reinterpret_cast<int32_t*>(take(4 * local_));
+    s.prev_count = reinterpret_cast<int32_t*>(take(2 * 4 * local_));
+    s.count_half = reinterpret_cast<int32_t*>(take(4));
     s.src_rank = reinterpret_cast<int32_t*>(take(4 * rows));
     s.src_token = reinterpret_cast<int32_t*>(take(4 * rows));
     s.src_slot = reinterpret_cast<int32_t*>(take(4 * rows));

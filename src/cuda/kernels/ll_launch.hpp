@@ -43,7 +43,9 @@ struct Set {
   int32_t* recv_src;      // [L][R*M][2]
   int32_t* recv_count;    // [L]
   int32_t* recv_layout;   // [L][R][2]
-  int32_t* prev_count;    // [L] the counts of the previous dispatch on this set (rows to clear)
+  int32_t* prev_count;    // [2][L] the counts of the previous dispatch on this set (rows to clear): half
+                          // *count_half is read by a call, the other written for the next
+  int32_t* count_half;    // [1] 0 or 1, flipped by each dispatch's last block
   int32_t* src_rank;      // [L*R*M] per received row: where it came from (for combine)
   int32_t* src_token;
   int32_t* src_slot;

@@ -17,7 +17,9 @@ namespace epx::detail::ll {
 namespace {
 
 constexpr int kWarps = 16;
-constexpr int64_t kSendSpan = 2048;  // channels of a row one warp returns in combine_send
+constexpr int64_t kSendSpan = 1024;  // channels of a row one warp returns in combine_send
+constexpr int kMaxTopk = 64;
+constexpr int64_t kWireSpans = 4;  // at most, pieces of a row that warps send apart in dispatch_send (bf16, fp8)
 constexpr int64_t kSumSpan = 1024;   // channels of a token one warp sums in combine_recv
 constexpr unsigned kAll = 0xffffffffu;
 // A source's arrival word at a receiver: blocks in (bits 0..19), the source grid's size (bits
@@ -49,8 +51,9 @@ struct Checked {
 };
 
 __device__ Checked checked_route(const Ctx& c, const Route& r, int64_t n, int64_t t, int lane, bool reporter) {
-  int64_t id[2] = {t < n && lane < c.topk ? read_index(r, t, lane) : -1,
-                   t < n && lane + 32 < c.topk ? read_index(r, t, lane + 32) : -1};
+  // Loaded whatever the count (t < T rows exist), so the loads need not wait for the count's.
+  int64_t id[2] = {lane < c.topk ? read_index(r, t, lane) : -1, lane + 32 < c.topk ? read_index(r, t, lane + 32) : -1};
+  if (t >= n) id[0] = id[1] = -1;
   int32_t out[2];
   for (int h = 0; h < 2; ++h) {
     const int k = lane + 32 * h;
@@ -102,10 +105,11 @@ __device__ void block_arrived(const Ctx& c, Kind kind, int set, int64_t arriving
   if (blockIdx.x >= arriving) return;
   __syncthreads();
   if (threadIdx.x != 0) return;
+  // The status is read before the fence (the barrier put the block's own reports in), so its load
+  // and the fence's wait for the block's remote writes overlap instead of adding up.
+  int32_t code = *reinterpret_cast<volatile int32_t*>(&c.status->code);
   __threadfence_system();
-  int32_t code;
-  while ((code = *reinterpret_cast<volatile int32_t*>(&c.status->code)) == -1) {  // a report being written
-  }
+  while (code == -1) code = *reinterpret_cast<volatile int32_t*>(&c.status->code);  // a report being written
   if (code > 0) {
     for (int d = 0; d < c.peers.ranks; ++d)
       atomicMax_system(word_of<uint32_t>(c, c.map.errors, d, kind, set, c.peers.rank), static_cast<uint32_t>(code));
@@ -151,51 +155,80 @@ __device__ void end_call(const Ctx& c, Kind kind, int set) {
   if (threadIdx.x == 0 && *reinterpret_cast<volatile int32_t*>(&c.status->code) != 0) publish(c.status, c.host_status);
 }
 
-// Send phase. Warp per (token, destination rank): the token's checked routing to the
-// destination's copy of this source's; if one of its experts lives there, its wire row (once,
-// whatever the number of those experts) to slot (this rank, token) and one count per such
-// expert in the token's chunk. The destination-0 warp also keeps the routing for combine.
+// Token t's checked routing (and weights, when given) to destination d's copy of this source's,
+// and one count per expert of t at d in t's chunk there.
+__device__ void send_routing(const Ctx& c, int set, const Route& route, int64_t t, int d, const Checked& e, bool lo_here,
+                             bool hi_here, int lane) {
+  const int rank = c.peers.rank, ranks = c.peers.ranks;
+  const int64_t pair = ((static_cast<int64_t>(set) * ranks + rank) * c.max_tokens + t) * c.topk;
+  int32_t* routes = at_window<int32_t>(c.peers, d, c.map.routes) + pair;
+  if (lane < c.topk) routes[lane] = e.lo;
+  if (lane + 32 < c.topk) routes[lane + 32] = e.hi;
+  if (route.weights) {  // beside the routing: the combine's expert ranks wait for nothing else
+    float* weights = at_window<float>(c.peers, d, c.map.route_weights) + pair;
+    for (int64_t k = lane; k < c.topk; k += 32) weights[k] = route.weights[t * route.weight_stride + k];
+  }
+  const int64_t chunks = chunks_of(c);
+  int32_t* counts = at_window<int32_t>(c.peers, d, c.map.counts) + (static_cast<int64_t>(set) * ranks + rank) * c.local * chunks;
+  if (lo_here) atomicAdd(counts + (e.lo % c.local) * chunks + t / kChunk, 1);
+  if (hi_here) atomicAdd(counts + (e.hi % c.local) * chunks + t / kChunk, 1);
+}
+
+// Send phase. Warp per (token, destination rank, span of the row: up to kWireSpans of them while
+// the grid's warps cover every unit at once; nvfp4: the whole row, whose global scale needs all
+// of it): the token's checked routing; if one of its experts
+// lives at the destination, the span of its wire row (once, whatever the number of those experts)
+// to slot (this rank, token) there. The span-0 warp also sends the routing (and weights) and one
+// count per such expert in the token's chunk; the (destination 0, span 0) warp keeps the routing
+// for combine. Spans cut the chain of a row's load rounds a warp waits through (a one-token call
+// is that chain) into one round per warp.
 __device__ void dispatch_send(const Ctx& c, int set, const Route& route, const Rows& rows, const Set& s) {
   const int lane = threadIdx.x % 32, rank = c.peers.rank, ranks = c.peers.ranks;
   const bool first_thread = blockIdx.x == 0 && threadIdx.x == 0;
-  const int64_t n = token_count(c, route, first_thread), chunks = chunks_of(c);
+  const int64_t n = token_count(c, route, first_thread);
+  // Spans only as far as the grid's warps cover them in one pass: with few warps per rank (the
+  // shared-GPU transport: 8 blocks at EP8) they would only repeat each token's routing checks.
+  int64_t span = c.hidden;
+  if (c.wire != WireFormat::nvfp4)
+    for (int64_t parts = kWireSpans; parts > 1; parts /= 2)
+      if (n * ranks * parts <= warps_in_grid()) {
+        span = (c.hidden + parts - 1) / parts;
+        span = (span + 511) / 512 * 512;  // whole 512-channel steps of quantize_fp8_row
+        break;
+      }
+  const int64_t spans = (c.hidden + span - 1) / span;
   if (first_thread) *s.num_tokens = static_cast<int32_t>(n);  // for combine_recv
   if (blockIdx.x == 0 && threadIdx.x < ranks) {
     at_window<int32_t>(c.peers, threadIdx.x, c.map.ntok)[set * ranks + rank] = static_cast<int32_t>(n);
     at_window<int32_t>(c.peers, threadIdx.x, c.map.weights_from)[set * ranks + rank] = route.weights != nullptr;
   }
-  for (int64_t u = first_warp(); u < route.tokens * ranks; u += warps_in_grid()) {
-    const int64_t t = u / ranks;
-    const int d = static_cast<int>(u % ranks);
-    const Checked e = checked_route(c, route, n, t, lane, d == 0);
-    if (d == 0) {
+  for (int64_t u = first_warp(); u < route.tokens * ranks * spans; u += warps_in_grid()) {
+    const int64_t t = u / (ranks * spans), h0 = u % spans * span, h1 = min(h0 + span, c.hidden);
+    const int d = static_cast<int>(u / spans % ranks);
+    const Checked e = checked_route(c, route, n, t, lane, d == 0 && h0 == 0);
+    if (d == 0 && h0 == 0) {
       if (lane < c.topk) s.slot_expert[t * c.topk + lane] = e.lo;
       if (lane + 32 < c.topk) s.slot_expert[t * c.topk + lane + 32] = e.hi;
     }
     if (t >= n) continue;
-    int32_t* routes = at_window<int32_t>(c.peers, d, c.map.routes) + ((static_cast<int64_t>(set) * ranks + rank) * c.max_tokens + t) * c.topk;
-    if (lane < c.topk) routes[lane] = e.lo;
-    if (lane + 32 < c.topk) routes[lane + 32] = e.hi;
-    if (route.weights) {  // beside the routing: the combine's expert ranks wait for nothing else
-      float* weights = at_window<float>(c.peers, d, c.map.route_weights) +
-                       ((static_cast<int64_t>(set) * ranks + rank) * c.max_tokens + t) * c.topk;
-      for (int64_t k = lane; k < c.topk; k += 32) weights[k] = route.weights[t * route.weight_stride + k];
-    }
-    int32_t* counts = at_window<int32_t>(c.peers, d, c.map.counts) + (static_cast<int64_t>(set) * ranks + rank) * c.local * chunks;
     const bool lo_here = e.lo >= 0 && e.lo / c.local == d, hi_here = e.hi >= 0 && e.hi / c.local == d;
-    if (lo_here) atomicAdd(counts + (e.lo % c.local) * chunks + t / kChunk, 1);
-    if (hi_here) atomicAdd(counts + (e.hi % c.local) * chunks + t / kChunk, 1);
+    if (h0 == 0) send_routing(c, set, route, t, d, e, lo_here, hi_here, lane);
     if (__ballot_sync(kAll, lo_here || hi_here) == 0) continue;
     const int64_t slot = (static_cast<int64_t>(set) * ranks + rank) * c.max_tokens + t;
     char* dst = at_window<char>(c.peers, d, c.map.rows + slot * c.map.payload_stride);
     const uint16_t* x = rows.x + t * rows.x_stride;
-    if (c.wire == WireFormat::bf16) copy_row<true>(reinterpret_cast<const char*>(x), &dst, 1, 2 * c.hidden, lane);
-    else if (c.wire == WireFormat::nvfp4) quantize_nvfp4_row(x, c.hidden, rows.nvfp4_global_scale, &dst, 1, lane);
-    else quantize_fp8_row(x, c.hidden, c.wire == WireFormat::fp8_ue8m0, &dst, 1, lane);
+    if (c.wire == WireFormat::bf16) {
+      char* at = dst + 2 * h0;
+      copy_row<true>(reinterpret_cast<const char*>(x + h0), &at, 1, 2 * (h1 - h0), lane);
+    } else if (c.wire == WireFormat::nvfp4) {
+      quantize_nvfp4_row(x, c.hidden, rows.nvfp4_global_scale, &dst, 1, lane);
+    } else {
+      quantize_fp8_row(x, c.hidden, c.wire == WireFormat::fp8_ue8m0, &dst, 1, lane, h0, h1);
+    }
   }
-  // Units (token, destination) with t < n sit in the first blocks (warp u of the grid takes unit u
-  // first): the blocks past them only kept their tokens' routing here and need not count in.
-  const int64_t sending = (n * ranks + kWarps - 1) / kWarps;
+  // Units (token, destination, span) with t < n sit in the first blocks (warp u of the grid takes
+  // unit u first): the blocks past them only kept their tokens' routing here and need not count in.
+  const int64_t sending = (n * ranks * spans + kWarps - 1) / kWarps;
   stamp(c, kDispatch, 1);
   block_arrived(c, kDispatch, set, sending < 1 ? 1 : sending > gridDim.x ? gridDim.x : sending);
   stamp(c, kDispatch, 2);
@@ -216,8 +249,7 @@ __device__ Arrived arrived(const Ctx& c, int set) {
           at_window<const int32_t>(c.peers, c.peers.rank, c.map.routes) + set * r * c.max_tokens * c.topk};
 }
 
-// Rows of local expert l from `source`'s chunks [0, chunks): one thread's sum, or (warp_rows_from)
-// the warp's, each lane adding every 32nd chunk.
+// Rows of local expert l from `source`'s chunks [0, chunks): one thread's sum.
 __device__ int32_t rows_from(const Ctx& c, const Arrived& a, int64_t l, int source, int64_t chunks) {
   const int32_t* v = a.counts + (source * c.local + l) * chunks_of(c);
   int32_t n = 0;
@@ -225,10 +257,12 @@ __device__ int32_t rows_from(const Ctx& c, const Arrived& a, int64_t l, int sour
   return n;
 }
 
-__device__ int32_t warp_rows_from(const Ctx& c, const Arrived& a, int64_t l, int source, int64_t chunks, int lane) {
-  const int32_t* v = a.counts + (source * c.local + l) * chunks_of(c);
+// The warp's sum of local expert l's rows in (source, chunk) order before (source, chunk): every
+// lane adds every 32nd count, so the loads go out in one round (R x chunks counts: 32 at EP8, M 128).
+__device__ int32_t warp_rows_before(const Ctx& c, const Arrived& a, int64_t l, int source, int64_t chunk, int lane) {
+  const int64_t chunks = chunks_of(c);
   int32_t n = 0;
-  for (int64_t q = lane; q < chunks; q += 32) n += v[q];
+  for (int64_t i = lane; i < source * chunks + chunk; i += 32) n += a.counts[(i / chunks * c.local + l) * chunks + i % chunks];
   for (int o = 16; o > 0; o /= 2) n += __shfl_xor_sync(kAll, n, o);
   return n;
 }
@@ -242,11 +276,13 @@ __device__ void pack_chunk(const Ctx& c, int set, const Set& s, const Arrived& a
   unit /= c.pack_parts;
   const int64_t l = unit / (c.peers.ranks * chunks), chunk = unit % chunks;
   const int source = static_cast<int>(unit / chunks % c.peers.ranks);
-  if (a.counts[(source * c.local + l) * chunks + chunk] == 0) return;
+  // One load round for the unit's count, the source's token count, the chunk's routing (rows past
+  // the count hold stale ids, unused) and the counts of the rows packed before this unit's.
+  const int32_t unit_rows = a.counts[(source * c.local + l) * chunks + chunk];
   const int64_t n = a.ntok[source], t = chunk * kChunk + lane;
   const int32_t expert = static_cast<int32_t>(c.peers.rank * c.local + l);
   int k = -1;  // the slot of lane's token holding the expert
-  if (t < n) {
+  if (t < c.max_tokens) {
     const int32_t* route = a.routes + (source * c.max_tokens + t) * c.topk;
     for (int k0 = 0; k0 < c.topk; k0 += 8) {  // 8 loads in flight at once
       int32_t id[8];
@@ -257,8 +293,9 @@ __device__ void pack_chunk(const Ctx& c, int set, const Set& s, const Arrived& a
         if (k < 0 && id[i] == expert) k = k0 + i;
     }
   }
-  int64_t first = warp_rows_from(c, a, l, source, chunk, lane);
-  for (int p = 0; p < source; ++p) first += warp_rows_from(c, a, l, p, chunks, lane);
+  const int64_t first = warp_rows_before(c, a, l, source, chunk, lane);
+  if (unit_rows == 0) return;
+  if (t >= n) k = -1;
   const unsigned held = __ballot_sync(kAll, k >= 0);
   int rank_in_chunk = 0;
   for (unsigned left = held; left != 0; left &= left - 1, ++rank_in_chunk) {
@@ -266,18 +303,6 @@ __device__ void pack_chunk(const Ctx& c, int set, const Set& s, const Arrived& a
     const int i = __ffs(left) - 1;
     const int64_t token = chunk * kChunk + i, u = l * slots + first + rank_in_chunk;
     const int32_t slot = __shfl_sync(kAll, k, i);
-    const int64_t from = (static_cast<int64_t>(set) * c.peers.ranks + source) * c.max_tokens + token;
-    const char* payload = at_window<const char>(c.peers, c.peers.rank, c.map.rows + from * c.map.payload_stride);
-    char* x = s.recv_x + u * c.x_bytes;
-    copy_row(payload, &x, 1, c.x_bytes, lane);
-    if (s.recv_scales) {
-      char* sc = s.recv_scales + u * c.scale_bytes;
-      copy_row(payload + c.x_bytes, &sc, 1, c.scale_bytes, lane);
-    }
-    if (s.recv_global) {
-      char* g = s.recv_global + u * 4;
-      copy_row(payload + c.x_bytes + c.scale_bytes, &g, 1, 4, lane);
-    }
     if (lane == 0) {
       s.recv_src[2 * u] = source;
       s.recv_src[2 * u + 1] = static_cast<int32_t>(token);
@@ -286,18 +311,26 @@ __device__ void pack_chunk(const Ctx& c, int set, const Set& s, const Arrived& a
       s.src_slot[u] = slot;
       s.row_of[(source * c.max_tokens + token) * c.topk + slot] = static_cast<int32_t>(u);
     }
+    const int64_t from = (static_cast<int64_t>(set) * c.peers.ranks + source) * c.max_tokens + token;
+    const char* payload = at_window<const char>(c.peers, c.peers.rank, c.map.rows + from * c.map.payload_stride);
+    char* x = s.recv_x + u * c.x_bytes;
+    if (s.recv_scales) copy_row_split(payload, x, c.x_bytes, s.recv_scales + u * c.scale_bytes, c.scale_bytes, lane);
+    else copy_row(payload, &x, 1, c.x_bytes, lane);
+    if (s.recv_global) {
+      char* g = s.recv_global + u * 4;
+      copy_row(payload + c.x_bytes + c.scale_bytes, &g, 1, 4, lane);
+    }
   }
 }
 
 // Clear unit (l, 32 output rows): rows at or past this call's count that held data at the
-// previous dispatch on this set are zeroed.
-__device__ void clear_chunk(const Ctx& c, const Set& s, const Arrived& a, int64_t unit, int lane) {
+// previous dispatch on this set (its counts: half `half` of prev_count) are zeroed.
+__device__ void clear_chunk(const Ctx& c, const Set& s, const Arrived& a, int half, int64_t unit, int lane) {
   const int64_t slots = c.peers.ranks * c.max_tokens, units = (slots + kChunk - 1) / kChunk;
   const int64_t l = unit / units, begin = unit % units * kChunk;
-  const int64_t to = min(begin + kChunk, static_cast<int64_t>(s.prev_count[l]));
+  const int64_t to = min(begin + kChunk, static_cast<int64_t>(s.prev_count[half * c.local + l]));
   if (to <= begin) return;
-  int64_t count = 0;
-  for (int p = 0; p < c.peers.ranks; ++p) count += warp_rows_from(c, a, l, p, chunks_of(c), lane);
+  const int64_t count = warp_rows_before(c, a, l, c.peers.ranks, 0, lane);
   for (int64_t j = max(begin, count); j < to; ++j) {
     const int64_t u = l * slots + j;
     char* x = s.recv_x + u * c.x_bytes;
@@ -314,24 +347,11 @@ __device__ void clear_chunk(const Ctx& c, const Set& s, const Arrived& a, int64_
   }
 }
 
-// Receive phase. Warp per unit: every (local expert, source, chunk of tokens) to pack, then every
-// (local expert, 32 output rows) to clear; a failed call packs and clears nothing. Each packed
-// row's place is kept by (source, token, slot) for combine_send. The grid's last block writes the
-// counts and the layout, publishes the status and resets this set's flags.
-__device__ void dispatch_recv(const Ctx& c, int set, const Set& s) {
-  const int lane = threadIdx.x % 32;
-  const bool ok = wait_sources(c, kDispatch, set, lane);
-  stamp(c, kDispatch, 3);
-  const Arrived a = arrived(c, set);
-  const int64_t slots = c.peers.ranks * c.max_tokens;
-  const int64_t pack_units = c.local * c.peers.ranks * chunks_of(c) * c.pack_parts;
-  const int64_t units = pack_units + c.local * ((slots + kChunk - 1) / kChunk);
-  for (int64_t u = ok ? first_warp() : units; u < units; u += warps_in_grid()) {
-    if (u < pack_units) pack_chunk(c, set, s, a, u, lane);
-    else clear_chunk(c, s, a, u - pack_units, lane);
-  }
-  stamp(c, kDispatch, 4);
-  if (!last_block(c.done + 0)) return;
+// Block 0, before its receive units: each local expert's rows per source into recv_layout and
+// recv_count (from the counts, all in once the sources are), and the counts for the next dispatch
+// on this set to clear against into the other half of prev_count (this call's clears read half
+// `half`; a failed call moved nothing, so the next one clears what this one would have).
+__device__ void write_layout(const Ctx& c, const Set& s, const Arrived& a, int half, bool ok) {
   for (int64_t l = threadIdx.x; l < c.local; l += blockDim.x) {
     int32_t first = 0;
     for (int p = 0; p < c.peers.ranks; ++p) {
@@ -341,12 +361,35 @@ __device__ void dispatch_recv(const Ctx& c, int set, const Set& s) {
       first += n;
     }
     s.recv_count[l] = first;
-    s.prev_count[l] = max(first, ok ? 0 : s.prev_count[l]);
+    s.prev_count[(half ^ 1) * c.local + l] = ok ? first : s.prev_count[half * c.local + l];
   }
-  __syncthreads();
+}
+
+// Receive phase. Warp per unit: every (local expert, source, chunk of tokens) to pack, then every
+// (local expert, 32 output rows) to clear; a failed call packs and clears nothing. Each packed
+// row's place is kept by (source, token, slot) for combine_send. Block 0 writes the layout first;
+// the grid's last block zeroes the counts, publishes the status, resets this set's flags and flips
+// the half of prev_count the next dispatch on the set reads (a short tail: the call ends with it).
+__device__ void dispatch_recv(const Ctx& c, int set, const Set& s) {
+  const int lane = threadIdx.x % 32;
+  const int half = *s.count_half;
+  const bool ok = wait_sources(c, kDispatch, set, lane);
+  stamp(c, kDispatch, 3);
+  const Arrived a = arrived(c, set);
+  if (blockIdx.x == 0) write_layout(c, s, a, half, ok);
+  const int64_t slots = c.peers.ranks * c.max_tokens;
+  const int64_t pack_units = c.local * c.peers.ranks * chunks_of(c) * c.pack_parts;
+  const int64_t units = pack_units + c.local * ((slots + kChunk - 1) / kChunk);
+  for (int64_t u = ok ? first_warp() : units; u < units; u += warps_in_grid()) {
+    if (u < pack_units) pack_chunk(c, set, s, a, u, lane);
+    else clear_chunk(c, s, a, half, u - pack_units, lane);
+  }
+  stamp(c, kDispatch, 4);
+  if (!last_block(c.done + 0)) return;
   // The sources add their counts for the call after next on this set from zero.
   int32_t* counts = at_window<int32_t>(c.peers, c.peers.rank, c.map.counts) + set * c.peers.ranks * c.local * chunks_of(c);
   for (int64_t i = threadIdx.x; i < c.peers.ranks * c.local * chunks_of(c); i += blockDim.x) counts[i] = 0;
+  if (threadIdx.x == 0) *s.count_half = half ^ 1;
   end_call(c, kDispatch, set);
   stamp(c, kDispatch, 5);
 }
@@ -397,28 +440,43 @@ __device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, cons
   const float* dispatch_weights = at_window<const float>(c.peers, rank, c.map.route_weights) + dset * ranks * m * c.topk;
   const bool wide = c.hidden % 8 == 0 && aligned16(y);
   uint32_t weights_seen = 0;  // sources whose weights this warp saw arrive
+  // The warp's unit: per slot k, the row of y holding it if its expert is here (else -1) and its
+  // weight, looked up by lanes k and k + 32 in one load round, then read by every lane as the sum
+  // goes (not one dependent pair of loads per term).
+  __shared__ int32_t term_rows[kWarps][kMaxTopk];
+  __shared__ float term_weights[kWarps][kMaxTopk];
+  const int warp = threadIdx.x / 32;
   for (int64_t unit = first_warp(); unit < ranks * m * spans; unit += warps_in_grid()) {
     const int source = static_cast<int>(unit / (m * spans));
     const int64_t t = unit / spans % m, h0 = unit % spans * kSendSpan, first = (source * m + t) * c.topk;
-    if (t >= ntok[source]) continue;
-    auto here = [&](int64_t k) {
-      const int32_t e = routes[first + k];
-      return e >= 0 && e / c.local == rank;
-    };
-    if (__ballot_sync(kAll, (lane < c.topk && here(lane)) || (lane + 32 < c.topk && here(lane + 32))) == 0) continue;
+    // Loaded together: past the source's count, or for a slot elsewhere, the values go unused.
+    const int64_t tokens = ntok[source];
     const bool sent_at_dispatch = weights_from[source] != 0;
-    if (sums.weighted && !sent_at_dispatch && !(weights_seen >> source & 1u)) {
-      if (!wait_weights(c, set, source, lane)) break;
-      weights_seen |= 1u << source;
+    bool any = false;
+    for (int64_t k = lane; k < c.topk; k += 32) {
+      const int32_t e = routes[first + k], row = d.row_of[first + k];  // row_of: for local slots only
+      const float w = dispatch_weights[first + k];
+      const bool here = e >= 0 && e / c.local == rank;
+      term_rows[warp][k] = here ? row : -1;
+      term_weights[warp][k] = w;
+      any |= here;
     }
-    const float* weights = sent_at_dispatch ? dispatch_weights : combine_weights;
+    if (t >= tokens || __ballot_sync(kAll, any) == 0) continue;
+    if (sums.weighted && !sent_at_dispatch) {
+      if (!(weights_seen >> source & 1u) && !wait_weights(c, set, source, lane)) break;
+      weights_seen |= 1u << source;
+      for (int64_t k = lane; k < c.topk; k += 32) term_weights[warp][k] = combine_weights[first + k];
+    }
+    __syncwarp();
     uint16_t* dst = at_window<uint16_t>(c.peers, source, c.map.ret) + ((set * m + t) * ranks + rank) * c.hidden + h0;
     sum_rows<2>(static_cast<int>(c.topk), [&](int k, const uint16_t*& row, float& weight) {
-      if (!here(k)) return false;
-      row = y + static_cast<int64_t>(d.row_of[first + k]) * c.hidden + h0;
-      weight = sums.weighted ? weights[first + k] : 1.0f;
+      const int32_t r = term_rows[warp][k];
+      if (r < 0) return false;
+      row = y + static_cast<int64_t>(r) * c.hidden + h0;
+      weight = sums.weighted ? term_weights[warp][k] : 1.0f;
       return true;
     }, sums.weighted, dst, min(kSendSpan, c.hidden - h0), wide, lane);
+    __syncwarp();  // every lane done reading the unit's terms before the next unit's go in
   }
   stamp(c, kCombine, 1);
   block_arrived(c, kCombine, set, gridDim.x);
@@ -429,17 +487,18 @@ __device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, cons
 // experts, in rank order, bf16; rows past the token count are zero.
 __device__ void combine_recv(const Ctx& c, int set, const Set& d, const Sums& sums) {
   const int lane = threadIdx.x % 32, ranks = c.peers.ranks;
+  const int64_t count = *d.num_tokens;  // this rank's dispatch wrote it: read while the sources come
   const bool ok = wait_sources(c, kCombine, set, lane);
   stamp(c, kCombine, 3);
-  const int64_t n = ok ? *d.num_tokens : 0, spans = (c.hidden + kSumSpan - 1) / kSumSpan;
+  const int64_t n = ok ? count : 0, spans = (c.hidden + kSumSpan - 1) / kSumSpan;
   const uint16_t* ret = at_window<const uint16_t>(c.peers, c.peers.rank, c.map.ret) + set * c.max_tokens * ranks * c.hidden;
   const bool wide = c.hidden % 8 == 0 && aligned16(sums.out);
   for (int64_t unit = first_warp(); unit < sums.tokens * spans; unit += warps_in_grid()) {
     const int64_t t = unit / spans, h0 = unit % spans * kSumSpan;
     uint32_t held = 0;  // bit d: one of the token's experts is on rank d
-    for (int64_t k = lane; t < n && k < c.topk; k += 32) {
+    for (int64_t k = lane; k < c.topk; k += 32) {  // loaded beside the count (-1 past it anyway)
       const int32_t e = d.slot_expert[t * c.topk + k];
-      if (e >= 0) held |= 1u << (e / c.local);
+      if (t < n && e >= 0) held |= 1u << (e / c.local);
     }
     held = __reduce_or_sync(kAll, held);
     sum_rows<2>(ranks, [&](int r, const uint16_t*& row, float& weight) {

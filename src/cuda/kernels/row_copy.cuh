@@ -51,6 +51,24 @@ __device__ void copy_row(const char* src, char* const* dst, int n, int64_t bytes
   }
 }
 
+// bytes_a + bytes_b consecutive bytes from src, the first bytes_a to dst_a and the rest to dst_b
+// (a wire row's codes and scales into their own arrays). A tail of at most 512 bytes is loaded,
+// a 16-byte vector per lane, before the head's first round, so it costs no round of its own.
+__device__ inline void copy_row_split(const char* src, char* dst_a, int64_t bytes_a, char* dst_b, int64_t bytes_b,
+                                      int lane) {
+  const char* tail = src + bytes_a;
+  if (!(bytes_b <= 512 && bytes_b % 16 == 0 && aligned16(tail) && aligned16(dst_b))) {
+    copy_row(src, &dst_a, 1, bytes_a, lane);
+    copy_row(tail, &dst_b, 1, bytes_b, lane);
+    return;
+  }
+  const bool mine = lane < bytes_b / 16;
+  int4 v{};
+  if (mine) v = reinterpret_cast<const int4*>(tail)[lane];
+  copy_row(src, &dst_a, 1, bytes_a, lane);
+  if (mine) reinterpret_cast<int4*>(dst_b)[lane] = v;
+}
+
 // Zero bytes at each of dst[0..n).
 __device__ inline void zero_row(char* const* dst, int n, int64_t bytes, int lane) {
   for (int d = 0; d < n; ++d) {
@@ -86,29 +104,33 @@ __device__ inline void fp8_step(const float* v, bool on, int64_t h, int64_t hidd
   }
 }
 
-// fp8 wire row (codes [H], then f32 scales [H/128]) of a bf16 row, to each of dst[0..n).
-// A lane owns 16 channels of a 512-channel step; the 8 lanes of a 128-channel block agree on
-// its scale. With an aligned row, kFp8Steps steps are loaded before any is converted, so a
-// warp keeps 4 KiB of the row in flight. Same arithmetic as the codec's row quantizer.
+// fp8 wire row (codes [H], then f32 scales [H/128]) of a bf16 row, to each of dst[0..n): its
+// channels [begin, end) (begin a multiple of 128; end < 0: the whole row), codes and scales in
+// their places in the row. A lane owns 16 channels of a 512-channel step; the 8 lanes of a
+// 128-channel block agree on its scale. With an aligned row, kFp8Steps steps are loaded before
+// any is converted, so a warp keeps 4 KiB of the row in flight. Same arithmetic as the codec's
+// row quantizer.
 constexpr int kFp8Steps = 4;
-__device__ inline void quantize_fp8_row(const uint16_t* x, int64_t hidden, bool ue8m0, char* const* dst, int n, int lane) {
+__device__ inline void quantize_fp8_row(const uint16_t* x, int64_t hidden, bool ue8m0, char* const* dst, int n, int lane,
+                                        int64_t begin = 0, int64_t end = -1) {
+  if (end < 0) end = hidden;
   float v[16];
   if (!aligned16(x)) {
-    for (int64_t base = 0; base < hidden; base += 512) {
+    for (int64_t base = begin; base < end; base += 512) {
       const int64_t h = base + lane * 16;
-      const bool on = h < hidden;  // hidden % 128 == 0: a block's 8 lanes are all on or all off
+      const bool on = h < end;  // hidden % 128 == 0: a block's 8 lanes are all on or all off
       if (on)
         for (int i = 0; i < 16; ++i) v[i] = bf16_to_float(x[h + i]);
       fp8_step(v, on, h, hidden, ue8m0, dst, n, lane);
     }
     return;
   }
-  for (int64_t base = 0; base < hidden; base += 512 * kFp8Steps) {
+  for (int64_t base = begin; base < end; base += 512 * kFp8Steps) {
     int4 raw[2 * kFp8Steps];
 #pragma unroll
     for (int u = 0; u < kFp8Steps; ++u) {
       const int64_t h = base + u * 512 + lane * 16;
-      if (h < hidden) {
+      if (h < end) {
         raw[2 * u] = __ldg(reinterpret_cast<const int4*>(x + h));
         raw[2 * u + 1] = __ldg(reinterpret_cast<const int4*>(x + h) + 1);
       }
@@ -116,7 +138,7 @@ __device__ inline void quantize_fp8_row(const uint16_t* x, int64_t hidden, bool 
 #pragma unroll
     for (int u = 0; u < kFp8Steps; ++u) {
       const int64_t h = base + u * 512 + lane * 16;
-      const bool on = h < hidden;
+      const bool on = h < end;
       if (on)
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
