@@ -267,13 +267,19 @@ __device__ int32_t warp_rows_before(const Ctx& c, const Arrived& a, int64_t l, i
   return n;
 }
 
-// Receive unit (l, source, chunk, part): the source's tokens [32 chunk, 32 chunk + 32) that
-// chose local expert l, packed after the rows of earlier sources and chunks (from the counts);
-// the unit's part of them (every pack_parts-th row) when experts are few and rows many.
-__device__ void pack_chunk(const Ctx& c, int set, const Set& s, const Arrived& a, int64_t unit, int lane) {
+// A row a receive unit found: its output row (l * R*M + j) and its source slot ((set, source, token)).
+struct RowMove {
+  int64_t out;
+  int32_t from;
+};
+
+// Receive unit (l, source, chunk): the source's tokens [32 chunk, 32 chunk + 32) that chose local
+// expert l, packed after the rows of earlier sources and chunks (from the counts). Each lane
+// holding such a token writes its row's source info and where combine finds it, and adds the row
+// to the block's list of rows to move (`moves`, `*move_count`), which the block's warps share.
+__device__ void find_rows(const Ctx& c, int set, const Set& s, const Arrived& a, int64_t unit, RowMove* moves,
+                          int* move_count, int lane) {
   const int64_t chunks = chunks_of(c), slots = c.peers.ranks * c.max_tokens;
-  const int part = static_cast<int>(unit % c.pack_parts);
-  unit /= c.pack_parts;
   const int64_t l = unit / (c.peers.ranks * chunks), chunk = unit % chunks;
   const int source = static_cast<int>(unit / chunks % c.peers.ranks);
   // One load round for the unit's count, the source's token count, the chunk's routing (rows past
@@ -297,38 +303,43 @@ __device__ void pack_chunk(const Ctx& c, int set, const Set& s, const Arrived& a
   if (unit_rows == 0) return;
   if (t >= n) k = -1;
   const unsigned held = __ballot_sync(kAll, k >= 0);
-  int rank_in_chunk = 0;
-  for (unsigned left = held; left != 0; left &= left - 1, ++rank_in_chunk) {
-    if (rank_in_chunk % c.pack_parts != part) continue;  // another warp's row
-    const int i = __ffs(left) - 1;
-    const int64_t token = chunk * kChunk + i, u = l * slots + first + rank_in_chunk;
-    const int32_t slot = __shfl_sync(kAll, k, i);
-    if (lane == 0) {
-      s.recv_src[2 * u] = source;
-      s.recv_src[2 * u + 1] = static_cast<int32_t>(token);
-      s.src_rank[u] = source;
-      s.src_token[u] = static_cast<int32_t>(token);
-      s.src_slot[u] = slot;
-      s.row_of[(source * c.max_tokens + token) * c.topk + slot] = static_cast<int32_t>(u);
-    }
-    const int64_t from = (static_cast<int64_t>(set) * c.peers.ranks + source) * c.max_tokens + token;
-    const char* payload = at_window<const char>(c.peers, c.peers.rank, c.map.rows + from * c.map.payload_stride);
-    char* x = s.recv_x + u * c.x_bytes;
-    if (s.recv_scales) copy_row_split(payload, x, c.x_bytes, s.recv_scales + u * c.scale_bytes, c.scale_bytes, lane);
-    else copy_row(payload, &x, 1, c.x_bytes, lane);
-    if (s.recv_global) {
-      char* g = s.recv_global + u * 4;
-      copy_row(payload + c.x_bytes + c.scale_bytes, &g, 1, 4, lane);
-    }
+  int base = 0;
+  if (lane == 0) base = atomicAdd(move_count, __popc(held));
+  base = __shfl_sync(kAll, base, 0);
+  if (k < 0) return;
+  const int rank_in_chunk = __popc(held & ((1u << lane) - 1u));
+  const int64_t u = l * slots + first + rank_in_chunk;
+  s.recv_src[2 * u] = source;
+  s.recv_src[2 * u + 1] = static_cast<int32_t>(t);
+  s.src_rank[u] = source;
+  s.src_token[u] = static_cast<int32_t>(t);
+  s.src_slot[u] = k;
+  s.row_of[(source * c.max_tokens + t) * c.topk + k] = static_cast<int32_t>(u);
+  moves[base + rank_in_chunk] = {u, static_cast<int32_t>((static_cast<int64_t>(set) * c.peers.ranks + source) * c.max_tokens + t)};
+}
+
+// One row of the block's list: its wire row (codes, scales, global scale) from the source's slot
+// into its output row.
+__device__ void move_row(const Ctx& c, const Set& s, const RowMove& m, int lane) {
+  const char* payload = at_window<const char>(c.peers, c.peers.rank, c.map.rows + m.from * c.map.payload_stride);
+  char* x = s.recv_x + m.out * c.x_bytes;
+  if (s.recv_scales) copy_row_split(payload, x, c.x_bytes, s.recv_scales + m.out * c.scale_bytes, c.scale_bytes, lane);
+  else copy_row(payload, &x, 1, c.x_bytes, lane);
+  if (s.recv_global) {
+    char* g = s.recv_global + m.out * 4;
+    copy_row(payload + c.x_bytes + c.scale_bytes, &g, 1, 4, lane);
   }
 }
 
-// Clear unit (l, 32 output rows): rows at or past this call's count that held data at the
+// Output rows a clear unit checks.
+constexpr int64_t kClearRows = 128;
+
+// Clear unit (l, kClearRows output rows): rows at or past this call's count that held data at the
 // previous dispatch on this set (its counts: half `half` of prev_count) are zeroed.
-__device__ void clear_chunk(const Ctx& c, const Set& s, const Arrived& a, int half, int64_t unit, int lane) {
-  const int64_t slots = c.peers.ranks * c.max_tokens, units = (slots + kChunk - 1) / kChunk;
-  const int64_t l = unit / units, begin = unit % units * kChunk;
-  const int64_t to = min(begin + kChunk, static_cast<int64_t>(s.prev_count[half * c.local + l]));
+__device__ void clear_rows(const Ctx& c, const Set& s, const Arrived& a, int half, int64_t unit, int lane) {
+  const int64_t slots = c.peers.ranks * c.max_tokens, units = (slots + kClearRows - 1) / kClearRows;
+  const int64_t l = unit / units, begin = unit % units * kClearRows;
+  const int64_t to = min(begin + kClearRows, static_cast<int64_t>(s.prev_count[half * c.local + l]));
   if (to <= begin) return;
   const int64_t count = warp_rows_before(c, a, l, c.peers.ranks, 0, lane);
   for (int64_t j = max(begin, count); j < to; ++j) {
@@ -365,24 +376,42 @@ __device__ void write_layout(const Ctx& c, const Set& s, const Arrived& a, int h
   }
 }
 
-// Receive phase. Warp per unit: every (local expert, source, chunk of tokens) to pack, then every
-// (local expert, 32 output rows) to clear; a failed call packs and clears nothing. Each packed
-// row's place is kept by (source, token, slot) for combine_send. Block 0 writes the layout first;
-// the grid's last block zeroes the counts, publishes the status, resets this set's flags and flips
-// the half of prev_count the next dispatch on the set reads (a short tail: the call ends with it).
+// Receive phase, in rounds of one unit per warp: every (local expert, source, chunk of tokens) to
+// pack, then every (local expert, kClearRows output rows) to clear; a failed call packs and clears
+// nothing. Units go to the blocks in turn (unit i of a round to block i % grid), and a block's
+// warps move the rows its units found together: a unit's rows (a Poisson count, up to 6 at the
+// decode shape) would otherwise be a chain of row copies on one warp, the slowest of which the
+// call waits for. Each packed row's place is kept by (source, token, slot) for combine_send.
+// Block 0 writes the layout first; the grid's last block zeroes the counts, publishes the status,
+// resets this set's flags and flips the half of prev_count the next dispatch on the set reads (a
+// short tail: the call ends with it).
 __device__ void dispatch_recv(const Ctx& c, int set, const Set& s) {
-  const int lane = threadIdx.x % 32;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int half = *s.count_half;
-  const bool ok = wait_sources(c, kDispatch, set, lane);
+  // The same in every warp of the block (a warp timing out as another sees the sources), since
+  // the rounds below meet at barriers.
+  const bool ok = __syncthreads_and(wait_sources(c, kDispatch, set, lane)) != 0;
   stamp(c, kDispatch, 3);
   const Arrived a = arrived(c, set);
   if (blockIdx.x == 0) write_layout(c, s, a, half, ok);
   const int64_t slots = c.peers.ranks * c.max_tokens;
-  const int64_t pack_units = c.local * c.peers.ranks * chunks_of(c) * c.pack_parts;
-  const int64_t units = pack_units + c.local * ((slots + kChunk - 1) / kChunk);
-  for (int64_t u = ok ? first_warp() : units; u < units; u += warps_in_grid()) {
-    if (u < pack_units) pack_chunk(c, set, s, a, u, lane);
-    else clear_chunk(c, s, a, half, u - pack_units, lane);
+  const int64_t pack_units = c.local * c.peers.ranks * chunks_of(c);
+  const int64_t units = pack_units + c.local * ((slots + kClearRows - 1) / kClearRows);
+  const int64_t rounds = ok ? (units + warps_in_grid() - 1) / warps_in_grid() : 0;
+  // A unit finds at most kChunk rows. Round r appends to count[r % 2]; the other is zeroed once
+  // every warp has read it (after this round's first barrier) for the round after.
+  __shared__ RowMove moves[kWarps * kChunk];
+  __shared__ int move_count[2];
+  if (threadIdx.x < 2) move_count[threadIdx.x] = 0;
+  for (int64_t r = 0; r < rounds; ++r) {
+    __syncthreads();  // the list is free: the previous round's rows are moved
+    const int64_t u = r * warps_in_grid() + warp * static_cast<int64_t>(gridDim.x) + blockIdx.x;
+    if (u < pack_units) find_rows(c, set, s, a, u, moves, &move_count[r % 2], lane);
+    else if (u < units) clear_rows(c, s, a, half, u - pack_units, lane);
+    __syncthreads();
+    const int found = move_count[r % 2];
+    if (threadIdx.x == 0) move_count[(r + 1) % 2] = 0;
+    for (int i = warp; i < found; i += kWarps) move_row(c, s, moves[i], lane);
   }
   stamp(c, kDispatch, 4);
   if (!last_block(c.done + 0)) return;
