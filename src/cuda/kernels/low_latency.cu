@@ -120,27 +120,31 @@ __device__ void block_arrived(const Ctx& c, Kind kind, int set, int64_t arriving
     atomicAdd_system(word_of<unsigned long long>(c, c.map.arrivals, d, kind, set, c.peers.rank), add);
 }
 
-// Lanes 0..R-1 wait until every counting block of source `lane` is in; a source that found an error (or
-// was rejected by its host) stops the call. Returns the same in every lane.
-__device__ bool wait_sources(const Ctx& c, Kind kind, int set, int lane) {
+// Threads 0..R-1 of the block wait until every counting block of source `threadIdx.x` is in; a
+// source that found an error (or was rejected by its host) stops the call. The block's other
+// threads wait at the barrier: one poller per source and block, not per warp (2112 warps polling
+// one word queue behind each other at its L2 slice, and the atomics they wait for with them).
+// Returns the same in every thread of the block.
+__device__ bool wait_sources(const Ctx& c, Kind kind, int set) {
   int ok = 1;
-  if (lane < c.peers.ranks) {
-    cuda::atomic_ref<uint64_t, cuda::thread_scope_system> word(*word_of<uint64_t>(c, c.map.arrivals, c.peers.rank, kind, set, lane));
+  const int source = static_cast<int>(threadIdx.x);
+  if (source < c.peers.ranks) {
+    cuda::atomic_ref<uint64_t, cuda::thread_scope_system> word(*word_of<uint64_t>(c, c.map.arrivals, c.peers.rank, kind, set, source));
     const uint64_t start = globaltimer_ns();
     for (uint64_t v = word.load(cuda::memory_order_acquire);
          (v >> kGridShift) == 0 || (v & kArrivedMask) != (v >> kGridShift); v = word.load(cuda::memory_order_acquire))
       if (globaltimer_ns() - start > c.timeout_ns) {
-        report(c.status, kStatusTimeout, lane, kind + 1);
+        report(c.status, kStatusTimeout, source, kind + 1);
         ok = 0;
         break;
       }
-    const uint32_t code = ok ? *reinterpret_cast<volatile uint32_t*>(word_of<uint32_t>(c, c.map.errors, c.peers.rank, kind, set, lane)) : 0;
+    const uint32_t code = ok ? *reinterpret_cast<volatile uint32_t*>(word_of<uint32_t>(c, c.map.errors, c.peers.rank, kind, set, source)) : 0;
     if (code != 0) {
-      if (lane != c.peers.rank) report(c.status, kStatusPeerRejected, lane, code);
+      if (source != c.peers.rank) report(c.status, kStatusPeerRejected, source, code);
       ok = 0;
     }
   }
-  return __all_sync(kAll, ok) != 0;
+  return __syncthreads_and(ok) != 0;
 }
 
 // Receiver's end of a call: every source's arrival and error words of this (kind, set) back to
@@ -388,9 +392,7 @@ __device__ void write_layout(const Ctx& c, const Set& s, const Arrived& a, int h
 __device__ void dispatch_recv(const Ctx& c, int set, const Set& s) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int half = *s.count_half;
-  // The same in every warp of the block (a warp timing out as another sees the sources), since
-  // the rounds below meet at barriers.
-  const bool ok = __syncthreads_and(wait_sources(c, kDispatch, set, lane)) != 0;
+  const bool ok = wait_sources(c, kDispatch, set);  // the same in the whole block: the rounds meet at barriers
   stamp(c, kDispatch, 3);
   const Arrived a = arrived(c, set);
   if (blockIdx.x == 0) write_layout(c, s, a, half, ok);
@@ -454,6 +456,20 @@ __device__ bool wait_weights(const Ctx& c, int set, int source, int lane) {
                               c.timeout_ns, c.status, kCombine + 1);
 }
 
+// The same for the whole block, for every source that did not send its weights with its dispatch:
+// threads 0..R-1 wait, the others at the barrier (one poller per source and block: a poller per
+// warp, 2112 of them on one word, queue behind each other). The same in every thread.
+__device__ bool block_wait_weights(const Ctx& c, int set, const int32_t* weights_from) {
+  int ok = 1;
+  if (threadIdx.x < 32) {
+    const int source = static_cast<int>(threadIdx.x);
+    const bool needed = source < c.peers.ranks && weights_from[source] == 0;
+    ok = warp_wait_lane_flags(needed ? weights_word(c, c.peers.rank, set, source) : nullptr, source, 1u, c.timeout_ns,
+                              c.status, kCombine + 1);
+  }
+  return __syncthreads_and(ok) != 0;
+}
+
 // Send phase. Warp per (source, token, kSendSpan channels) with one of its experts here: the
 // rows of those experts summed in slot order (fma with the source's weight, or a plain sum) into
 // one bf16 partial at the source's (token, this rank) place. `dset`: the dispatch's set.
@@ -468,6 +484,11 @@ __device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, cons
   const float* combine_weights = at_window<const float>(c.peers, rank, c.map.weights) + set * ranks * m * c.topk;
   const float* dispatch_weights = at_window<const float>(c.peers, rank, c.map.route_weights) + dset * ranks * m * c.topk;
   const bool wide = c.hidden % 8 == 0 && aligned16(y);
+  // Weights given to this combine (not to the dispatch): the whole block waits for them once. A
+  // source that sent its weights at combine while this rank gave them at dispatch is waited for
+  // by each warp that needs it.
+  const bool block_waits = sums.weighted && !sums.at_dispatch;
+  const bool weights_here = !block_waits || block_wait_weights(c, set, weights_from);
   uint32_t weights_seen = 0;  // sources whose weights this warp saw arrive
   // The warp's unit: per slot k, the row of y holding it if its expert is here (else -1) and its
   // weight, looked up by lanes k and k + 32 in one load round, then read by every lane as the sum
@@ -475,7 +496,7 @@ __device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, cons
   __shared__ int32_t term_rows[kWarps][kMaxTopk];
   __shared__ float term_weights[kWarps][kMaxTopk];
   const int warp = threadIdx.x / 32;
-  for (int64_t unit = first_warp(); unit < ranks * m * spans; unit += warps_in_grid()) {
+  for (int64_t unit = weights_here ? first_warp() : ranks * m * spans; unit < ranks * m * spans; unit += warps_in_grid()) {
     const int source = static_cast<int>(unit / (m * spans));
     const int64_t t = unit / spans % m, h0 = unit % spans * kSendSpan, first = (source * m + t) * c.topk;
     // Loaded together: past the source's count, or for a slot elsewhere, the values go unused.
@@ -492,7 +513,7 @@ __device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, cons
     }
     if (t >= tokens || __ballot_sync(kAll, any) == 0) continue;
     if (sums.weighted && !sent_at_dispatch) {
-      if (!(weights_seen >> source & 1u) && !wait_weights(c, set, source, lane)) break;
+      if (!block_waits && !(weights_seen >> source & 1u) && !wait_weights(c, set, source, lane)) break;
       weights_seen |= 1u << source;
       for (int64_t k = lane; k < c.topk; k += 32) term_weights[warp][k] = combine_weights[first + k];
     }
@@ -517,7 +538,7 @@ __device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, cons
 __device__ void combine_recv(const Ctx& c, int set, const Set& d, const Sums& sums) {
   const int lane = threadIdx.x % 32, ranks = c.peers.ranks;
   const int64_t count = *d.num_tokens;  // this rank's dispatch wrote it: read while the sources come
-  const bool ok = wait_sources(c, kCombine, set, lane);
+  const bool ok = wait_sources(c, kCombine, set);
   stamp(c, kCombine, 3);
   const int64_t n = ok ? count : 0, spans = (c.hidden + kSumSpan - 1) / kSumSpan;
   const uint16_t* ret = at_window<const uint16_t>(c.peers, c.peers.rank, c.map.ret) + set * c.max_tokens * ranks * c.hidden;
