@@ -178,8 +178,6 @@ __device__ void send_routing(const Ctx& c, int set, const Route& route, int64_t 
   if (hi_here) atomicAdd(counts + (e.hi % c.local) * chunks + t / kChunk, 1);
 }
 
-__device__ inline void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
-
 // Send phase. Warp per (token, destination rank, span of the row: up to kWireSpans of them while
 // the grid's warps cover every unit at once; nvfp4: the whole row, whose global scale needs all
 // of it): the token's checked routing; if one of its experts
@@ -211,10 +209,6 @@ __device__ void dispatch_send(const Ctx& c, int set, const Route& route, const R
   for (int64_t u = first_warp(); u < route.tokens * ranks * spans; u += warps_in_grid()) {
     const int64_t t = u / (ranks * spans), h0 = u % spans * span, h1 = min(h0 + span, c.hidden);
     const int d = static_cast<int>(u / spans % ranks);
-    // The span's bf16 into L1 while the routing's load round goes on (no registers held): the
-    // row's loads after the check then wait for L1, not for a second round to L2 or HBM.
-    const char* span_bytes = reinterpret_cast<const char*>(rows.x + t * rows.x_stride + h0);
-    for (int64_t b = lane * 128; b < 2 * (h1 - h0); b += 32 * 128) prefetch_l1(span_bytes + b);
     const Checked e = checked_route(c, route, n, t, lane, d == 0 && h0 == 0);
     if (d == 0 && h0 == 0) {
       if (lane < c.topk) s.slot_expert[t * c.topk + lane] = e.lo;
