@@ -45,11 +45,6 @@ class CudaLowLatency final : public LowLatencyBackend {
     // low-latency kernels do): latency falls with the warps moving rows.
     blocks_ = std::string(state->transport_name()) == "shared-gpu" ? std::max(1, std::min(16, sms / (2 * ranks_))) : sms;
     kernels::preload_kernels();  // every kernel of the backend (docs/cuda.md: lazy loading)
-    // Rows one receive unit expects with uniform routing: kChunk tokens x K / E. Above 2, warps
-    // share the unit's rows (a few experts with many rows each would serialize on one warp).
-    const int64_t expected = ll::kChunk * c.topk / c.num_experts;
-    while (pack_parts_ < 8 && 2 * pack_parts_ < expected) pack_parts_ *= 2;
-    pack_parts_ = static_cast<int>(env_integer("EPX_LL_PACK_PARTS", pack_parts_, 1, 8));  // for A/B runs
 
     const int64_t m = c.max_tokens_per_rank, rows = 2 * slots_;  // one per (set, source, token)
     int64_t at = 0;
@@ -320,7 +315,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     const LowLatencyConfig& c = config();
     return ll::Ctx{window_->peers(), map_, c.hidden, c.topk, c.num_experts, local_, c.max_tokens_per_rank, c.wire,
                    wire_.x_bytes, wire_.scale_bytes, wire_.global_bytes, status_, host_status_, done_,
-                   static_cast<uint64_t>(timeout_.count()) * 1000000ull, blocks_, pack_parts_, stream_, stamps_};
+                   static_cast<uint64_t>(timeout_.count()) * 1000000ull, blocks_, stream_, stamps_};
   }
 
   size_t stamp_bytes() const { return static_cast<size_t>(2 * blocks_ * ll::kStampSteps) * sizeof(uint64_t); }
@@ -399,7 +394,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     }
   }
 
-  int device_ = 0, blocks_ = 0, pack_parts_ = 1;
+  int device_ = 0, blocks_ = 0;
   const int64_t chunks_;  // the kernels count rows per chunk of ll::kChunk source tokens
   // When this rank's host began its last call (or made the buffer), and how long after the one
   // before it began the current and the previous call: timeout messages say it (docs/cuda.md).

@@ -64,7 +64,6 @@ struct Ctx {
   uint32_t* done;  // [2] blocks done with the receive phase of dispatch, combine; reset by the last
   uint64_t timeout_ns;
   int blocks;
-  int pack_parts;  // warps sharing the rows of one receive unit (chunk of a source's tokens)
   cudaStream_t stream;
   uint64_t* stamps;  // EPX_PROFILE=ll: [2 kinds][blocks][kStampSteps] global timer per step, else null
 };

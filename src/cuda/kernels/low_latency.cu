@@ -120,27 +120,31 @@ __device__ void block_arrived(const Ctx& c, Kind kind, int set, int64_t arriving
     atomicAdd_system(word_of<unsigned long long>(c, c.map.arrivals, d, kind, set, c.peers.rank), add);
 }
 
-// Lanes 0..R-1 wait until every counting block of source `lane` is in; a source that found an error (or
-// was rejected by its host) stops the call. Returns the same in every lane.
-__device__ bool wait_sources(const Ctx& c, Kind kind, int set, int lane) {
+// Threads 0..R-1 of the block wait until every counting block of source `threadIdx.x` is in; a
+// source that found an error (or was rejected by its host) stops the call. The block's other
+// threads wait at the barrier: one poller per source and block, not per warp (2112 warps polling
+// one word queue behind each other at its L2 slice, and the atomics they wait for with them).
+// Returns the same in every thread of the block.
+__device__ bool wait_sources(const Ctx& c, Kind kind, int set) {
   int ok = 1;
-  if (lane < c.peers.ranks) {
-    cuda::atomic_ref<uint64_t, cuda::thread_scope_system> word(*word_of<uint64_t>(c, c.map.arrivals, c.peers.rank, kind, set, lane));
+  const int source = static_cast<int>(threadIdx.x);
+  if (source < c.peers.ranks) {
+    cuda::atomic_ref<uint64_t, cuda::thread_scope_system> word(*word_of<uint64_t>(c, c.map.arrivals, c.peers.rank, kind, set, source));
     const uint64_t start = globaltimer_ns();
     for (uint64_t v = word.load(cuda::memory_order_acquire);
          (v >> kGridShift) == 0 || (v & kArrivedMask) != (v >> kGridShift); v = word.load(cuda::memory_order_acquire))
       if (globaltimer_ns() - start > c.timeout_ns) {
-        report(c.status, kStatusTimeout, lane, kind + 1);
+        report(c.status, kStatusTimeout, source, kind + 1);
         ok = 0;
         break;
       }
-    const uint32_t code = ok ? *reinterpret_cast<volatile uint32_t*>(word_of<uint32_t>(c, c.map.errors, c.peers.rank, kind, set, lane)) : 0;
+    const uint32_t code = ok ? *reinterpret_cast<volatile uint32_t*>(word_of<uint32_t>(c, c.map.errors, c.peers.rank, kind, set, source)) : 0;
     if (code != 0) {
-      if (lane != c.peers.rank) report(c.status, kStatusPeerRejected, lane, code);
+      if (source != c.peers.rank) report(c.status, kStatusPeerRejected, source, code);
       ok = 0;
     }
   }
-  return __all_sync(kAll, ok) != 0;
+  return __syncthreads_and(ok) != 0;
 }
 
 // Receiver's end of a call: every source's arrival and error words of this (kind, set) back to
@@ -267,13 +271,19 @@ __device__ int32_t warp_rows_before(const Ctx& c, const Arrived& a, int64_t l, i
   return n;
 }
 
-// Receive unit (l, source, chunk, part): the source's tokens [32 chunk, 32 chunk + 32) that
-// chose local expert l, packed after the rows of earlier sources and chunks (from the counts);
-// the unit's part of them (every pack_parts-th row) when experts are few and rows many.
-__device__ void pack_chunk(const Ctx& c, int set, const Set& s, const Arrived& a, int64_t unit, int lane) {
+// A row a receive unit found: its output row (l * R*M + j) and its source slot ((set, source, token)).
+struct RowMove {
+  int64_t out;
+  int32_t from;
+};
+
+// Receive unit (l, source, chunk): the source's tokens [32 chunk, 32 chunk + 32) that chose local
+// expert l, packed after the rows of earlier sources and chunks (from the counts). Each lane
+// holding such a token writes its row's source info and where combine finds it, and adds the row
+// to the block's list of rows to move (`moves`, `*move_count`), which the block's warps share.
+__device__ void find_rows(const Ctx& c, int set, const Set& s, const Arrived& a, int64_t unit, RowMove* moves,
+                          int* move_count, int lane) {
   const int64_t chunks = chunks_of(c), slots = c.peers.ranks * c.max_tokens;
-  const int part = static_cast<int>(unit % c.pack_parts);
-  unit /= c.pack_parts;
   const int64_t l = unit / (c.peers.ranks * chunks), chunk = unit % chunks;
   const int source = static_cast<int>(unit / chunks % c.peers.ranks);
   // One load round for the unit's count, the source's token count, the chunk's routing (rows past
@@ -297,38 +307,43 @@ __device__ void pack_chunk(const Ctx& c, int set, const Set& s, const Arrived& a
   if (unit_rows == 0) return;
   if (t >= n) k = -1;
   const unsigned held = __ballot_sync(kAll, k >= 0);
-  int rank_in_chunk = 0;
-  for (unsigned left = held; left != 0; left &= left - 1, ++rank_in_chunk) {
-    if (rank_in_chunk % c.pack_parts != part) continue;  // another warp's row
-    const int i = __ffs(left) - 1;
-    const int64_t token = chunk * kChunk + i, u = l * slots + first + rank_in_chunk;
-    const int32_t slot = __shfl_sync(kAll, k, i);
-    if (lane == 0) {
-      s.recv_src[2 * u] = source;
-      s.recv_src[2 * u + 1] = static_cast<int32_t>(token);
-      s.src_rank[u] = source;
-      s.src_token[u] = static_cast<int32_t>(token);
-      s.src_slot[u] = slot;
-      s.row_of[(source * c.max_tokens + token) * c.topk + slot] = static_cast<int32_t>(u);
-    }
-    const int64_t from = (static_cast<int64_t>(set) * c.peers.ranks + source) * c.max_tokens + token;
-    const char* payload = at_window<const char>(c.peers, c.peers.rank, c.map.rows + from * c.map.payload_stride);
-    char* x = s.recv_x + u * c.x_bytes;
-    if (s.recv_scales) copy_row_split(payload, x, c.x_bytes, s.recv_scales + u * c.scale_bytes, c.scale_bytes, lane);
-    else copy_row(payload, &x, 1, c.x_bytes, lane);
-    if (s.recv_global) {
-      char* g = s.recv_global + u * 4;
-      copy_row(payload + c.x_bytes + c.scale_bytes, &g, 1, 4, lane);
-    }
+  int base = 0;
+  if (lane == 0) base = atomicAdd(move_count, __popc(held));
+  base = __shfl_sync(kAll, base, 0);
+  if (k < 0) return;
+  const int rank_in_chunk = __popc(held & ((1u << lane) - 1u));
+  const int64_t u = l * slots + first + rank_in_chunk;
+  s.recv_src[2 * u] = source;
+  s.recv_src[2 * u + 1] = static_cast<int32_t>(t);
+  s.src_rank[u] = source;
+  s.src_token[u] = static_cast<int32_t>(t);
+  s.src_slot[u] = k;
+  s.row_of[(source * c.max_tokens + t) * c.topk + k] = static_cast<int32_t>(u);
+  moves[base + rank_in_chunk] = {u, static_cast<int32_t>((static_cast<int64_t>(set) * c.peers.ranks + source) * c.max_tokens + t)};
+}
+
+// One row of the block's list: its wire row (codes, scales, global scale) from the source's slot
+// into its output row.
+__device__ void move_row(const Ctx& c, const Set& s, const RowMove& m, int lane) {
+  const char* payload = at_window<const char>(c.peers, c.peers.rank, c.map.rows + m.from * c.map.payload_stride);
+  char* x = s.recv_x + m.out * c.x_bytes;
+  if (s.recv_scales) copy_row_split(payload, x, c.x_bytes, s.recv_scales + m.out * c.scale_bytes, c.scale_bytes, lane);
+  else copy_row(payload, &x, 1, c.x_bytes, lane);
+  if (s.recv_global) {
+    char* g = s.recv_global + m.out * 4;
+    copy_row(payload + c.x_bytes + c.scale_bytes, &g, 1, 4, lane);
   }
 }
 
-// Clear unit (l, 32 output rows): rows at or past this call's count that held data at the
+// Output rows a clear unit checks.
+constexpr int64_t kClearRows = 128;
+
+// Clear unit (l, kClearRows output rows): rows at or past this call's count that held data at the
 // previous dispatch on this set (its counts: half `half` of prev_count) are zeroed.
-__device__ void clear_chunk(const Ctx& c, const Set& s, const Arrived& a, int half, int64_t unit, int lane) {
-  const int64_t slots = c.peers.ranks * c.max_tokens, units = (slots + kChunk - 1) / kChunk;
-  const int64_t l = unit / units, begin = unit % units * kChunk;
-  const int64_t to = min(begin + kChunk, static_cast<int64_t>(s.prev_count[half * c.local + l]));
+__device__ void clear_rows(const Ctx& c, const Set& s, const Arrived& a, int half, int64_t unit, int lane) {
+  const int64_t slots = c.peers.ranks * c.max_tokens, units = (slots + kClearRows - 1) / kClearRows;
+  const int64_t l = unit / units, begin = unit % units * kClearRows;
+  const int64_t to = min(begin + kClearRows, static_cast<int64_t>(s.prev_count[half * c.local + l]));
   if (to <= begin) return;
   const int64_t count = warp_rows_before(c, a, l, c.peers.ranks, 0, lane);
   for (int64_t j = max(begin, count); j < to; ++j) {
@@ -365,24 +380,40 @@ __device__ void write_layout(const Ctx& c, const Set& s, const Arrived& a, int h
   }
 }
 
-// Receive phase. Warp per unit: every (local expert, source, chunk of tokens) to pack, then every
-// (local expert, 32 output rows) to clear; a failed call packs and clears nothing. Each packed
-// row's place is kept by (source, token, slot) for combine_send. Block 0 writes the layout first;
-// the grid's last block zeroes the counts, publishes the status, resets this set's flags and flips
-// the half of prev_count the next dispatch on the set reads (a short tail: the call ends with it).
+// Receive phase, in rounds of one unit per warp: every (local expert, source, chunk of tokens) to
+// pack, then every (local expert, kClearRows output rows) to clear; a failed call packs and clears
+// nothing. Units go to the blocks in turn (unit i of a round to block i % grid), and a block's
+// warps move the rows its units found together: a unit's rows (a Poisson count, up to 6 at the
+// decode shape) would otherwise be a chain of row copies on one warp, the slowest of which the
+// call waits for. Each packed row's place is kept by (source, token, slot) for combine_send.
+// Block 0 writes the layout first; the grid's last block zeroes the counts, publishes the status,
+// resets this set's flags and flips the half of prev_count the next dispatch on the set reads (a
+// short tail: the call ends with it).
 __device__ void dispatch_recv(const Ctx& c, int set, const Set& s) {
-  const int lane = threadIdx.x % 32;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int half = *s.count_half;
-  const bool ok = wait_sources(c, kDispatch, set, lane);
+  const bool ok = wait_sources(c, kDispatch, set);  // the same in the whole block: the rounds meet at barriers
   stamp(c, kDispatch, 3);
   const Arrived a = arrived(c, set);
   if (blockIdx.x == 0) write_layout(c, s, a, half, ok);
   const int64_t slots = c.peers.ranks * c.max_tokens;
-  const int64_t pack_units = c.local * c.peers.ranks * chunks_of(c) * c.pack_parts;
-  const int64_t units = pack_units + c.local * ((slots + kChunk - 1) / kChunk);
-  for (int64_t u = ok ? first_warp() : units; u < units; u += warps_in_grid()) {
-    if (u < pack_units) pack_chunk(c, set, s, a, u, lane);
-    else clear_chunk(c, s, a, half, u - pack_units, lane);
+  const int64_t pack_units = c.local * c.peers.ranks * chunks_of(c);
+  const int64_t units = pack_units + c.local * ((slots + kClearRows - 1) / kClearRows);
+  const int64_t rounds = ok ? (units + warps_in_grid() - 1) / warps_in_grid() : 0;
+  // A unit finds at most kChunk rows. Round r appends to count[r % 2]; the other is zeroed once
+  // every warp has read it (after this round's first barrier) for the round after.
+  __shared__ RowMove moves[kWarps * kChunk];
+  __shared__ int move_count[2];
+  if (threadIdx.x < 2) move_count[threadIdx.x] = 0;
+  for (int64_t r = 0; r < rounds; ++r) {
+    __syncthreads();  // the list is free: the previous round's rows are moved
+    const int64_t u = r * warps_in_grid() + warp * static_cast<int64_t>(gridDim.x) + blockIdx.x;
+    if (u < pack_units) find_rows(c, set, s, a, u, moves, &move_count[r % 2], lane);
+    else if (u < units) clear_rows(c, s, a, half, u - pack_units, lane);
+    __syncthreads();
+    const int found = move_count[r % 2];
+    if (threadIdx.x == 0) move_count[(r + 1) % 2] = 0;
+    for (int i = warp; i < found; i += kWarps) move_row(c, s, moves[i], lane);
   }
   stamp(c, kDispatch, 4);
   if (!last_block(c.done + 0)) return;
@@ -425,6 +456,20 @@ __device__ bool wait_weights(const Ctx& c, int set, int source, int lane) {
                               c.timeout_ns, c.status, kCombine + 1);
 }
 
+// The same for the whole block, for every source that did not send its weights with its dispatch:
+// threads 0..R-1 wait, the others at the barrier (one poller per source and block: a poller per
+// warp, 2112 of them on one word, queue behind each other). The same in every thread.
+__device__ bool block_wait_weights(const Ctx& c, int set, const int32_t* weights_from) {
+  int ok = 1;
+  if (threadIdx.x < 32) {
+    const int source = static_cast<int>(threadIdx.x);
+    const bool needed = source < c.peers.ranks && weights_from[source] == 0;
+    ok = warp_wait_lane_flags(needed ? weights_word(c, c.peers.rank, set, source) : nullptr, source, 1u, c.timeout_ns,
+                              c.status, kCombine + 1);
+  }
+  return __syncthreads_and(ok) != 0;
+}
+
 // Send phase. Warp per (source, token, kSendSpan channels) with one of its experts here: the
 // rows of those experts summed in slot order (fma with the source's weight, or a plain sum) into
 // one bf16 partial at the source's (token, this rank) place. `dset`: the dispatch's set.
@@ -439,6 +484,11 @@ __device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, cons
   const float* combine_weights = at_window<const float>(c.peers, rank, c.map.weights) + set * ranks * m * c.topk;
   const float* dispatch_weights = at_window<const float>(c.peers, rank, c.map.route_weights) + dset * ranks * m * c.topk;
   const bool wide = c.hidden % 8 == 0 && aligned16(y);
+  // Weights given to this combine (not to the dispatch): the whole block waits for them once. A
+  // source that sent its weights at combine while this rank gave them at dispatch is waited for
+  // by each warp that needs it.
+  const bool block_waits = sums.weighted && !sums.at_dispatch;
+  const bool weights_here = !block_waits || block_wait_weights(c, set, weights_from);
   uint32_t weights_seen = 0;  // sources whose weights this warp saw arrive
   // The warp's unit: per slot k, the row of y holding it if its expert is here (else -1) and its
   // weight, looked up by lanes k and k + 32 in one load round, then read by every lane as the sum
@@ -446,7 +496,7 @@ __device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, cons
   __shared__ int32_t term_rows[kWarps][kMaxTopk];
   __shared__ float term_weights[kWarps][kMaxTopk];
   const int warp = threadIdx.x / 32;
-  for (int64_t unit = first_warp(); unit < ranks * m * spans; unit += warps_in_grid()) {
+  for (int64_t unit = weights_here ? first_warp() : ranks * m * spans; unit < ranks * m * spans; unit += warps_in_grid()) {
     const int source = static_cast<int>(unit / (m * spans));
     const int64_t t = unit / spans % m, h0 = unit % spans * kSendSpan, first = (source * m + t) * c.topk;
     // Loaded together: past the source's count, or for a slot elsewhere, the values go unused.
@@ -463,7 +513,7 @@ __device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, cons
     }
     if (t >= tokens || __ballot_sync(kAll, any) == 0) continue;
     if (sums.weighted && !sent_at_dispatch) {
-      if (!(weights_seen >> source & 1u) && !wait_weights(c, set, source, lane)) break;
+      if (!block_waits && !(weights_seen >> source & 1u) && !wait_weights(c, set, source, lane)) break;
       weights_seen |= 1u << source;
       for (int64_t k = lane; k < c.topk; k += 32) term_weights[warp][k] = combine_weights[first + k];
     }
@@ -488,7 +538,7 @@ __device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, cons
 __device__ void combine_recv(const Ctx& c, int set, const Set& d, const Sums& sums) {
   const int lane = threadIdx.x % 32, ranks = c.peers.ranks;
   const int64_t count = *d.num_tokens;  // this rank's dispatch wrote it: read while the sources come
-  const bool ok = wait_sources(c, kCombine, set, lane);
+  const bool ok = wait_sources(c, kCombine, set);
   stamp(c, kCombine, 3);
   const int64_t n = ok ? count : 0, spans = (c.hidden + kSumSpan - 1) / kSumSpan;
   const uint16_t* ret = at_window<const uint16_t>(c.peers, c.peers.rank, c.map.ret) + set * c.max_tokens * ranks * c.hidden;
