@@ -45,24 +45,35 @@ __global__ void __launch_bounds__(kWarps * 32) count_chunks_kernel(Shape s, int6
   }
 }
 
-// Warp per column (expert, then destination rank): exclusive scan of the chunk counts.
+// Warp per column (expert, then destination rank): exclusive scan of the chunk counts, each lane
+// loading kLoads chunks' counts before any is scanned (one load round per 32 x kLoads chunks, not
+// one per 32: the chunk_base stores would otherwise keep each round behind the last).
 __global__ void __launch_bounds__(kWarps * 32) scan_chunks_kernel(Shape s, int64_t tokens, ChunkPositions p,
                                                                  const DeviceStatus* st) {
+  constexpr int kLoads = 8;
   const int lane = threadIdx.x % 32;
   const int64_t chunks = failed(st) ? 0 : (tokens + kChunkTokens - 1) / kChunkTokens, width = s.experts + s.ranks;
   for (int64_t col = blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32; col < width;
        col += static_cast<int64_t>(gridDim.x) * kWarps) {
     int64_t running = 0;
-    for (int64_t base = 0; base < chunks; base += 32) {
-      const int64_t c = base + lane;
-      const int32_t v = c < chunks ? p.chunk_count[c * width + col] : 0;
-      int32_t inclusive = v;
-      for (int o = 1; o < 32; o *= 2) {
-        const int32_t up = __shfl_up_sync(0xffffffffu, inclusive, o);
-        if (lane >= o) inclusive += up;
+    for (int64_t base = 0; base < chunks; base += 32 * kLoads) {
+      int32_t v[kLoads];
+#pragma unroll
+      for (int i = 0; i < kLoads; ++i) {
+        const int64_t c = base + 32 * i + lane;
+        v[i] = c < chunks ? p.chunk_count[c * width + col] : 0;
       }
-      if (c < chunks) p.chunk_base[c * width + col] = static_cast<int32_t>(running) + inclusive - v;
-      running += __shfl_sync(0xffffffffu, inclusive, 31);
+#pragma unroll
+      for (int i = 0; i < kLoads; ++i) {
+        const int64_t c = base + 32 * i + lane;
+        int32_t inclusive = v[i];
+        for (int o = 1; o < 32; o *= 2) {
+          const int32_t up = __shfl_up_sync(0xffffffffu, inclusive, o);
+          if (lane >= o) inclusive += up;
+        }
+        if (c < chunks) p.chunk_base[c * width + col] = static_cast<int32_t>(running) + inclusive - v[i];
+        running += __shfl_sync(0xffffffffu, inclusive, 31);
+      }
     }
     if (lane == 0) p.totals[col] = running;
   }
