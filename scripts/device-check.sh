@@ -4,8 +4,8 @@
 # sanitizer serializes kernels, so ranks waiting on each other could not progress), epx-bench.
 # Logs and JSON go to $OUT; a short summary is printed last.
 #   usage: [EPX_GIT_COMMIT=$(git rev-parse --short=12 HEAD)] [GTEST_FILTER=...] [GTEST_REPEAT=n] [BENCH_ARGS=...] [SANITIZE_TOOLS=...] \
-#          [AB_ENV="VAR=value ..."] bash scripts/device-check.sh [tests|sanitize|bench|ab|interleave|procs|sweep|engines|ll|holdback|profile|all]...
-#          (default: all but ab, interleave, procs, sweep, engines, profile, holdback)
+#          [AB_ENV="VAR=value ..."] bash scripts/device-check.sh [tests|sanitize|bench|ab|interleave|procs|sweep|engines|ll|holdback|profile|chain|all]...
+#          (default: all but ab, interleave, procs, sweep, engines, profile, holdback, chain)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
@@ -36,7 +36,7 @@ fi
 note "built against NCCL in $NCCL_DIR"
 
 # Steps that run only when named ("all" leaves them out).
-optional_steps="ab interleave procs sweep engines profile holdback"
+optional_steps="ab interleave procs sweep engines profile holdback chain"
 want() { [[ ( " $steps " == *" all "* && " $optional_steps " != *" $1 "* ) || " $steps " == *" $1 "* ]]; }
 gpus=$(nvidia-smi -L | wc -l)
 
@@ -132,6 +132,30 @@ if want engines; then
   done
   grep -E "^==|^dispatch |^combine |FAILED|broadcast|receive kernel|send kernel|routing|combine: " "$OUT/engines.log"
   note "engines: $(grep -cE '^(dispatch|combine) ' "$OUT/engines.log") records, $(grep -c FAILED "$OUT/engines.log") failed"
+fi
+if want chain; then
+  # The small kernels before a dispatch's receiver (routing, positions, plan and layout, placing
+  # data) at one rank, copy engines forced so every one of them runs: each launch's duration by
+  # ncu (kernels serialized, so no overlap hides one), the mean over CHAIN_CALLS calls (chain.log).
+  timeout 300 env EPX_DISPATCH_ENGINE=copy ncu --clock-control none --metrics gpu__time_duration.sum \
+    -k 'regex:begin_call|canonicalize|count_chunks|scan_chunks|finalize_positions|exchange_plan|push_placing|receive_layout|broadcast_begin' \
+    --launch-skip 30 --launch-count "$((9 * ${CHAIN_CALLS:-10}))" ./build-gpu/epx-bench --backend cuda --ranks 1 --wire bf16 \
+    --layout rank_major --ops dispatch --warmup 4 --iters "$((${CHAIN_CALLS:-10} + 4))" > "$OUT/chain.log" 2>&1
+  python3 - "$OUT/chain.log" <<'PY'
+import re, sys, collections
+times, kernel = collections.defaultdict(list), None
+for line in open(sys.argv[1]):
+    m = re.search(r"(\w+_kernel)\b", line)
+    if m and "Context" in line:
+        kernel = m.group(1)
+    m = re.search(r"gpu__time_duration.sum\s+(\S+)\s+([\d.,]+)", line)
+    if m and kernel:
+        scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(m.group(1), 1.0)
+        times[kernel].append(float(m.group(2).replace(",", "")) * scale)
+for k, v in sorted(times.items(), key=lambda kv: -sum(kv[1]) / len(kv[1])):
+    print(f"chain kernel {k:32s} {sum(v) / len(v):8.1f} us (mean of {len(v)})")
+PY
+  note "chain: $(grep -c 'Context' "$OUT/chain.log") kernel launches profiled"
 fi
 if want holdback; then
   # The shared-GPU hold-back (docs/cuda.md, Known gaps): EP8 of the low-latency benchmark on one GPU,

@@ -57,17 +57,38 @@ __global__ void encode_rows_kernel(PeerWindows w, WindowMap m, Shape s, SendRows
 
 // Thread per token: the positions the SM sender would have written, in place: send_pos becomes
 // each token's stream position at each rank, slot_pos each pair's index among this rank's pairs
-// of its expert (what combine and the receivers read).
+// of its expert (what combine and the receivers read). Values are loaded 8 at a time before any
+// store (the arrays might alias for the compiler, which would keep each load behind the last store).
 __global__ void finalize_positions_kernel(Shape s, int64_t tokens, const int32_t* slot_expert, ChunkPositions p) {
+  constexpr int kGroup = 8;
   const int64_t width = s.experts + s.ranks;
   for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < tokens;
        t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int32_t* base = p.chunk_base + t / kChunkTokens * width;
-    for (int d = 0; d < s.ranks; ++d)
-      if (p.send_pos[t * s.ranks + d] >= 0) p.send_pos[t * s.ranks + d] += base[s.experts + d];
-    for (int64_t k = 0; k < s.topk; ++k) {
-      const int32_t e = slot_expert[t * s.topk + k];
-      if (e >= 0) p.slot_pos[t * s.topk + k] += base[e];
+    for (int d0 = 0; d0 < s.ranks; d0 += kGroup) {
+      int32_t pos[kGroup], add[kGroup];
+#pragma unroll
+      for (int i = 0; i < kGroup; ++i) {
+        pos[i] = d0 + i < s.ranks ? p.send_pos[t * s.ranks + d0 + i] : -1;
+        add[i] = d0 + i < s.ranks ? base[s.experts + d0 + i] : 0;
+      }
+#pragma unroll
+      for (int i = 0; i < kGroup; ++i)
+        if (pos[i] >= 0) p.send_pos[t * s.ranks + d0 + i] = pos[i] + add[i];
+    }
+    for (int64_t k0 = 0; k0 < s.topk; k0 += kGroup) {
+      int32_t e[kGroup], pos[kGroup];
+#pragma unroll
+      for (int i = 0; i < kGroup; ++i) {
+        e[i] = k0 + i < s.topk ? slot_expert[t * s.topk + k0 + i] : -1;
+        pos[i] = k0 + i < s.topk ? p.slot_pos[t * s.topk + k0 + i] : 0;
+      }
+#pragma unroll
+      for (int i = 0; i < kGroup; ++i)
+        if (e[i] >= 0) pos[i] += base[e[i]];
+#pragma unroll
+      for (int i = 0; i < kGroup; ++i)
+        if (e[i] >= 0) p.slot_pos[t * s.topk + k0 + i] = pos[i];
     }
   }
 }

@@ -14,45 +14,67 @@ __device__ int64_t read_index(const RoutingInput& in, int64_t t, int64_t k) {
                   : static_cast<const int32_t*>(in.topk_idx)[t * in.idx_stride + k];
 }
 
-// One thread per token: read its routing, check it, count its experts.
+// Slot k of token t (id checked) into e[k], w[k]; false for an id out of range (reported).
+__device__ bool canonical_slot(const Shape& s, const RoutingInput& in, int64_t t, int64_t k, int64_t id, float weight,
+                               int32_t* e, float* w, DeviceStatus* st) {
+  const bool valid = id >= -1 && id < s.experts;
+  if (!valid) report(st, kStatusBadExpert, s.rank, t, k, id);
+  e[k] = valid ? static_cast<int32_t>(id) : -1;
+  w[k] = !valid || id < 0 ? 0.0f : in.topk_weights ? weight : 1.0f;
+  return valid;
+}
+
+// One thread per token: read its routing, check it, count its experts. topk_idx: slots in groups
+// of 8 whose ids and weights are loaded before any is stored (no dependent round per slot), and
+// repeats found in registers within a group (earlier groups read back, K > 8 only).
 __global__ void canonicalize_kernel(Shape s, RoutingInput in, int64_t tokens, int32_t* slot_expert, float* slot_weight,
                                     int64_t* counts, DeviceStatus* st) {
+  constexpr int kGroup = 8;
   for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < tokens;
        t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     int32_t* e = slot_expert + t * s.topk;
     float* w = slot_weight + t * s.topk;
     if (in.topk_idx) {
-      for (int64_t k = 0; k < s.topk; ++k) {
-        const int64_t id = read_index(in, t, k);
-        if (id < -1 || id >= s.experts) {
-          report(st, kStatusBadExpert, s.rank, t, k, id);
-          e[k] = -1;
-          w[k] = 0.0f;
-          continue;
+      for (int64_t k0 = 0; k0 < s.topk; k0 += kGroup) {
+        int64_t id[kGroup];
+        float weight[kGroup];
+#pragma unroll
+        for (int i = 0; i < kGroup; ++i) id[i] = k0 + i < s.topk ? read_index(in, t, k0 + i) : -1;
+#pragma unroll
+        for (int i = 0; i < kGroup; ++i)
+          weight[i] = k0 + i < s.topk && in.topk_weights ? in.topk_weights[t * in.weight_stride + k0 + i] : 1.0f;
+#pragma unroll
+        for (int i = 0; i < kGroup; ++i)
+          if (k0 + i < s.topk && !canonical_slot(s, in, t, k0 + i, id[i], weight[i], e, w, st)) id[i] = -1;
+#pragma unroll
+        for (int i = 0; i < kGroup; ++i) {
+          if (id[i] < 0) continue;
+          bool repeat = false;
+          for (int64_t j = 0; j < k0 && !repeat; ++j)
+            if (e[j] == id[i]) repeat = true, report(st, kStatusRepeatedExpert, s.rank, t, j, id[i]);
+#pragma unroll
+          for (int j = 0; j < i; ++j)
+            if (!repeat && id[j] == id[i]) repeat = true, report(st, kStatusRepeatedExpert, s.rank, t, k0 + j, id[i]);
+          if (counts) atomicAdd(reinterpret_cast<unsigned long long*>(&counts[id[i]]), 1ull);
         }
-        e[k] = static_cast<int32_t>(id);
-        w[k] = id < 0 ? 0.0f : in.topk_weights ? in.topk_weights[t * in.weight_stride + k] : 1.0f;
       }
-    } else {
-      int64_t k = 0;
-      for (int64_t x = 0; x < s.experts; ++x) {
-        if (!in.routing_map[t * in.map_stride + x]) continue;
-        if (k == s.topk) {  // more experts than slots: reported as slot K
-          report(st, kStatusBadExpert, s.rank, t, s.topk, x);
-          break;
-        }
-        e[k] = static_cast<int32_t>(x);
-        w[k] = in.probs ? in.probs[t * in.probs_stride + x] : 1.0f;
-        ++k;
+      continue;
+    }
+    int64_t k = 0;
+    for (int64_t x = 0; x < s.experts; ++x) {
+      if (!in.routing_map[t * in.map_stride + x]) continue;
+      if (k == s.topk) {  // more experts than slots: reported as slot K
+        report(st, kStatusBadExpert, s.rank, t, s.topk, x);
+        break;
       }
-      for (; k < s.topk; ++k) e[k] = -1, w[k] = 0.0f;
+      e[k] = static_cast<int32_t>(x);
+      w[k] = in.probs ? in.probs[t * in.probs_stride + x] : 1.0f;
+      ++k;
     }
-    for (int64_t k = 0; k < s.topk; ++k) {
-      if (e[k] < 0) continue;
-      for (int64_t j = 0; j < k; ++j)
-        if (e[j] == e[k]) report(st, kStatusRepeatedExpert, s.rank, t, j, e[k]);
-      if (counts) atomicAdd(reinterpret_cast<unsigned long long*>(&counts[e[k]]), 1ull);
-    }
+    for (; k < s.topk; ++k) e[k] = -1, w[k] = 0.0f;
+    if (counts)  // a map names each expert once: no repeats
+      for (int64_t j = 0; j < s.topk; ++j)
+        if (e[j] >= 0) atomicAdd(reinterpret_cast<unsigned long long*>(&counts[e[j]]), 1ull);
   }
 }
 
@@ -199,7 +221,7 @@ void wait_signals(const Ctx& ctx, int kind, uint64_t increment, bool wait) {
 void exchange_plan(const Ctx& ctx, const PlanHeader& mine, const int64_t* counts, int64_t count_len, int phase,
                    bool with_counts, double capacity_factor, int64_t* expert_prefix, int64_t* drop_capacity,
                    const LayoutJob* layout) {
-  exchange_plan_kernel<<<1, 256, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, mine, counts, counts ? count_len : 0,
+  exchange_plan_kernel<<<1, kScanThreads, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, mine, counts, counts ? count_len : 0,
                                                   phase, with_counts, capacity_factor, expert_prefix, drop_capacity,
                                                   layout != nullptr, layout ? *layout : LayoutJob{}, ctx.timeout_ns,
                                                   ctx.state, ctx.status);

@@ -9,14 +9,19 @@ namespace epx::detail::kernels {
 
 namespace {
 
-constexpr int kWarps = 8;
+constexpr int kWarps = 16;  // with 24 blocks, a warp per chunk (256 at V3) and per column in one pass
 
-// Warp per chunk. Lanes 0..15 own its tokens for the destination ranks (ballots); all lanes
-// share its (token, slot) pairs for the experts.
+// Warp per chunk. Lanes 0..15 own its tokens for the destination ranks (ballots); the chunk's
+// (token, slot) pairs go 32 at a time (a group) for the experts: a pair's place among the chunk's
+// pairs of its expert counts its expert in the lower lanes of its group (a match: in token order,
+// since a token holds an expert once) and in earlier groups (their ids, one shuffle per pair),
+// so no pair reads the ids of every earlier pair; the lowest lane of each match adds the group's
+// pairs of its expert to the chunk's count.
 __global__ void __launch_bounds__(kWarps * 32) count_chunks_kernel(Shape s, int64_t tokens, const int32_t* slot_expert,
                                                                   ChunkPositions p, const DeviceStatus* st) {
   if (failed(st)) return;
   const int lane = threadIdx.x % 32;
+  const unsigned lower = (1u << lane) - 1u;
   const int64_t chunks = (tokens + kChunkTokens - 1) / kChunkTokens, width = s.experts + s.ranks;
   for (int64_t c = blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32; c < chunks;
        c += static_cast<int64_t>(gridDim.x) * kWarps) {
@@ -30,39 +35,55 @@ __global__ void __launch_bounds__(kWarps * 32) count_chunks_kernel(Shape s, int6
       }
     for (int d = 0; d < s.ranks; ++d) {
       const uint32_t to_d = __ballot_sync(0xffffffffu, (dests >> d) & 1u);
-      if (mine) p.send_pos[t * s.ranks + d] = (dests >> d) & 1u ? __popc(to_d & ((1u << lane) - 1u)) : -1;
+      if (mine) p.send_pos[t * s.ranks + d] = (dests >> d) & 1u ? __popc(to_d & lower) : -1;
       if (lane == 0) p.chunk_count[c * width + s.experts + d] = __popc(to_d);
     }
-    const int64_t end = min(first + kChunkTokens, tokens);
-    for (int64_t item = first * s.topk + lane; item < end * s.topk; item += 32) {
-      const int32_t e = slot_expert[item];
+    const int64_t pairs = (min(first + kChunkTokens, tokens) - first) * s.topk;
+    const int32_t* ids = slot_expert + first * s.topk;
+    for (int64_t g = 0; g < pairs; g += 32) {
+      const int32_t e = g + lane < pairs ? ids[g + lane] : -1;
+      const unsigned same = __match_any_sync(0xffffffffu, e);
+      int32_t before = __popc(same & lower);
+      for (int64_t h = 0; h < g; h += 32) {
+        const int32_t other = ids[h + lane];  // h + 32 <= g < pairs: a whole earlier group
+        for (int j = 0; j < 32; ++j) before += __shfl_sync(0xffffffffu, other, j) == e;
+      }
       if (e < 0) continue;
-      int32_t before = 0;  // pairs of expert e in earlier tokens of the chunk (a token holds e once)
-      for (int64_t j = first * s.topk; j < item / s.topk * s.topk; ++j) before += slot_expert[j] == e;
-      p.slot_pos[item] = before;
-      atomicAdd(&p.chunk_count[c * width + e], 1);
+      p.slot_pos[first * s.topk + g + lane] = before;
+      if ((same & lower) == 0) atomicAdd(&p.chunk_count[c * width + e], __popc(same));
     }
   }
 }
 
-// Warp per column (expert, then destination rank): exclusive scan of the chunk counts.
+// Warp per column (expert, then destination rank): exclusive scan of the chunk counts, each lane
+// loading kLoads chunks' counts before any is scanned (one load round per 32 x kLoads chunks, not
+// one per 32: the chunk_base stores would otherwise keep each round behind the last).
 __global__ void __launch_bounds__(kWarps * 32) scan_chunks_kernel(Shape s, int64_t tokens, ChunkPositions p,
                                                                  const DeviceStatus* st) {
+  constexpr int kLoads = 8;
   const int lane = threadIdx.x % 32;
   const int64_t chunks = failed(st) ? 0 : (tokens + kChunkTokens - 1) / kChunkTokens, width = s.experts + s.ranks;
   for (int64_t col = blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32; col < width;
        col += static_cast<int64_t>(gridDim.x) * kWarps) {
     int64_t running = 0;
-    for (int64_t base = 0; base < chunks; base += 32) {
-      const int64_t c = base + lane;
-      const int32_t v = c < chunks ? p.chunk_count[c * width + col] : 0;
-      int32_t inclusive = v;
-      for (int o = 1; o < 32; o *= 2) {
-        const int32_t up = __shfl_up_sync(0xffffffffu, inclusive, o);
-        if (lane >= o) inclusive += up;
+    for (int64_t base = 0; base < chunks; base += 32 * kLoads) {
+      int32_t v[kLoads];
+#pragma unroll
+      for (int i = 0; i < kLoads; ++i) {
+        const int64_t c = base + 32 * i + lane;
+        v[i] = c < chunks ? p.chunk_count[c * width + col] : 0;
       }
-      if (c < chunks) p.chunk_base[c * width + col] = static_cast<int32_t>(running) + inclusive - v;
-      running += __shfl_sync(0xffffffffu, inclusive, 31);
+#pragma unroll
+      for (int i = 0; i < kLoads; ++i) {
+        const int64_t c = base + 32 * i + lane;
+        int32_t inclusive = v[i];
+        for (int o = 1; o < 32; o *= 2) {
+          const int32_t up = __shfl_up_sync(0xffffffffu, inclusive, o);
+          if (lane >= o) inclusive += up;
+        }
+        if (c < chunks) p.chunk_base[c * width + col] = static_cast<int32_t>(running) + inclusive - v[i];
+        running += __shfl_sync(0xffffffffu, inclusive, 31);
+      }
     }
     if (lane == 0) p.totals[col] = running;
   }

@@ -5,7 +5,7 @@ namespace epx::detail::kernels {
 
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = kScanThreads;  // receive_layout_block scans with the whole block
 
 __global__ void __launch_bounds__(kThreads) receive_layout_kernel(PeerWindows w, WindowMap m, Shape s, int phase,
                                                                  LayoutJob job, const CallState* cs,

@@ -4,6 +4,7 @@
 // plan exchange's kernel runs it right after checking the plans (no launch of its own on the
 // dispatch's critical path), receive_layout_kernel where the plans were exchanged earlier.
 #pragma once
+#include "cuda/kernels/block_scan.cuh"
 #include "cuda/kernels/device_common.cuh"
 #include "cuda/kernels/launch.hpp"
 
@@ -14,34 +15,52 @@ __device__ inline const int64_t* plan_totals(const PeerWindows& w, const WindowM
   return at_window<const int64_t>(w, w.rank, m.plans + (slot * w.ranks + p) * m.plan_stride + sizeof(PlanHeader));
 }
 
-// Every thread of the block calls it; a failed call receives nothing.
+// Every thread of the block calls it (blockDim.x == kScanThreads); a failed call receives nothing.
+// Scans in parallel, not a thread's loop over the experts: each step of such a loop waited for
+// the previous one's store (256 steps at one rank: ~30 us on every dispatch's critical path).
 __device__ inline void receive_layout_block(const PeerWindows& w, const WindowMap& m, const Shape& s, int phase,
                                             const LayoutJob& job, const CallState* cs, const DeviceStatus* st) {
   const RecvArrays& r = job.r;
   const bool ok = !failed(st);
   const int slot = plan_slot(cs, phase);
-  for (int64_t l = threadIdx.x; l < s.local_experts; l += blockDim.x) {
-    int64_t n = 0;
-    for (int p = 0; p < w.ranks; ++p) {
-      r.expert_base[p * s.local_experts + l] = n;
-      n += ok ? plan_totals(w, m, slot, p)[w.rank * s.local_experts + l] : 0;
+  // Each local expert's rows from each source (expert-major bases), then its aligned rows' offset.
+  const int64_t aligned_rows = block_exclusive_sum<int64_t>(
+      s.local_experts,
+      [&](int64_t l) {
+        int64_t n = 0;
+        for (int p = 0; p < w.ranks; ++p) {
+          r.expert_base[p * s.local_experts + l] = n;
+          n += ok ? plan_totals(w, m, slot, p)[w.rank * s.local_experts + l] : 0;
+        }
+        r.tokens_per_expert[l] = n;
+        return (n + job.alignment - 1) / job.alignment * job.alignment;
+      },
+      [&](int64_t l, int64_t before, int64_t) { r.expert_offsets[l] = before; });
+  // Each source's rows here (rank-major offsets): lane p holds source p's (ranks <= 32).
+  __shared__ int64_t received;
+  if (threadIdx.x < 32) {
+    const int p = static_cast<int>(threadIdx.x);
+    int64_t rows = 0;
+    if (p < w.ranks && ok) {
+      const PlanHeader* h = at_window<const PlanHeader>(w, w.rank, m.plans + (slot * w.ranks + p) * m.plan_stride);
+      rows = plan_totals(w, m, slot, p)[s.experts + w.rank];
+      r.chunks_from[p] = static_cast<int32_t>((h->tokens + kChunkTokens - 1) / kChunkTokens);
+    } else if (p < w.ranks) {
+      r.chunks_from[p] = 0;
     }
-    r.tokens_per_expert[l] = n;
+    int64_t inclusive = rows;
+    for (int o = 1; o < 32; o *= 2) {
+      const int64_t up = __shfl_up_sync(0xffffffffu, inclusive, o);
+      if (p >= o) inclusive += up;
+    }
+    if (p < w.ranks) r.rank_offsets[p + 1] = inclusive;
+    if (p == 0) r.rank_offsets[0] = 0;
+    if (p == 31) received = inclusive;
   }
   __syncthreads();
   if (threadIdx.x != 0) return;
-  r.rank_offsets[0] = 0;
-  for (int p = 0; p < w.ranks; ++p) {
-    const PlanHeader* h = at_window<const PlanHeader>(w, w.rank, m.plans + (slot * w.ranks + p) * m.plan_stride);
-    r.rank_offsets[p + 1] = r.rank_offsets[p] + (ok ? plan_totals(w, m, slot, p)[s.experts + w.rank] : 0);
-    r.chunks_from[p] = ok ? static_cast<int32_t>((h->tokens + kChunkTokens - 1) / kChunkTokens) : 0;
-  }
-  r.expert_offsets[0] = 0;
-  for (int64_t l = 0; l < s.local_experts; ++l)
-    r.expert_offsets[l + 1] =
-        r.expert_offsets[l] + (r.tokens_per_expert[l] + job.alignment - 1) / job.alignment * job.alignment;
-  const int64_t received = r.rank_offsets[w.ranks];
-  const int64_t rows = job.layout == Layout::expert_major ? r.expert_offsets[s.local_experts] : received;
+  r.expert_offsets[s.local_experts] = aligned_rows;
+  const int64_t rows = job.layout == Layout::expert_major ? aligned_rows : received;
   r.info[0] = received;
   r.info[1] = rows;
   r.info[2] = job.capacity_rows > 0 ? job.capacity_rows : rows;
