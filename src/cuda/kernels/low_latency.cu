@@ -50,18 +50,9 @@ struct Checked {
   int32_t lo, hi;
 };
 
-// Token t's ids as given, lane i holding slots i and i + 32 (-1 past K). Loaded whatever the count
-// (t < T rows exist), so the loads need not wait for the count's.
-struct GivenRoute {
-  int64_t lo, hi;
-};
-
-__device__ GivenRoute load_route(const Ctx& c, const Route& r, int64_t t, int lane) {
-  return {lane < c.topk ? read_index(r, t, lane) : -1, lane + 32 < c.topk ? read_index(r, t, lane + 32) : -1};
-}
-
-__device__ Checked checked_route(const Ctx& c, const GivenRoute& given, int64_t n, int64_t t, int lane, bool reporter) {
-  int64_t id[2] = {given.lo, given.hi};
+__device__ Checked checked_route(const Ctx& c, const Route& r, int64_t n, int64_t t, int lane, bool reporter) {
+  // Loaded whatever the count (t < T rows exist), so the loads need not wait for the count's.
+  int64_t id[2] = {lane < c.topk ? read_index(r, t, lane) : -1, lane + 32 < c.topk ? read_index(r, t, lane + 32) : -1};
   if (t >= n) id[0] = id[1] = -1;
   int32_t out[2];
   for (int h = 0; h < 2; ++h) {
@@ -198,32 +189,28 @@ __device__ void send_routing(const Ctx& c, int set, const Route& route, int64_t 
 __device__ void dispatch_send(const Ctx& c, int set, const Route& route, const Rows& rows, const Set& s) {
   const int lane = threadIdx.x % 32, rank = c.peers.rank, ranks = c.peers.ranks;
   const bool first_thread = blockIdx.x == 0 && threadIdx.x == 0;
+  const int64_t n = token_count(c, route, first_thread);
   // Spans only as far as the grid's warps cover them in one pass: with few warps per rank (the
   // shared-GPU transport: 8 blocks at EP8) they would only repeat each token's routing checks.
-  // Counted from T, the rows given (the loop covers them all), not the device-side count: the
-  // warp's first routing then loads beside the count, one round where there were two.
   int64_t span = c.hidden;
   if (c.wire != WireFormat::nvfp4)
     for (int64_t parts = kWireSpans; parts > 1; parts /= 2)
-      if (route.tokens * ranks * parts <= warps_in_grid()) {
+      if (n * ranks * parts <= warps_in_grid()) {
         span = (c.hidden + parts - 1) / parts;
         span = (span + 511) / 512 * 512;  // whole 512-channel steps of quantize_fp8_row
         break;
       }
-  const int64_t spans = (c.hidden + span - 1) / span, units = route.tokens * ranks * spans;
-  GivenRoute given = first_warp() < units ? load_route(c, route, first_warp() / (ranks * spans), lane) : GivenRoute{-1, -1};
-  const int64_t n = token_count(c, route, first_thread);
+  const int64_t spans = (c.hidden + span - 1) / span;
   if (first_thread) *s.num_tokens = static_cast<int32_t>(n);  // for combine_recv
   if (blockIdx.x == 0 && threadIdx.x < ranks) {
     at_window<int32_t>(c.peers, threadIdx.x, c.map.ntok)[set * ranks + rank] = static_cast<int32_t>(n);
     at_window<int32_t>(c.peers, threadIdx.x, c.map.weights_from)[set * ranks + rank] = route.weights != nullptr;
   }
-  for (int64_t u = first_warp(); u < units; u += warps_in_grid()) {
+  for (int64_t u = first_warp(); u < route.tokens * ranks * spans; u += warps_in_grid()) {
     const int64_t t = u / (ranks * spans), h0 = u % spans * span, h1 = min(h0 + span, c.hidden);
     const int d = static_cast<int>(u / spans % ranks);
+    const Checked e = checked_route(c, route, n, t, lane, d == 0 && h0 == 0);
     const bool first_unit = u == first_warp();
-    if (!first_unit) given = load_route(c, route, t, lane);
-    const Checked e = checked_route(c, given, n, t, lane, d == 0 && h0 == 0);
     if (first_unit) stamp(c, kDispatch, kFirstChecked);
     if (d == 0 && h0 == 0) {
       if (lane < c.topk) s.slot_expert[t * c.topk + lane] = e.lo;
