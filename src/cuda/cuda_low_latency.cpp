@@ -325,7 +325,14 @@ class CudaLowLatency final : public LowLatencyBackend {
   void print_timeline() const {
     std::vector<uint64_t> stamps(stamp_bytes() / sizeof(uint64_t));
     if (cudaMemcpy(stamps.data(), stamps_, stamp_bytes(), cudaMemcpyDeviceToHost) != cudaSuccess) return;
-    static const char* const kSteps[ll::kStampSteps] = {"start", "own writes", "counted in", "sources in", "received", "end"};
+    // Each kind's step names, and the order a call passes them.
+    static const char* const kSteps[2][ll::kStampSteps] = {
+        {"start", "own writes", "counted in", "sources in", "received", "end", "routing checked", "routing sent",
+         "rows found"},
+        {"start", "own writes", "counted in", "sources in", "received", "end", "weights in", "terms looked up", ""}};
+    static const int kOrder[ll::kStampSteps] = {ll::kStart,     ll::kFirstChecked, ll::kFirstSent,
+                                                ll::kOwnWrites, ll::kCountedIn,    ll::kSourcesIn,
+                                                ll::kRowsFound, ll::kReceived,     ll::kEnd};
     for (int kind = 0; kind < 2; ++kind) {
       const uint64_t* k = stamps.data() + static_cast<size_t>(kind) * blocks_ * ll::kStampSteps;
       uint64_t t0 = UINT64_MAX;
@@ -333,14 +340,14 @@ class CudaLowLatency final : public LowLatencyBackend {
         if (k[b * ll::kStampSteps] != 0) t0 = std::min(t0, k[b * ll::kStampSteps]);
       if (t0 == UINT64_MAX) continue;
       std::string line = cat("epx ll timeline rank ", rank_, kind == ll::kDispatch ? " dispatch:" : " combine:");
-      for (int step = 0; step < ll::kStampSteps; ++step) {
+      for (int step : kOrder) {
         std::vector<double> us;
         for (int b = 0; b < blocks_; ++b)
           if (k[b * ll::kStampSteps + step] >= t0) us.push_back(static_cast<double>(k[b * ll::kStampSteps + step] - t0) / 1000.0);
         if (us.empty()) continue;
         std::sort(us.begin(), us.end());
         char part[96];
-        std::snprintf(part, sizeof(part), " %s %.1f/%.1f/%.1f", kSteps[step], us.front(), us[us.size() / 2], us.back());
+        std::snprintf(part, sizeof(part), " %s %.1f/%.1f/%.1f", kSteps[kind][step], us.front(), us[us.size() / 2], us.back());
         line += part;
       }
       std::fprintf(stderr, "%s us (min/median/max over blocks)\n", line.c_str());

@@ -69,8 +69,11 @@ struct Ctx {
 };
 
 // The steps a block stamps (EPX_PROFILE=ll): start, its own writes done, counted in at every rank,
-// every source in, its receive work done, and (the last block only) the call's end.
-constexpr int kStampSteps = 6;
+// every source in, its receive work done, and (the last block only) the call's end; then, within
+// them, warp 0's first unit: its routing checked and sent (dispatch) or its weights in and terms
+// looked up (combine), and the receive's rows found (dispatch: the list's barrier).
+constexpr int kStampSteps = 9;
+enum StampStep : int { kStart, kOwnWrites, kCountedIn, kSourcesIn, kReceived, kEnd, kFirstChecked, kFirstSent, kRowsFound };
 
 struct Route {
   const void* topk_idx;

@@ -210,6 +210,8 @@ __device__ void dispatch_send(const Ctx& c, int set, const Route& route, const R
     const int64_t t = u / (ranks * spans), h0 = u % spans * span, h1 = min(h0 + span, c.hidden);
     const int d = static_cast<int>(u / spans % ranks);
     const Checked e = checked_route(c, route, n, t, lane, d == 0 && h0 == 0);
+    const bool first_unit = u == first_warp();
+    if (first_unit) stamp(c, kDispatch, kFirstChecked);
     if (d == 0 && h0 == 0) {
       if (lane < c.topk) s.slot_expert[t * c.topk + lane] = e.lo;
       if (lane + 32 < c.topk) s.slot_expert[t * c.topk + lane + 32] = e.hi;
@@ -217,6 +219,7 @@ __device__ void dispatch_send(const Ctx& c, int set, const Route& route, const R
     if (t >= n) continue;
     const bool lo_here = e.lo >= 0 && e.lo / c.local == d, hi_here = e.hi >= 0 && e.hi / c.local == d;
     if (h0 == 0) send_routing(c, set, route, t, d, e, lo_here, hi_here, lane);
+    if (first_unit) stamp(c, kDispatch, kFirstSent);
     if (__ballot_sync(kAll, lo_here || hi_here) == 0) continue;
     const int64_t slot = (static_cast<int64_t>(set) * ranks + rank) * c.max_tokens + t;
     char* dst = at_window<char>(c.peers, d, c.map.rows + slot * c.map.payload_stride);
@@ -233,9 +236,9 @@ __device__ void dispatch_send(const Ctx& c, int set, const Route& route, const R
   // Units (token, destination, span) with t < n sit in the first blocks (warp u of the grid takes
   // unit u first): the blocks past them only kept their tokens' routing here and need not count in.
   const int64_t sending = (n * ranks * spans + kWarps - 1) / kWarps;
-  stamp(c, kDispatch, 1);
+  stamp(c, kDispatch, kOwnWrites);
   block_arrived(c, kDispatch, set, sending < 1 ? 1 : sending > gridDim.x ? gridDim.x : sending);
-  stamp(c, kDispatch, 2);
+  stamp(c, kDispatch, kCountedIn);
 }
 
 // What this rank's window holds of one call (set) of dispatch: per source, its counts per
@@ -393,7 +396,7 @@ __device__ void dispatch_recv(const Ctx& c, int set, const Set& s) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int half = *s.count_half;
   const bool ok = wait_sources(c, kDispatch, set);  // the same in the whole block: the rounds meet at barriers
-  stamp(c, kDispatch, 3);
+  stamp(c, kDispatch, kSourcesIn);
   const Arrived a = arrived(c, set);
   if (blockIdx.x == 0) write_layout(c, s, a, half, ok);
   const int64_t slots = c.peers.ranks * c.max_tokens;
@@ -411,24 +414,25 @@ __device__ void dispatch_recv(const Ctx& c, int set, const Set& s) {
     if (u < pack_units) find_rows(c, set, s, a, u, moves, &move_count[r % 2], lane);
     else if (u < units) clear_rows(c, s, a, half, u - pack_units, lane);
     __syncthreads();
+    if (r == 0) stamp(c, kDispatch, kRowsFound);
     const int found = move_count[r % 2];
     if (threadIdx.x == 0) move_count[(r + 1) % 2] = 0;
     for (int i = warp; i < found; i += kWarps) move_row(c, s, moves[i], lane);
   }
-  stamp(c, kDispatch, 4);
+  stamp(c, kDispatch, kReceived);
   if (!last_block(c.done + 0)) return;
   // The sources add their counts for the call after next on this set from zero.
   int32_t* counts = at_window<int32_t>(c.peers, c.peers.rank, c.map.counts) + set * c.peers.ranks * c.local * chunks_of(c);
   for (int64_t i = threadIdx.x; i < c.peers.ranks * c.local * chunks_of(c); i += blockDim.x) counts[i] = 0;
   if (threadIdx.x == 0) *s.count_half = half ^ 1;
   end_call(c, kDispatch, set);
-  stamp(c, kDispatch, 5);
+  stamp(c, kDispatch, kEnd);
 }
 
 // One launch for either phase or both (the fused call): a block done sending goes on to
 // receive. With both, every block of the grid must be resident at once (one per SM at most).
 __global__ void __launch_bounds__(kWarps * 32) dispatch_kernel(Ctx c, int phases, int set, Route route, Rows rows, Set s) {
-  stamp(c, kDispatch, 0);
+  stamp(c, kDispatch, kStart);
   if (phases & kSendPhase) dispatch_send(c, set, route, rows, s);
   if (phases & kRecvPhase) dispatch_recv(c, set, s);
 }
@@ -489,6 +493,7 @@ __device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, cons
   // by each warp that needs it.
   const bool block_waits = sums.weighted && !sums.at_dispatch;
   const bool weights_here = !block_waits || block_wait_weights(c, set, weights_from);
+  stamp(c, kCombine, kFirstChecked);
   uint32_t weights_seen = 0;  // sources whose weights this warp saw arrive
   // The warp's unit: per slot k, the row of y holding it if its expert is here (else -1) and its
   // weight, looked up by lanes k and k + 32 in one load round, then read by every lane as the sum
@@ -511,6 +516,7 @@ __device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, cons
       term_weights[warp][k] = w;
       any |= here;
     }
+    if (unit == first_warp()) stamp(c, kCombine, kFirstSent);
     if (t >= tokens || __ballot_sync(kAll, any) == 0) continue;
     if (sums.weighted && !sent_at_dispatch) {
       if (!block_waits && !(weights_seen >> source & 1u) && !wait_weights(c, set, source, lane)) break;
@@ -528,9 +534,9 @@ __device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, cons
     }, sums.weighted, dst, min(kSendSpan, c.hidden - h0), wide, lane);
     __syncwarp();  // every lane done reading the unit's terms before the next unit's go in
   }
-  stamp(c, kCombine, 1);
+  stamp(c, kCombine, kOwnWrites);
   block_arrived(c, kCombine, set, gridDim.x);
-  stamp(c, kCombine, 2);
+  stamp(c, kCombine, kCountedIn);
 }
 
 // Receive phase. Warp per (token, kSumSpan channels): the partials of the ranks holding its
@@ -539,7 +545,7 @@ __device__ void combine_recv(const Ctx& c, int set, const Set& d, const Sums& su
   const int lane = threadIdx.x % 32, ranks = c.peers.ranks;
   const int64_t count = *d.num_tokens;  // this rank's dispatch wrote it: read while the sources come
   const bool ok = wait_sources(c, kCombine, set);
-  stamp(c, kCombine, 3);
+  stamp(c, kCombine, kSourcesIn);
   const int64_t n = ok ? count : 0, spans = (c.hidden + kSumSpan - 1) / kSumSpan;
   const uint16_t* ret = at_window<const uint16_t>(c.peers, c.peers.rank, c.map.ret) + set * c.max_tokens * ranks * c.hidden;
   const bool wide = c.hidden % 8 == 0 && aligned16(sums.out);
@@ -557,16 +563,16 @@ __device__ void combine_recv(const Ctx& c, int set, const Set& d, const Sums& su
       return (held >> r & 1u) != 0;
     }, false, sums.out + t * c.hidden + h0, min(kSumSpan, c.hidden - h0), wide, lane);
   }
-  stamp(c, kCombine, 4);
+  stamp(c, kCombine, kReceived);
   if (!last_block(c.done + 1)) return;
   end_call(c, kCombine, set);
-  stamp(c, kCombine, 5);
+  stamp(c, kCombine, kEnd);
 }
 
 // As dispatch_kernel: either phase, or both.
 __global__ void __launch_bounds__(kWarps * 32) combine_kernel(Ctx c, int phases, int set, int dset, Set d, const uint16_t* y,
                                                               Sums sums) {
-  stamp(c, kCombine, 0);
+  stamp(c, kCombine, kStart);
   if (phases & kSendPhase) combine_send(c, set, dset, d, y, sums);
   if (phases & kRecvPhase) combine_recv(c, set, d, sums);
 }
