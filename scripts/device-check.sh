@@ -80,6 +80,24 @@ if want bench; then
   rc=$?
   cat "$OUT/bench.log" | tail -25
   note "epx-bench rc=$rc"
+  # The issue's second SM budget in the same records: the same run at BENCH_SMS2 SMs (default 16;
+  # empty skips it), appended to bench.json.
+  if [ -n "${BENCH_SMS2-16}" ]; then
+    timeout 400 ./build-gpu/epx-bench --backend cuda --ranks "$gpus" ${BENCH_ARGS:---wire bf16,fp8} --sms "${BENCH_SMS2-16}" \
+      --json "$OUT/bench-sms2.json" > "$OUT/bench-sms2.log" 2>&1
+    rc=$?
+    grep -E "^(dispatch|combine)" "$OUT/bench-sms2.log" | cut -c1-80
+    python3 - "$OUT" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+if os.path.exists(f"{out}/bench-sms2.json"):
+    records = json.load(open(f"{out}/bench.json")) + json.load(open(f"{out}/bench-sms2.json"))
+    with open(f"{out}/bench.json", "w") as o:
+        o.write("[\n" + ",\n".join("  " + json.dumps(r) for r in records) + "\n]\n")
+    os.remove(f"{out}/bench-sms2.json")
+PY
+    note "epx-bench at ${BENCH_SMS2-16} SMs rc=$rc"
+  fi
 fi
 if want ab; then
   # The same benchmark once more with AB_ENV's variables set (e.g. AB_ENV="EPX_RECV_COPY=registers"):
