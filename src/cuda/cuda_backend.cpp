@@ -226,9 +226,10 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   send_blocks_override_ = static_cast<int>(env_integer("EPX_SEND_BLOCKS", 0, 1, blocks_ - 1));
   poison_outputs_ = std::getenv("EPX_POISON_OUTPUTS") != nullptr;
   broadcast_ = use_broadcast(config, ranks_);
-  // EPX_RECEIVER_START=after_plan launches the receiver after the plan as before (for A/B runs).
+  // EPX_RECEIVER_START=early launches a copy-engine dispatch's receiver before the plan (an
+  // experiment: no gain measured at one rank, docs/performance.md; unset: after the plan).
   early_receiver_ = std::string(state->transport_name()) != "shared-gpu" &&
-                    env_choice("EPX_RECEIVER_START", {"early", "after_plan"}) == "early";
+                    env_choice("EPX_RECEIVER_START", {"after_plan", "early"}) == "early";
   copy_combine_ = use_copy_combine(ranks_);
   map_ = make_window_map(config, ranks_, wire_, broadcast_);
   // Everything that may synchronize the device comes before the collective window allocation:
