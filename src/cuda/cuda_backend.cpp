@@ -226,6 +226,10 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   send_blocks_override_ = static_cast<int>(env_integer("EPX_SEND_BLOCKS", 0, 1, blocks_ - 1));
   poison_outputs_ = std::getenv("EPX_POISON_OUTPUTS") != nullptr;
   broadcast_ = use_broadcast(config, ranks_);
+  // EPX_RECEIVER_START=early launches a copy-engine dispatch's receiver before the plan (an
+  // experiment: no gain measured at one rank, docs/performance.md; unset: after the plan).
+  early_receiver_ = std::string(state->transport_name()) != "shared-gpu" &&
+                    env_choice("EPX_RECEIVER_START", {"after_plan", "early"}) == "early";
   copy_combine_ = use_copy_combine(ranks_);
   map_ = make_window_map(config, ranks_, wire_, broadcast_);
   // Everything that may synchronize the device comes before the collective window allocation:
@@ -659,26 +663,6 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   }
   const bool capacity_mode = c.mode == CapacityMode::capacity;
   const kernels::LayoutJob layout{dh->recv, opt.layout, c.expert_alignment, capacity_mode ? c.capacity_rows : 0};
-  exchange_plan(call, phase, tokens, signature, dh->pos.totals, width, nullptr, nullptr, lean ? &layout : nullptr);
-  host_steps_.mark("plan posted");
-
-  // Senders start now on the call's stream; the receiver's layout, the output allocation (after
-  // one host read of the sizes in blocking mode) and the receiver follow on the side stream.
-  timer_.mark(1, stream_);
-  EPX_CUDA(cudaEventRecord(fork_, stream_));
-  EPX_CUDA(cudaStreamWaitEvent(side_stream_, fork_, 0));
-  const int senders = broadcast_ ? 0 : send_blocks(true, opt.layout);  // a broadcast needs no sender
-  if (senders > 0)
-    kernels::dispatch_send(x, senders, rows, tokens, kernels::SendPlan{dh->slot_expert, dh->slot_weight, dh->pos});
-  host_steps_.mark("senders launched");
-  timer_.mark(2, stream_);
-  const kernels::Ctx side = ctx(side_stream_);
-  if (!lean) {
-    kernels::receive_layout(side, phase, layout);
-    host_steps_.mark("layout launched");
-  }
-  timer_.mark(3, side_stream_);
-
   auto h = std::make_shared<HandleState>();
   h->owner = this;
   h->layout = opt.layout;
@@ -696,40 +680,70 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   // min(K, L) times larger, so the sizes are read first (one host read while the senders run).
   const bool sizes_first = !capacity_mode && opt.layout == Layout::expert_major;
   int64_t capacity = capacity_mode ? c.capacity_rows : ranks_ * c.max_tokens_per_rank;
+  const int senders = broadcast_ ? 0 : send_blocks(true, opt.layout);  // a broadcast needs no sender
+  const kernels::Ctx side = ctx(side_stream_);
+  // The outputs (one allocation, on the side stream; the receiver writes every row, padding and
+  // empty rows too) and the receiver, which waits on the device for the layout when it goes first.
+  auto launch_receiver = [&](bool wait_layout) {
+    OutputBlock outputs(*this, side_stream_);
+    if (wire_.format == WireFormat::bf16) outputs.add(&out.recv_x, DType::bf16, {capacity, c.hidden});
+    else if (wire_.format == WireFormat::nvfp4) outputs.add(&out.recv_x, DType::e2m1x2, {capacity, c.hidden / 2});
+    else outputs.add(&out.recv_x, DType::fp8_e4m3, {capacity, c.hidden});
+    if (wire_.format == WireFormat::nvfp4) outputs.add(&out.recv_scales, DType::fp8_e4m3, {capacity, c.hidden / kNvfp4Block});
+    else if (wire_.scale_bytes) outputs.add(&out.recv_scales, DType::f32, {capacity, c.hidden / kFp8Block});
+    if (wire_.global_bytes) outputs.add(&out.recv_global_scale, DType::f32, {capacity});
+    outputs.add(&out.recv_src, DType::i32, {capacity, 2});
+    if (opt.layout == Layout::expert_major) {
+      outputs.add(&out.recv_weights, DType::f32, {capacity});
+    } else {
+      outputs.add(&out.recv_topk_idx, DType::i32, {capacity, c.topk});
+      outputs.add(&out.recv_topk_weights, DType::f32, {capacity, c.topk});
+    }
+    outputs.allocate();
+    host_steps_.mark("outputs allocated");
+    auto ptr = [](const Tensor& t) { return t.defined() ? t.data<char>() : nullptr; };
+    kernels::RecvOutputs ro{ptr(out.recv_x), ptr(out.recv_scales), ptr(out.recv_global_scale), wire_.x_bytes,
+                            wire_.scale_bytes, wire_.global_bytes, out.recv_src.data<int32_t>(),
+                            reinterpret_cast<float*>(ptr(out.recv_weights)),
+                            reinterpret_cast<int32_t*>(ptr(out.recv_topk_idx)),
+                            reinterpret_cast<float*>(ptr(out.recv_topk_weights))};
+    timer_.mark(4, side_stream_);
+    kernels::dispatch_receive(side, blocks_ - senders, dh->recv, ro, opt.layout, rows, mine, phase, wait_layout);
+    host_steps_.mark("receiver launched");
+    timer_.mark(5, side_stream_);
+  };
+  // Early receiver: launched behind the placing data, before the plan, so the host's launches
+  // after it (the plan) no longer hold back its start; it waits on the device for the layout.
+  // Not on the shared-GPU transport (a waiting kernel there can hold back another rank's, the
+  // hazard of docs/cuda.md) nor where the output sizes come from the plan.
+  const bool early_receiver = broadcast_ && lean && !sizes_first && early_receiver_;
+  if (early_receiver) launch_receiver(true);
+  exchange_plan(call, phase, tokens, signature, dh->pos.totals, width, nullptr, nullptr, lean ? &layout : nullptr);
+  host_steps_.mark("plan posted");
+
+  // Senders start now on the call's stream; the receiver's layout, the output allocation (after
+  // one host read of the sizes in blocking mode) and the receiver follow on the side stream.
+  timer_.mark(1, stream_);
+  if (!early_receiver) {
+    EPX_CUDA(cudaEventRecord(fork_, stream_));
+    EPX_CUDA(cudaStreamWaitEvent(side_stream_, fork_, 0));
+  }
+  if (senders > 0)
+    kernels::dispatch_send(x, senders, rows, tokens, kernels::SendPlan{dh->slot_expert, dh->slot_weight, dh->pos});
+  host_steps_.mark("senders launched");
+  timer_.mark(2, stream_);
+  if (!lean) {
+    kernels::receive_layout(side, phase, layout);
+    host_steps_.mark("layout launched");
+  }
+  timer_.mark(3, side_stream_);
   if (sizes_first) {
     EPX_CUDA(cudaMemcpyAsync(host_info_, dh->recv.info, 4 * sizeof(int64_t), cudaMemcpyDeviceToHost, side_stream_));
     EPX_CUDA(cudaStreamSynchronize(side_stream_));
     capacity = host_info_[2];
     host_steps_.mark("sizes read");
   }
-  // Outputs, on the side stream; the receiver writes every row (padding and empty rows too).
-  // All outputs in one allocation (one pool call; each tensor keeps the whole block alive).
-  OutputBlock outputs(*this, side_stream_);
-  if (wire_.format == WireFormat::bf16) outputs.add(&out.recv_x, DType::bf16, {capacity, c.hidden});
-  else if (wire_.format == WireFormat::nvfp4) outputs.add(&out.recv_x, DType::e2m1x2, {capacity, c.hidden / 2});
-  else outputs.add(&out.recv_x, DType::fp8_e4m3, {capacity, c.hidden});
-  if (wire_.format == WireFormat::nvfp4) outputs.add(&out.recv_scales, DType::fp8_e4m3, {capacity, c.hidden / kNvfp4Block});
-  else if (wire_.scale_bytes) outputs.add(&out.recv_scales, DType::f32, {capacity, c.hidden / kFp8Block});
-  if (wire_.global_bytes) outputs.add(&out.recv_global_scale, DType::f32, {capacity});
-  outputs.add(&out.recv_src, DType::i32, {capacity, 2});
-  if (opt.layout == Layout::expert_major) {
-    outputs.add(&out.recv_weights, DType::f32, {capacity});
-  } else {
-    outputs.add(&out.recv_topk_idx, DType::i32, {capacity, c.topk});
-    outputs.add(&out.recv_topk_weights, DType::f32, {capacity, c.topk});
-  }
-  outputs.allocate();
-  host_steps_.mark("outputs allocated");
-  auto ptr = [](const Tensor& t) { return t.defined() ? t.data<char>() : nullptr; };
-  kernels::RecvOutputs ro{ptr(out.recv_x), ptr(out.recv_scales), ptr(out.recv_global_scale), wire_.x_bytes,
-                          wire_.scale_bytes, wire_.global_bytes, out.recv_src.data<int32_t>(),
-                          reinterpret_cast<float*>(ptr(out.recv_weights)),
-                          reinterpret_cast<int32_t*>(ptr(out.recv_topk_idx)),
-                          reinterpret_cast<float*>(ptr(out.recv_topk_weights))};
-  timer_.mark(4, side_stream_);
-  kernels::dispatch_receive(side, blocks_ - senders, dh->recv, ro, opt.layout, rows, mine, phase);
-  host_steps_.mark("receiver launched");
-  timer_.mark(5, side_stream_);
+  if (!early_receiver) launch_receiver(false);
   EPX_CUDA(cudaEventRecord(join_, side_stream_));
   EPX_CUDA(cudaStreamWaitEvent(stream_, join_, 0));
   if (broadcast_) EPX_CUDA(cudaStreamWaitEvent(stream_, copies_done_, 0));  // x is read until then

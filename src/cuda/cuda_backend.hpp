@@ -125,6 +125,7 @@ class CudaBackend final : public Backend {
   cudaEvent_t fork_ = nullptr, join_ = nullptr, copies_done_ = nullptr;
   cudaEvent_t broadcast_begun_ = nullptr;  // copy-engine dispatch: the peers' regions are free
   bool broadcast_ = false;  // dispatch moves its rows by copy engine (kernels/broadcast.cu)
+  bool early_receiver_ = false;  // EPX_RECEIVER_START=early: a broadcast's receiver goes before the plan (dispatch())
   bool copy_combine_ = false;  // blocking combine and dispatch_backward return their rows by copy engine
   std::shared_ptr<CUmemPoolHandle_st> pool_;  // outputs and handles; kept alive by every tensor from it
   // Dispatch output blocks whose tensors are gone, for the next dispatch: a pool allocation

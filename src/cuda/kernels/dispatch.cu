@@ -360,6 +360,30 @@ __device__ bool receive_broadcast(const PeerWindows& w, const WindowMap& m, cons
   return true;
 }
 
+// A receiver launched before the plan exchange's kernel (wait_layout): thread 0 waits until that
+// kernel has written this call's layout, the block's other threads at the barrier. False when the
+// call failed first or after twice the timeout (the plan's own wait for a peer, which names the
+// missing rank, times out first; this one reports only a plan kernel that never ran).
+__device__ bool layout_ready(CallState* cs, uint32_t epoch, int rank, uint64_t timeout_ns, DeviceStatus* st) {
+  int ok = 1;
+  if (threadIdx.x == 0) {
+    cuda::atomic_ref<uint32_t, cuda::thread_scope_device> written(cs->layout_epoch);
+    const uint64_t start = globaltimer_ns();
+    for (uint32_t v = written.load(cuda::memory_order_acquire); v != epoch; v = written.load(cuda::memory_order_acquire)) {
+      if (failed(st)) {
+        ok = 0;
+        break;
+      }
+      if (globaltimer_ns() - start > 2 * timeout_ns) {
+        report(st, kStatusTimeout, rank, kSignalPlan, static_cast<int64_t>(epoch), static_cast<int64_t>(v));
+        ok = 0;
+        break;
+      }
+    }
+  }
+  return __syncthreads_and(ok) != 0;
+}
+
 // Warps take rows (chunk, source, row in chunk) in chunk order, so they follow the senders;
 // each waits for its chunk's flag. With a broadcast (kBroadcast, one instance each so neither
 // path pays the other's registers) they take this rank's own tokens first (they are in x
@@ -368,8 +392,8 @@ template <bool kBroadcast>
 __global__ void __launch_bounds__(kRecvWarps<kBroadcast> * 32) dispatch_receive_kernel(PeerWindows w, WindowMap m, Shape s,
                                                                           RecvArrays r, RecvOutputs given, Layout layout,
                                                                           SendRows own, Placing mine, int phase,
-                                                                          CallState* cs, uint64_t timeout_ns,
-                                                                          DeviceStatus* st) {
+                                                                          bool wait_layout, CallState* cs,
+                                                                          uint64_t timeout_ns, DeviceStatus* st) {
   const uint32_t epoch = call_epoch(cs);
   RecvOutputs out = given;
   if constexpr (!kBroadcast) out.bulk = false;  // compiled out of the SM engine's receiver
@@ -377,9 +401,10 @@ __global__ void __launch_bounds__(kRecvWarps<kBroadcast> * 32) dispatch_receive_
   const int64_t warp = blockIdx.x * static_cast<int64_t>(kRecvWarps<kBroadcast>) + threadIdx.x / 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kRecvWarps<kBroadcast>;
   if (out.bulk) init_bulk_stage(lane);
-  fill_empty_rows(s, r, out, layout, warp, warps, lane);
+  const bool ready = !wait_layout || layout_ready(cs, epoch, w.rank, timeout_ns, st);
+  if (ready) fill_empty_rows(s, r, out, layout, warp, warps, lane);
   int64_t chunks = 0;
-  for (int p = 0; p < w.ranks; ++p) chunks = max(chunks, static_cast<int64_t>(r.chunks_from[p]));
+  for (int p = 0; p < w.ranks && ready; ++p) chunks = max(chunks, static_cast<int64_t>(r.chunks_from[p]));
   const int64_t per_source = chunks * kChunkTokens;
   const int slot = plan_slot(cs, phase);
   SourceSeen seen;
@@ -413,14 +438,14 @@ void dispatch_send(const Ctx& ctx, int blocks, const SendRows& rows, int64_t tok
 }
 
 void dispatch_receive(const Ctx& ctx, int blocks, const RecvArrays& r, const RecvOutputs& out, Layout layout,
-                      const SendRows& own, const Placing& mine, int phase) {
+                      const SendRows& own, const Placing& mine, int phase, bool wait_layout) {
   auto* kernel = own.broadcast ? dispatch_receive_kernel<true> : dispatch_receive_kernel<false>;
   const int threads = 32 * (own.broadcast ? kRecvWarps<true> : kRecvWarps<false>);
   RecvOutputs o = out;
   o.bulk = own.broadcast && bulk_receive();
   const size_t smem = o.bulk ? static_cast<size_t>(bulk_stage_smem(kRecvWarps<true>)) : 0;
   kernel<<<blocks, threads, smem, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, o, layout, own, mine, phase,
-                                                ctx.state, ctx.timeout_ns, ctx.status);
+                                                wait_layout, ctx.state, ctx.timeout_ns, ctx.status);
 }
 
 void preload_dispatch_kernels() {

@@ -175,9 +175,11 @@ struct RecvOutputs {
 };
 // `own`: this rank's input rows, which the receiver places itself (no sender copies them). With
 // own.broadcast every row's place comes from its source's Placing (this rank's: `mine`) and the
-// plans of this call's `phase` give each source's token count.
+// plans of this call's `phase` give each source's token count. wait_layout: launched before the plan
+// exchange's kernel, the receiver waits on the device until that kernel has written the layout.
 void dispatch_receive(const Ctx& ctx, int blocks, const RecvArrays& r, const RecvOutputs& out, Layout layout,
-                      const SendRows& own, const Placing& mine, int phase);
+                      const SendRows& own, const Placing& mine, int phase,
+                      bool wait_layout = false);
 
 // Combine and dispatch_backward in one kernel: `send_blocks` blocks return each received chunk
 // (partial sums of y in slot order; per-slot values from slot_values when not null: expert-major

@@ -171,6 +171,11 @@ __global__ void exchange_plan_kernel(PeerWindows w, WindowMap m, Shape s, PlanHe
   if (!with_layout) return;
   __syncthreads();  // thread 0's verdict (a mismatch or a peer's rejection fails the call) for every thread
   receive_layout_block(w, m, s, phase, layout, cs, st);
+  // For a receiver launched before this kernel (waiting in receive_layout_ready): the layout is
+  // written, also in a failed call (empty: the receiver then moves nothing).
+  __syncthreads();
+  if (threadIdx.x == 0)
+    cuda::atomic_ref<uint32_t, cuda::thread_scope_device>(cs->layout_epoch).store(call_epoch(cs), cuda::memory_order_release);
 }
 
 // Block e: this rank's (token, slot) pairs of expert e in order; keep while the global
