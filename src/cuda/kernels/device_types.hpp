@@ -74,6 +74,8 @@ struct WindowMap {
   int64_t rev_slots;     // f32 [R * max_tokens * K]
   int64_t rev_piece_flag;   // uint32 [R][kMaxPieces]: copy-engine combine: the call epoch once rank d's
                             // rows of stream positions [p * piece_tokens, ...) are in rev_rows
+  int64_t begun;            // uint32 [R]: the epoch of the last call rank d began (its begin kernel writes it):
+                            // d's earlier calls, and their reads of rev_rows / rev_slots, are over
   // Copy-engine dispatch (docs/performance.md): every source's whole input, copied here by its
   // copy engines in pieces of piece_tokens tokens, each piece flagged after it (copy-engine
   // combine cuts its rows by stream position the same way).
