@@ -131,7 +131,13 @@ std::vector<Record> run_low_latency(const Options& o, const Ranks& ranks, const 
           // Kernel time, as decode runs it: kGraphCalls calls in one CUDA graph per replay, so
           // neither host launch time nor the ranks' start skew is in the per-call time.
           for (int i = 0; i < o.warmup; ++i) call();  // eager (EPX_PROFILE times their halves)
+          // No rank captures (allocates) while a peer's eager calls may still wait for it, and no
+          // rank replays before every rank's graph is uploaded (docs/cuda.md: allocations and the
+          // shared GPU).
+          io.synchronize();
+          start.arrive_and_wait();
           io.capture(kGraphCalls, call);
+          start.arrive_and_wait();
           for (int i = 0; i < o.warmup + o.iters; ++i) {
             start.arrive_and_wait();
             const double us = io.replay_us() / kGraphCalls;

@@ -58,6 +58,12 @@ TensorView Staging::place(const void* data, size_t bytes, DType dtype, std::init
 #endif
 }
 
+void Staging::synchronize() const {
+#ifdef EPX_HAS_CUDA
+  if (device_ >= 0) cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
+#endif
+}
+
 Tensor Staging::fetch(const Tensor& t) const {
 #ifdef EPX_HAS_CUDA
   if (device_ >= 0) cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
@@ -131,7 +137,11 @@ void Staging::capture(int calls, const std::function<void()>& call) {
     if (graph) cudaGraphDestroy(graph);
     throw;
   }
-  const bool ok = cudaStreamEndCapture(stream, &graph) == cudaSuccess && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
+  // Uploaded here, not by the first launch: an upload allocates device memory, and an allocation
+  // while a peer's kernel waits on the same GPU (the shared-GPU transport) can hold this rank's
+  // kernels back until the peer times out (docs/cuda.md).
+  const bool ok = cudaStreamEndCapture(stream, &graph) == cudaSuccess && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess &&
+                  cudaGraphUpload(exec, stream) == cudaSuccess && cudaStreamSynchronize(stream) == cudaSuccess;
   if (graph) cudaGraphDestroy(graph);
   if (!ok) throw Error(ErrorCode::internal, "epx-bench: capturing the calls in a CUDA graph failed");
   graph_ = exec;

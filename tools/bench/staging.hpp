@@ -29,6 +29,8 @@ class Staging {
   Tensor fetch(const Tensor& t) const;
 
   void* stream() const { return stream_; }
+  // Waits for everything enqueued on the stream (GPUs; nothing on the host backend).
+  void synchronize() const;
   // Marks the start and end of one timed call; elapsed_us() waits for the end.
   void start();
   void stop();
