@@ -58,6 +58,17 @@ if want tests; then
     failed=$(grep -E '^\[  FAILED  \] .*\(' "$OUT/gpu_tests_$engine.log" | sed -E 's/^\[  FAILED  \] ([^ ,]*).*/\1/' | sort -u | tr '\n' ' ')
     note "gpu tests, $engine engines, rc=$rc: $(grep -E '^\[  PASSED' "$OUT/gpu_tests_$engine.log") failed: ${failed:-none}"
   done
+  # The experiments that are off by default (docs/benchmarks.md), on, with copy engines forced, so
+  # their paths stay tested (KNOB_ENV="" skips this pass).
+  knobs=${KNOB_ENV-EPX_RECEIVER_START=early EPX_COMBINE_COPIES=first}
+  if [ -n "$knobs" ]; then
+    read -ra knob_vars <<< "$knobs"
+    env "${knob_vars[@]}" EPX_DISPATCH_ENGINE=copy EPX_COMBINE_ENGINE=copy EPX_TIMEOUT_MS=${EPX_TIMEOUT_MS:-10000} timeout 300 \
+      ./build-gpu/tests/epx_gpu_tests --gtest_filter="${ENGINE_FILTER:-*Cuda*:-*LowLatency*}" > "$OUT/gpu_tests_knobs.log" 2>&1
+    rc=$?
+    failed=$(grep -E '^\[  FAILED  \] .*\(' "$OUT/gpu_tests_knobs.log" | sed -E 's/^\[  FAILED  \] ([^ ,]*).*/\1/' | sort -u | tr '\n' ' ')
+    note "gpu tests, copy engines with $knobs, rc=$rc: $(grep -E '^\[  PASSED' "$OUT/gpu_tests_knobs.log") failed: ${failed:-none}"
+  fi
 fi
 if want sanitize; then
   # Each tool twice: the default engines (SM at one rank), then the copy-engine path forced (at one
