@@ -196,7 +196,7 @@ __global__ void exchange_plan_kernel(PeerWindows w, WindowMap m, Shape s, PlanHe
   if (!with_layout) return;
   __syncthreads();  // thread 0's verdict (a mismatch or a peer's rejection fails the call) for every thread
   receive_layout_block(w, m, s, phase, layout, cs, st);
-  // For a receiver launched before this kernel (waiting in receive_layout_ready): the layout is
+  // For a receiver launched before this kernel (waiting in layout_ready, dispatch.cu): the layout is
   // written, also in a failed call (empty: the receiver then moves nothing).
   __syncthreads();
   if (threadIdx.x == 0)
