@@ -366,21 +366,8 @@ __device__ bool receive_broadcast(const PeerWindows& w, const WindowMap& m, cons
 // missing rank, times out first; this one reports only a plan kernel that never ran).
 __device__ bool layout_ready(CallState* cs, uint32_t epoch, int rank, uint64_t timeout_ns, DeviceStatus* st) {
   int ok = 1;
-  if (threadIdx.x == 0) {
-    cuda::atomic_ref<uint32_t, cuda::thread_scope_device> written(cs->layout_epoch);
-    const uint64_t start = globaltimer_ns();
-    for (uint32_t v = written.load(cuda::memory_order_acquire); v != epoch; v = written.load(cuda::memory_order_acquire)) {
-      if (failed(st)) {
-        ok = 0;
-        break;
-      }
-      if (globaltimer_ns() - start > 2 * timeout_ns) {
-        report(st, kStatusTimeout, rank, kSignalPlan, static_cast<int64_t>(epoch), static_cast<int64_t>(v));
-        ok = 0;
-        break;
-      }
-    }
-  }
+  if (threadIdx.x < 32)  // the epoch only grows: at least this call's is this call's
+    ok = warp_wait_lane_flags(threadIdx.x == 0 ? &cs->layout_epoch : nullptr, rank, epoch, 2 * timeout_ns, st, kSignalPlan);
   return __syncthreads_and(ok) != 0;
 }
 

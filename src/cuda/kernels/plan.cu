@@ -94,18 +94,8 @@ __global__ void begin_call_kernel(PeerWindows w, WindowMap m, CallState* cs, Dev
 // stream runs anyway (the call has failed then: every rank learns it at its sync).
 __global__ void wait_began_kernel(PeerWindows w, WindowMap m, const CallState* cs, uint64_t timeout_ns, DeviceStatus* st) {
   const int d = threadIdx.x;
-  if (d >= w.ranks) return;
-  const uint32_t epoch = call_epoch(cs);
-  cuda::atomic_ref<uint32_t, cuda::thread_scope_system> began(at_window<uint32_t>(w, w.rank, m.begun)[d]);
-  const uint64_t start = globaltimer_ns();
-  for (uint32_t v = began.load(cuda::memory_order_acquire); static_cast<int32_t>(v - epoch) < 0;
-       v = began.load(cuda::memory_order_acquire)) {
-    if (failed(st)) return;
-    if (globaltimer_ns() - start > timeout_ns) {
-      report(st, kStatusTimeout, d, kSignalReverse, static_cast<int64_t>(epoch), static_cast<int64_t>(v));
-      return;
-    }
-  }
+  warp_wait_lane_flags(d < w.ranks ? at_window<uint32_t>(w, w.rank, m.begun) + d : nullptr, d, call_epoch(cs), timeout_ns,
+                       st, kSignalReverse);
 }
 
 // One block: write header (+ counts) into every rank's plan slot for this rank, then signal.
@@ -199,7 +189,7 @@ __global__ void exchange_plan_kernel(PeerWindows w, WindowMap m, Shape s, PlanHe
   // For a receiver launched before this kernel (waiting in layout_ready, dispatch.cu): the layout is
   // written, also in a failed call (empty: the receiver then moves nothing).
   __syncthreads();
-  if (threadIdx.x == 0)
+  if (threadIdx.x == 0)  // device scope: only this GPU's receiver reads it
     cuda::atomic_ref<uint32_t, cuda::thread_scope_device>(cs->layout_epoch).store(call_epoch(cs), cuda::memory_order_release);
 }
 
