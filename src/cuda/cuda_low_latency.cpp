@@ -88,6 +88,8 @@ class CudaLowLatency final : public LowLatencyBackend {
     }
     EPX_CUDA(cudaHostAlloc(&host_status_, sizeof(DeviceStatus), cudaHostAllocMapped));
     std::memset(host_status_, 0, sizeof(DeviceStatus));
+    EPX_CUDA(cudaHostAlloc(&host_started_, 4 * sizeof(uint64_t), cudaHostAllocMapped));
+    std::memset(host_started_, 0, 4 * sizeof(uint64_t));
     EPX_CUDA(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
     stream_ = own_stream_;
     EPX_CUDA(cudaDeviceSynchronize());
@@ -105,6 +107,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     cudaFree(status_);
     cudaFree(done_);
     cudaFreeHost(host_status_);
+    cudaFreeHost(host_started_);
     cudaStreamDestroy(own_stream_);
   }
 
@@ -314,7 +317,7 @@ class CudaLowLatency final : public LowLatencyBackend {
   ll::Ctx ctx() const {
     const LowLatencyConfig& c = config();
     return ll::Ctx{window_->peers(), map_, c.hidden, c.topk, c.num_experts, local_, c.max_tokens_per_rank, c.wire,
-                   wire_.x_bytes, wire_.scale_bytes, wire_.global_bytes, status_, host_status_, done_,
+                   wire_.x_bytes, wire_.scale_bytes, wire_.global_bytes, status_, host_status_, host_started_, done_,
                    static_cast<uint64_t>(timeout_.count()) * 1000000ull, blocks_, stream_, stamps_};
   }
 
@@ -373,6 +376,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     std::memset(host_status_, 0, sizeof(DeviceStatus));
     EPX_CUDA(cudaMemsetAsync(status_, 0, sizeof(DeviceStatus), stream_));
     const std::string who = cat("a low-latency call before ", name, " (rank ", rank_, "): ");
+    const std::string when = timing(st.b);
     switch (st.code) {
       case kStatusBadExpert:
         fail(ErrorCode::invalid_argument, who, "topk_idx[", st.a, ", ", st.b, "] = ", st.c,
@@ -385,7 +389,7 @@ class CudaLowLatency final : public LowLatencyBackend {
         if (st.a == kStatusTimeout || st.a == kStatusPeerRejected)
           fail(ErrorCode::peer_failed, who, "rank ", st.rank, st.a == kStatusTimeout ? " gave up waiting for another rank"
                                                                                    : " stopped after another rank failed",
-               " (its own error says which), so the group stops");
+               " (its own error says which), so the group stops; ", when);
         fail(ErrorCode::peer_failed, who, "rank ", st.rank, " rejected its input (its own error says why), so the group stops");
       case kStatusTimeout:
         broken_ = true;
@@ -394,11 +398,27 @@ class CudaLowLatency final : public LowLatencyBackend {
                              "this rank's host began the call before ", name, " ", static_cast<int64_t>(previous_gap_ms_),
                              " ms after its previous call or the buffer's creation (a gap near the timeout on the rank "
                              "that never arrived: its host was held up; short gaps everywhere: the device held its "
-                             "kernel back)");
+                             "kernel back); ", when);
         throw Error(ErrorCode::timeout, broken_reason_);
       default:
         fail(ErrorCode::internal, who, "device reported status ", st.code);
     }
+  }
+
+  // For timeout messages: when this rank's host began its last calls, and when (device global timer,
+  // ms) its kernels began each set and it began waiting; on the shared GPU every rank reads
+  // the same timer, so the ranks' messages show whose kernel started late (docs/cuda.md).
+  std::string timing(int64_t waited_from_ns) const {
+    auto ms = [](uint64_t ns) {
+      char text[32];
+      std::snprintf(text, sizeof(text), "%.3f", static_cast<double>(ns % 1000000000000ull) / 1e6);
+      return std::string(text);
+    };
+    const uint64_t* t = host_started_;  // [kind][set]
+    return cat("device timer (ms): this rank's ll_dispatch kernels began at ", ms(t[0]), " / ", ms(t[1]),
+               " (sets 0 / 1), its ll_combine kernels at ", ms(t[2]), " / ", ms(t[3]), ", it began waiting at ",
+               ms(static_cast<uint64_t>(waited_from_ns)), "; its host began its last two calls ",
+               static_cast<int64_t>(previous_gap_ms_), " and ", static_cast<int64_t>(gap_ms_), " ms after the one before");
   }
 
   int device_ = 0, blocks_ = 0;
@@ -413,6 +433,7 @@ class CudaLowLatency final : public LowLatencyBackend {
   std::unique_ptr<SymmetricWindow> window_;
   DeviceStatus* status_ = nullptr;
   DeviceStatus* host_status_ = nullptr;
+  uint64_t* host_started_ = nullptr;  // ll::Ctx::host_started
   uint32_t* done_ = nullptr;
   uint64_t* stamps_ = nullptr;  // EPX_PROFILE=ll (ll::Ctx::stamps)
   cudaStream_t own_stream_ = nullptr;

@@ -61,6 +61,7 @@ struct Ctx {
   int64_t x_bytes, scale_bytes, global_bytes;
   DeviceStatus* status;
   DeviceStatus* host_status;  // mapped host copy, written at the end of each receive half
+  uint64_t* host_started;     // mapped host [2 kinds][2 sets]: global timer when the call's send half began
   uint32_t* done;  // [2] blocks done with the receive phase of dispatch, combine; reset by the last
   uint64_t timeout_ns;
   int blocks;

@@ -134,13 +134,13 @@ __device__ bool wait_sources(const Ctx& c, Kind kind, int set) {
     for (uint64_t v = word.load(cuda::memory_order_acquire);
          (v >> kGridShift) == 0 || (v & kArrivedMask) != (v >> kGridShift); v = word.load(cuda::memory_order_acquire))
       if (globaltimer_ns() - start > c.timeout_ns) {
-        report(c.status, kStatusTimeout, source, kind + 1);
+        report(c.status, kStatusTimeout, source, kind + 1, static_cast<int64_t>(start));
         ok = 0;
         break;
       }
     const uint32_t code = ok ? *reinterpret_cast<volatile uint32_t*>(word_of<uint32_t>(c, c.map.errors, c.peers.rank, kind, set, source)) : 0;
     if (code != 0) {
-      if (source != c.peers.rank) report(c.status, kStatusPeerRejected, source, code);
+      if (source != c.peers.rank) report(c.status, kStatusPeerRejected, source, code, static_cast<int64_t>(start));
       ok = 0;
     }
   }
@@ -431,8 +431,16 @@ __device__ void dispatch_recv(const Ctx& c, int set, const Set& s) {
 
 // One launch for either phase or both (the fused call): a block done sending goes on to
 // receive. With both, every block of the grid must be resident at once (one per SM at most).
+// When the call's send half began, in mapped host memory: timeout messages compare ranks' starts
+// (docs/cuda.md: on the shared GPU every rank reads the same timer).
+__device__ void note_start(const Ctx& c, Kind kind, int set, int phases) {
+  if ((phases & kSendPhase) && blockIdx.x == 0 && threadIdx.x == 0)
+    *reinterpret_cast<volatile uint64_t*>(c.host_started + kind * 2 + set) = globaltimer_ns();
+}
+
 __global__ void __launch_bounds__(kWarps * 32) dispatch_kernel(Ctx c, int phases, int set, Route route, Rows rows, Set s) {
   stamp(c, kDispatch, kStart);
+  note_start(c, kDispatch, set, phases);
   if (phases & kSendPhase) dispatch_send(c, set, route, rows, s);
   if (phases & kRecvPhase) dispatch_recv(c, set, s);
 }
@@ -573,6 +581,7 @@ __device__ void combine_recv(const Ctx& c, int set, const Set& d, const Sums& su
 __global__ void __launch_bounds__(kWarps * 32) combine_kernel(Ctx c, int phases, int set, int dset, Set d, const uint16_t* y,
                                                               Sums sums) {
   stamp(c, kCombine, kStart);
+  note_start(c, kCombine, set, phases);
   if (phases & kSendPhase) combine_send(c, set, dset, d, y, sums);
   if (phases & kRecvPhase) combine_recv(c, set, d, sums);
 }
