@@ -188,16 +188,19 @@ PY
 fi
 if want holdback; then
   # The shared-GPU hold-back (docs/cuda.md, Known gaps): EP8 of the low-latency benchmark on one GPU,
-  # HOLDBACK_RUNS times with 8 hardware queues and with 32 (what the tests and --shared-gpu ask
-  # for). If streams of different ranks sharing a queue is the cause, 8 queues fail far more often.
-  for queues in 8 32; do
+  # HOLDBACK_RUNS times in each of HOLDBACK_VARIANTS (';'-separated environments: hardware queues,
+  # eager module loading). The timeout messages say when each rank's kernels began on the device
+  # and when its host launched them.
+  IFS=';' read -ra variants <<< "${HOLDBACK_VARIANTS:-CUDA_DEVICE_MAX_CONNECTIONS=8;CUDA_DEVICE_MAX_CONNECTIONS=32;CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=EAGER}"
+  for variant in "${variants[@]}"; do
+    read -ra vars <<< "$variant"
     fails=0
     for i in $(seq "${HOLDBACK_RUNS:-3}"); do
-      echo "== $queues queues, run $i" >> "$OUT/holdback.log"
-      CUDA_DEVICE_MAX_CONNECTIONS=$queues EPX_TIMEOUT_MS=3000 timeout 90 ./build-gpu/epx-bench --backend cuda --preset ll \
+      echo "== $variant, run $i" >> "$OUT/holdback.log"
+      env "${vars[@]}" EPX_TIMEOUT_MS=3000 timeout 90 ./build-gpu/epx-bench --backend cuda --preset ll \
         --shared-gpu --ranks 8 --wire fp8 --ops ll_dispatch,ll_combine --iters 5 >> "$OUT/holdback.log" 2>&1 || fails=$((fails + 1))
     done
-    note "shared-GPU EP8 with $queues hardware queues: $fails of ${HOLDBACK_RUNS:-3} runs failed"
+    note "shared-GPU EP8 with $variant: $fails of ${HOLDBACK_RUNS:-3} runs failed"
   done
 fi
 

@@ -2,6 +2,7 @@
 // buffer owns every array (window, two sets of outputs); results are views into the set of
 // their call, valid until the receive half of the call after next (docs/low-latency.md).
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -161,6 +162,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     }
     mark(0);
     if (!fusing_) ll::dispatch(ctx(), ll::kSendPhase, set, route, rows, sets_[set]);
+    if (!fusing_) launched();
     dispatch_pending_ = true;
     pending_route_ = route;
     pending_rows_ = rows;
@@ -172,6 +174,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     const int set = static_cast<int>((dispatch_calls_ - 1) % 2);
     const ll::Set& s = sets_[set];
     ll::dispatch(ctx(), fusing_ ? ll::kSendPhase | ll::kRecvPhase : ll::kRecvPhase, set, pending_route_, pending_rows_, s);
+    if (fusing_) launched();
     if (mark(1)) timer_.add(fusing_ ? "ll dispatch (one launch)" : "ll dispatch: send half to end", 0, 1);
     const LowLatencyConfig& c = config();
     LowLatencyDispatchResult out;
@@ -241,6 +244,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     combine_pending_ = true;
     pending_combine_ = {handle.state_ptr(), in.weighted, in.topk_weights, in.y.ptr<const uint16_t>()};
     if (!fusing_) ll::combine(ctx(), ll::kSendPhase, set, h.set, sets_[h.set], in.y.ptr<const uint16_t>(), sums(set));
+    if (!fusing_) launched();
   }
 
   Tensor combine_recv() override {
@@ -251,6 +255,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     uint16_t* out = sets_[set].out;
     ll::combine(ctx(), fusing_ ? ll::kSendPhase | ll::kRecvPhase : ll::kRecvPhase, set, h.set, sets_[h.set],
                 pending_combine_.y, sums(set));
+    if (fusing_) launched();
     if (mark(3)) timer_.add(fusing_ ? "ll combine (one launch)" : "ll combine: send half to end", 2, 3);
     pending_combine_ = {};
     return Tensor(memory_, TensorView::of(out, DType::bf16, {h.tokens, config().hidden}, DeviceKind::cuda, device_));
@@ -365,8 +370,8 @@ class CudaLowLatency final : public LowLatencyBackend {
   void begin(const char* kind, int64_t index) {
     const std::string name = cat(kind, " #", index);
     const auto now = std::chrono::steady_clock::now();
-    previous_gap_ms_ = gap_ms_;
-    gap_ms_ = std::chrono::duration<double, std::milli>(now - last_begin_).count();
+    std::rotate(recent_.begin(), recent_.begin() + 1, recent_.end());
+    recent_.back() = {std::chrono::duration<double, std::milli>(now - last_begin_).count(), -1.0};
     last_begin_ = now;
     if (broken_) fail(ErrorCode::peer_failed, name, " (rank ", rank_, "): the low-latency buffer already failed: ", broken_reason_);
     EPX_CUDA(cudaSetDevice(device_));
@@ -376,7 +381,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     std::memset(host_status_, 0, sizeof(DeviceStatus));
     EPX_CUDA(cudaMemsetAsync(status_, 0, sizeof(DeviceStatus), stream_));
     const std::string who = cat("a low-latency call before ", name, " (rank ", rank_, "): ");
-    const std::string when = timing(st.b);
+    const std::string when = timing(st.d);
     switch (st.code) {
       case kStatusBadExpert:
         fail(ErrorCode::invalid_argument, who, "topk_idx[", st.a, ", ", st.b, "] = ", st.c,
@@ -394,20 +399,19 @@ class CudaLowLatency final : public LowLatencyBackend {
       case kStatusTimeout:
         broken_ = true;
         broken_reason_ = cat(who, "waited ", timeout_.count(), " ms for rank ", st.rank,
-                             ", which never arrived (crashed, hung, or called collective operations in a different order); "
-                             "this rank's host began the call before ", name, " ", static_cast<int64_t>(previous_gap_ms_),
-                             " ms after its previous call or the buffer's creation (a gap near the timeout on the rank "
-                             "that never arrived: its host was held up; short gaps everywhere: the device held its "
-                             "kernel back); ", when);
+                             ", which never arrived (crashed, hung, or called collective operations in a different order); ",
+                             when);
         throw Error(ErrorCode::timeout, broken_reason_);
       default:
         fail(ErrorCode::internal, who, "device reported status ", st.code);
     }
   }
 
-  // For timeout messages: when this rank's host began its last calls, and when (device global timer,
-  // ms) its kernels began each set and it began waiting; on the shared GPU every rank reads
-  // the same timer, so the ranks' messages show whose kernel started late (docs/cuda.md).
+  // For timeout messages, in every rank's words (the ranks' messages side by side show whose kernel
+  // started late, and whether its host launched it late): when this rank's kernels began each set
+  // and when it began waiting (device global timer, ms; on the shared GPU every rank reads the same
+  // timer), and how long after the call before (or the buffer's creation) its host began its last
+  // calls and how long each launch took (docs/cuda.md: the shared-GPU hold-back).
   std::string timing(int64_t waited_from_ns) const {
     auto ms = [](uint64_t ns) {
       char text[32];
@@ -415,18 +419,33 @@ class CudaLowLatency final : public LowLatencyBackend {
       return std::string(text);
     };
     const uint64_t* t = host_started_;  // [kind][set]
+    std::string calls;
+    for (const HostCall& h : recent_) {
+      char text[64];
+      const char* comma = calls.empty() ? "" : ", ";
+      if (h.launch_ms < 0) std::snprintf(text, sizeof(text), "%s%.1f (no launch)", comma, h.gap_ms);
+      else std::snprintf(text, sizeof(text), "%s%.1f (launched in %.2f)", comma, h.gap_ms, h.launch_ms);
+      calls += text;
+    }
     return cat("device timer (ms): this rank's ll_dispatch kernels began at ", ms(t[0]), " / ", ms(t[1]),
                " (sets 0 / 1), its ll_combine kernels at ", ms(t[2]), " / ", ms(t[3]), ", it began waiting at ",
-               ms(static_cast<uint64_t>(waited_from_ns)), "; its host began its last two calls ",
-               static_cast<int64_t>(previous_gap_ms_), " and ", static_cast<int64_t>(gap_ms_), " ms after the one before");
+               waited_from_ns ? ms(static_cast<uint64_t>(waited_from_ns)) : std::string("(not noted)"),
+               "; its host began its last calls ", calls, " ms after the call before or the buffer's creation");
+  }
+
+  // The host's side of the last calls, for timing(): launched() notes when a call's kernel is queued.
+  struct HostCall {
+    double gap_ms = 0.0, launch_ms = -1.0;
+  };
+  void launched() {
+    recent_.back().launch_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - last_begin_).count();
   }
 
   int device_ = 0, blocks_ = 0;
   const int64_t chunks_;  // the kernels count rows per chunk of ll::kChunk source tokens
-  // When this rank's host began its last call (or made the buffer), and how long after the one
-  // before it began the current and the previous call: timeout messages say it (docs/cuda.md).
+  // When this rank's host began its last call (or made the buffer), and its last three calls (timing()).
   std::chrono::steady_clock::time_point last_begin_;
-  double gap_ms_ = 0.0, previous_gap_ms_ = 0.0;
+  std::array<HostCall, 3> recent_{};
   ll::Map map_{};
   ll::Set sets_[2]{};
   std::shared_ptr<void> memory_;  // both sets' arrays; results keep it alive

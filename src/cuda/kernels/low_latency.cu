@@ -134,13 +134,13 @@ __device__ bool wait_sources(const Ctx& c, Kind kind, int set) {
     for (uint64_t v = word.load(cuda::memory_order_acquire);
          (v >> kGridShift) == 0 || (v & kArrivedMask) != (v >> kGridShift); v = word.load(cuda::memory_order_acquire))
       if (globaltimer_ns() - start > c.timeout_ns) {
-        report(c.status, kStatusTimeout, source, kind + 1, static_cast<int64_t>(start));
+        report(c.status, kStatusTimeout, source, kind + 1, 0, 0, static_cast<int64_t>(start));  // d: for the message
         ok = 0;
         break;
       }
     const uint32_t code = ok ? *reinterpret_cast<volatile uint32_t*>(word_of<uint32_t>(c, c.map.errors, c.peers.rank, kind, set, source)) : 0;
     if (code != 0) {
-      if (source != c.peers.rank) report(c.status, kStatusPeerRejected, source, code, static_cast<int64_t>(start));
+      if (source != c.peers.rank) report(c.status, kStatusPeerRejected, source, code, 0, 0, static_cast<int64_t>(start));
       ok = 0;
     }
   }
