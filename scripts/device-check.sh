@@ -188,10 +188,10 @@ PY
 fi
 if want holdback; then
   # The shared-GPU hold-back (docs/cuda.md, Known gaps): EP8 of the low-latency benchmark on one GPU,
-  # HOLDBACK_RUNS times in each of HOLDBACK_VARIANTS (';'-separated environments: hardware queues,
-  # each rank's warm-up calls one at a time). The timeout messages say when each rank's kernels
+  # HOLDBACK_RUNS times in each of HOLDBACK_VARIANTS (';'-separated environments, e.g. hardware
+  # queues). The timeout messages say when each rank's kernels
   # began on the device and when its host launched them.
-  IFS=';' read -ra variants <<< "${HOLDBACK_VARIANTS:-CUDA_DEVICE_MAX_CONNECTIONS=8;CUDA_DEVICE_MAX_CONNECTIONS=8 EPX_BENCH_EAGER_SYNC=1;CUDA_DEVICE_MAX_CONNECTIONS=32;CUDA_DEVICE_MAX_CONNECTIONS=32 EPX_BENCH_EAGER_SYNC=1}"
+  IFS=';' read -ra variants <<< "${HOLDBACK_VARIANTS:-CUDA_DEVICE_MAX_CONNECTIONS=8;CUDA_DEVICE_MAX_CONNECTIONS=32}"
   for variant in "${variants[@]}"; do
     read -ra vars <<< "$variant"
     fails=0

@@ -98,7 +98,6 @@ bool is_baseline(const std::string& op) { return op == "peer_copy" || op == "ncc
 
 // Low-latency mode: ll_dispatch and ll_combine (fused forms), verified against the reference.
 constexpr int kGraphCalls = 10;  // calls per timed CUDA-graph replay (even: the buffer sets alternate)
-const bool eager_sync = std::getenv("EPX_BENCH_EAGER_SYNC") != nullptr && std::string(std::getenv("EPX_BENCH_EAGER_SYNC")) == "1";
 std::vector<Record> run_low_latency(const Options& o, const Ranks& ranks, const verify::Problem& p, WireFormat wire) {
   const int64_t h = p.cfg.hidden, k_count = p.cfg.topk, l_count = p.cfg.num_experts / p.ranks;
   const int64_t slots = p.ranks * p.cfg.max_tokens_per_rank;
@@ -131,12 +130,12 @@ std::vector<Record> run_low_latency(const Options& o, const Ranks& ranks, const 
           if (!io.on_gpu() || o.ll_eager) return time_calls(o, arrive, io, times, call);
           // Kernel time, as decode runs it: kGraphCalls calls in one CUDA graph per replay, so
           // neither host launch time nor the ranks' start skew is in the per-call time.
-          // Eager (EPX_PROFILE times their halves). EPX_BENCH_EAGER_SYNC=1 (an experiment, docs/cuda.md):
-          // each rank waits for its call before the next, so no rank has a kernel queued behind
-          // its waiting one.
+          // Eager (EPX_PROFILE times their halves), one at a time: on the shared GPU a kernel queued
+          // behind this rank's waiting one can keep a peer's first kernel from starting
+          // (docs/cuda.md, the shared-GPU hold-back).
           for (int i = 0; i < o.warmup; ++i) {
             call();
-            if (eager_sync) io.synchronize();
+            io.synchronize();
           }
           // No rank captures (allocates) while a peer's eager calls may still wait for it, and no
           // rank replays before every rank's graph is uploaded (docs/cuda.md: allocations and the
