@@ -115,6 +115,8 @@ TEST_P(CudaLowLatency, RoundsMatchTheReference) {
       if (weights_at_dispatch) d.topk_weights = weights;
       b.dispatch_send(d);
       LowLatencyDispatchResult res = b.dispatch_recv();
+      // On one GPU no rank queues a kernel behind its own waiting one (docs/cuda.md, hold-back).
+      if (c.shared) b.synchronize();
       LowLatencyCombineInput ci;
       ci.y = device_view(in[i].y, DType::bf16, {l_count, slots, c.hidden}, dev);
       if (!weights_at_dispatch) ci.topk_weights = weights;
