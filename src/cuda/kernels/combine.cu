@@ -161,8 +161,9 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PeerWindows w, Window
   for (int64_t t = reducer; t < tokens; t += reducers) {
     if (a.by_copy) {  // lane d waits for the piece of rank d that holds token t's row (none from this rank)
       const int32_t pos = lane < w.ranks && lane != w.rank ? send_pos[t * w.ranks + lane] : -1;
-      uint32_t* piece = pos < 0 ? nullptr
-                                : at_window<uint32_t>(w, w.rank, m.rev_piece_flag) + lane * kMaxPieces + pos / m.piece_tokens;
+      int q = 0;  // the piece of stream position pos
+      while (q + 1 < kMaxPieces && pos >= m.return_start[q + 1]) ++q;
+      uint32_t* piece = pos < 0 ? nullptr : at_window<uint32_t>(w, w.rank, m.rev_piece_flag) + lane * kMaxPieces + q;
       if (!warp_wait_lane_flags(piece, lane, epoch, timeout_ns, st, kSignalReverse)) return;
     } else if (!warp_wait_flags(at_window<uint32_t>(w, w.rank, m.rev_chunk_flag) + t / kChunkTokens, m.max_chunks,
                                 w.ranks, 0, epoch, timeout_ns, st, kSignalReverse, lane)) {

@@ -29,8 +29,9 @@ void return_rows(const Ctx& ctx, cudaStream_t copies, const ReturnRows& rows, co
   for (int k = 1; k < w.ranks; ++k) {
     const int d = (w.rank + k) % w.ranks;
     const int64_t count = rank_offsets[d + 1] - rank_offsets[d];
-    for (int64_t first = 0, piece = 0; first < count; first += m.piece_tokens, ++piece) {
-      const int64_t n = std::min(m.piece_tokens, count - first), row = rank_offsets[d] + first;
+    for (int piece = 0; piece < kMaxPieces && m.return_start[piece] < count; ++piece) {
+      const int64_t first = m.return_start[piece];
+      const int64_t n = std::min<int64_t>(m.return_start[piece + 1], count) - first, row = rank_offsets[d] + first;
       const int64_t at = w.rank * ctx.shape.max_tokens + first;  // the first row's place at d
       copy_rows(w.base[d] + m.rev_rows + at * row_bytes, row_bytes, rows.y + row * rows.y_stride_bytes,
                 rows.y_stride_bytes, row_bytes, n, copies);

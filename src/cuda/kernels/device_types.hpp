@@ -56,6 +56,9 @@ constexpr int kRangeCountBits = 5;
 static_assert(kChunkTokens < (1 << kRangeCountBits), "a chunk's row count must fit its bits");
 
 // Byte offsets inside every rank's window (the same on all ranks).
+// Pieces a broadcast (and a copy-engine return) is cut into: the receivers start on a piece as soon as it is in.
+constexpr int kMaxPieces = 16;
+
 struct WindowMap {
   int64_t signals;       // uint64 [kSignalKinds][R]
   int64_t plans;         // [2 parities][2 phases][R] plan_stride bytes: header + int64 [E + R]
@@ -73,7 +76,9 @@ struct WindowMap {
   int64_t rev_rows;      // bf16 [R * max_tokens * H]
   int64_t rev_slots;     // f32 [R * max_tokens * K]
   int64_t rev_piece_flag;   // uint32 [R][kMaxPieces]: copy-engine combine: the call epoch once rank d's
-                            // rows of stream positions [p * piece_tokens, ...) are in rev_rows
+                            // rows of stream positions [return_start[p], return_start[p + 1]) are in rev_rows
+  int32_t return_start[kMaxPieces + 1];  // the copy-engine return's pieces; entries past the last piece
+                                         // are max_tokens
   int64_t begun;            // uint32 [R]: the epoch of the last call rank d began (its begin kernel writes it):
                             // d's earlier calls, and their reads of rev_rows / rev_slots, are over
   // Copy-engine dispatch (docs/performance.md): every source's whole input, copied here by its
@@ -94,8 +99,6 @@ struct WindowMap {
   int64_t meta_flag;        // uint32 [R]: the call epoch once source s's placing data is here
   int64_t total;
 };
-// Pieces a broadcast is cut into: the receivers start on a piece as soon as it is in.
-constexpr int kMaxPieces = 16;
 
 // Per buffer, in device memory: the number of the current call and what each signal counter
 // reaches after its current step. Kernels advance them, so a captured CUDA graph replays with
