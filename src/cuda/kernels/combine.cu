@@ -94,8 +94,10 @@ __device__ void return_row(const PeerWindows& w, const WindowMap& m, const Shape
 }
 
 // Source side, one warp: token t from every rank's returned row (rank order), then shared.
+// bulk: the rows come through the warp's bulk-copy stage (bulk_sum.cuh).
 __device__ void reduce_token(const PeerWindows& w, const WindowMap& m, const Shape& s, const int32_t* send_pos,
-                             const int32_t* slot_expert, const CombineArgs& a, bool wide, int64_t t, int lane) {
+                             const int32_t* slot_expert, const CombineArgs& a, bool wide, bool bulk, int64_t t,
+                             int lane) {
   const uint16_t* rev = at_window<const uint16_t>(w, w.rank, m.rev_rows);
   auto term = [&](int d, const uint16_t*& row, float& weight) {
     weight = 1.0f;
@@ -107,7 +109,8 @@ __device__ void reduce_token(const PeerWindows& w, const WindowMap& m, const Sha
     row = a.by_copy && d == w.rank ? a.own_rows + pos * a.y_stride : rev + (d * s.max_tokens + pos) * s.hidden;
     return pos >= 0;
   };
-  if (a.out && a.paired_terms) sum_rows<2>(w.ranks + 1, term, false, a.out + t * s.hidden, s.hidden, wide, lane);
+  if (a.out && bulk) sum_rows_bulk(w.ranks + 1, term, false, a.out + t * s.hidden, s.hidden, lane);
+  else if (a.out && a.paired_terms) sum_rows<2>(w.ranks + 1, term, false, a.out + t * s.hidden, s.hidden, wide, lane);
   else if (a.out) sum_rows(w.ranks + 1, term, false, a.out + t * s.hidden, s.hidden, wide, lane);
   if (a.slot_out) {
     const float* rev_slots = at_window<const float>(w, w.rank, m.rev_slots);
@@ -156,6 +159,8 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PeerWindows w, Window
     }
     return;
   }
+  const bool bulk = a.bulk_terms && wide && w.ranks + 1 <= 32;  // a term per lane
+  if (bulk) init_bulk_stage(lane);
   const int64_t reducer = (blockIdx.x - send_blocks) * static_cast<int64_t>(kThreads / 32) + warp;
   const int64_t reducers = static_cast<int64_t>(gridDim.x - send_blocks) * (kThreads / 32);
   for (int64_t t = reducer; t < tokens; t += reducers) {
@@ -169,7 +174,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PeerWindows w, Window
                                 w.ranks, 0, epoch, timeout_ns, st, kSignalReverse, lane)) {
       return;  // every rank returns every chunk, empty ones too; lane d waits for rank d
     }
-    reduce_token(w, m, s, send_pos, slot_expert, a, wide, t, lane);
+    reduce_token(w, m, s, send_pos, slot_expert, a, wide, bulk, t, lane);
   }
 }
 
@@ -209,13 +214,21 @@ bool paired_terms() {
   return paired;
 }
 
+// EPX_REDUCE_COPY=bulk: the reducers load a token's rows by bulk copies into their warp's stage
+// (12-14 KiB in flight per warp instead of two rows' 4 KiB; for A/B runs).
+bool bulk_terms() {
+  static const bool bulk = env_choice("EPX_REDUCE_COPY", {"registers", "bulk"}) == "bulk";
+  return bulk;
+}
+
 }  // namespace
 
 void combine(const Ctx& ctx, int send_blocks, const RecvArrays& r, Layout layout, int64_t tokens,
              const int32_t* send_pos, const int32_t* slot_expert, const CombineArgs& a) {
   CombineArgs args = a;
   args.paired_terms = paired_terms();
-  combine_kernel<<<ctx.blocks, kThreads, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, layout, tokens, send_pos,
+  args.bulk_terms = bulk_terms();
+  combine_kernel<<<ctx.blocks, kThreads, args.bulk_terms ? bulk_stage_smem(kThreads / 32) : 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, layout, tokens, send_pos,
                                                           slot_expert, args, send_blocks, ctx.state, ctx.timeout_ns,
                                                           ctx.status);
 }
@@ -231,6 +244,8 @@ void reduce_partials(const Ctx& ctx, const RecvArrays& r, const CombineArgs& a, 
 
 void preload_combine_kernels() {
   preload(combine_kernel, reduce_partials_kernel<false>, reduce_partials_kernel<true>);
+  EPX_CUDA(cudaFuncSetAttribute(combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                static_cast<int>(bulk_stage_smem(kThreads / 32))));
   EPX_CUDA(cudaFuncSetAttribute(reduce_partials_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 static_cast<int>(bulk_stage_smem(kPartialWarps<true>))));
 }
