@@ -214,10 +214,10 @@ bool paired_terms() {
   return paired;
 }
 
-// EPX_REDUCE_COPY=bulk: the reducers load a token's rows by bulk copies into their warp's stage
-// (12-14 KiB in flight per warp instead of two rows' 4 KiB; for A/B runs).
+// The reducers load a token's rows by bulk copies into their warp's stage (12-14 KiB in flight per
+// warp instead of two rows' 4 KiB; docs/performance.md); EPX_REDUCE_COPY=registers: sum_rows<2>.
 bool bulk_terms() {
-  static const bool bulk = env_choice("EPX_REDUCE_COPY", {"registers", "bulk"}) == "bulk";
+  static const bool bulk = env_choice("EPX_REDUCE_COPY", {"bulk", "registers"}) == "bulk";
   return bulk;
 }
 
