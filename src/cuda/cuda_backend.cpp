@@ -267,6 +267,14 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   EPX_CUDA(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
   if (broadcast_ || copy_combine_) EPX_CUDA(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
   if (broadcast_) EPX_CUDA(cudaEventCreateWithFlags(&broadcast_begun_, cudaEventDisableTiming));
+  own_copies_ = broadcast_ && env_choice("EPX_OWN_ROWS", {"receiver", "copies"}) == "copies";
+  if (own_copies_) {
+    EPX_CUDA(cudaStreamCreateWithFlags(&place_stream_, cudaStreamNonBlocking));
+    EPX_CUDA(cudaEventCreateWithFlags(&outputs_ready_, cudaEventDisableTiming));
+    EPX_CUDA(cudaEventCreateWithFlags(&own_placed_, cudaEventDisableTiming));
+    EPX_CUDA(cudaHostAlloc(&host_pos_, static_cast<size_t>(4 * config.max_tokens_per_rank * ranks_ + 8),
+                           cudaHostAllocDefault));
+  }
   EPX_CUDA(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
   EPX_CUDA(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
   EPX_CUDA(cudaEventCreateWithFlags(&copies_done_, cudaEventDisableTiming));
@@ -308,6 +316,7 @@ CudaBackend::~CudaBackend() {
   cudaStreamSynchronize(stream_);
   cudaStreamSynchronize(side_stream_);
   if (copy_stream_) cudaStreamSynchronize(copy_stream_);
+  if (place_stream_) cudaStreamSynchronize(place_stream_);
   {
     std::lock_guard<std::mutex> lock(block_cache_->mutex);
     for (const auto& block : block_cache_->blocks) cudaFreeAsync(block.first, side_stream_);
@@ -327,6 +336,41 @@ CudaBackend::~CudaBackend() {
   cudaStreamDestroy(side_stream_);
   if (copy_stream_) cudaStreamDestroy(copy_stream_);
   if (broadcast_begun_) cudaEventDestroy(broadcast_begun_);
+  if (own_copies_) {
+    cudaStreamDestroy(place_stream_);
+    cudaEventDestroy(outputs_ready_);
+    cudaEventDestroy(own_placed_);
+    cudaFreeHost(host_pos_);
+  }
+}
+
+// EPX_OWN_ROWS=copies: this rank's tokens that stay here, as runs of consecutive tokens with
+// consecutive output rows (a rank-major row is the rank's offset plus the token's stream
+// position here), read back once the plan kernel has written the layout (fork_ is after it).
+// True when there are few enough runs for one copy call each; else the receiver places them.
+bool CudaBackend::own_rows_by_copies(const int32_t* send_pos, const int64_t* rank_offsets, int64_t tokens,
+                                     std::vector<OwnRun>& runs) {
+  constexpr size_t kMaxRuns = 32;  // a copy call costs the host a few us
+  int64_t* offset = reinterpret_cast<int64_t*>(host_pos_ + config().max_tokens_per_rank * ranks_);
+  EPX_CUDA(cudaStreamWaitEvent(place_stream_, fork_, 0));
+  EPX_CUDA(cudaMemcpyAsync(host_pos_, send_pos, static_cast<size_t>(4 * tokens * ranks_), cudaMemcpyDeviceToHost,
+                           place_stream_));
+  EPX_CUDA(cudaMemcpyAsync(offset, rank_offsets + rank_, sizeof(int64_t), cudaMemcpyDeviceToHost, place_stream_));
+  EPX_CUDA(cudaStreamSynchronize(place_stream_));
+  host_steps_.mark("own positions read");
+  runs.clear();
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int32_t pos = host_pos_[t * ranks_ + rank_];
+    if (pos < 0) continue;
+    const int64_t row = *offset + pos;
+    if (!runs.empty() && runs.back().token + runs.back().count == t && runs.back().row + runs.back().count == row)
+      ++runs.back().count;
+    else if (runs.size() == kMaxRuns)
+      return false;
+    else
+      runs.push_back({t, row, 1});
+  }
+  return true;
 }
 
 int CudaBackend::send_blocks(bool dispatch, Layout layout) const {
@@ -700,6 +744,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   const kernels::Ctx side = ctx(side_stream_);
   // The outputs (one allocation, on the side stream; the receiver writes every row, padding and
   // empty rows too) and the receiver, which waits on the device for the layout when it goes first.
+  bool own_by_copies = false;  // EPX_OWN_ROWS=copies and few runs: the copy engines place own rows
   auto launch_receiver = [&](bool wait_layout) {
     OutputBlock outputs(*this, side_stream_);
     if (wire_.format == WireFormat::bf16) outputs.add(&out.recv_x, DType::bf16, {capacity, c.hidden});
@@ -717,12 +762,14 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     }
     outputs.allocate();
     host_steps_.mark("outputs allocated");
+    if (own_by_copies) EPX_CUDA(cudaEventRecord(outputs_ready_, side_stream_));
     auto ptr = [](const Tensor& t) { return t.defined() ? t.data<char>() : nullptr; };
     kernels::RecvOutputs ro{ptr(out.recv_x), ptr(out.recv_scales), ptr(out.recv_global_scale), wire_.x_bytes,
                             wire_.scale_bytes, wire_.global_bytes, out.recv_src.data<int32_t>(),
                             reinterpret_cast<float*>(ptr(out.recv_weights)),
                             reinterpret_cast<int32_t*>(ptr(out.recv_topk_idx)),
                             reinterpret_cast<float*>(ptr(out.recv_topk_weights))};
+    ro.own_placed = own_by_copies;
     timer_.mark(4, side_stream_);
     kernels::dispatch_receive(side, blocks_ - senders, dh->recv, ro, opt.layout, rows, mine, phase, wait_layout);
     host_steps_.mark("receiver launched");
@@ -759,7 +806,23 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     capacity = host_info_[2];
     host_steps_.mark("sizes read");
   }
+  // EPX_OWN_ROWS=copies: own rows (bf16: x's rows) by the copy engines on their own stream, while
+  // the receiver places the other ranks' rows; they need the positions on the host, one read.
+  std::vector<OwnRun> runs;
+  own_by_copies = own_copies_ && lean && !early_receiver && !capacity_mode && opt.layout == Layout::rank_major &&
+                  wire_.format == WireFormat::bf16 && tokens > 0 &&
+                  own_rows_by_copies(dh->pos.send_pos, dh->recv.rank_offsets, tokens, runs);
   if (!early_receiver) launch_receiver(false);
+  if (own_by_copies) {
+    EPX_CUDA(cudaStreamWaitEvent(place_stream_, outputs_ready_, 0));
+    const int64_t row_bytes = 2 * c.hidden;
+    for (const OwnRun& run : runs)
+      kernels::copy_rows(out.recv_x.data<char>() + run.row * row_bytes, row_bytes, rows.x + run.token * rows.x_stride_bytes,
+                         rows.x_stride_bytes, row_bytes, run.count, place_stream_);
+    EPX_CUDA(cudaEventRecord(own_placed_, place_stream_));
+    EPX_CUDA(cudaStreamWaitEvent(stream_, own_placed_, 0));
+    host_steps_.mark("own rows' copies enqueued");
+  }
   EPX_CUDA(cudaEventRecord(join_, side_stream_));
   EPX_CUDA(cudaStreamWaitEvent(stream_, join_, 0));
   if (broadcast_) EPX_CUDA(cudaStreamWaitEvent(stream_, copies_done_, 0));  // x is read until then

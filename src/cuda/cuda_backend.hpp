@@ -131,6 +131,16 @@ class CudaBackend final : public Backend {
   bool copies_first_ = false;  // EPX_COMBINE_COPIES=first: the copy-engine return goes before the plan exchange
   bool early_receiver_ = false;  // EPX_RECEIVER_START=early: a broadcast's receiver goes before the plan (dispatch())
   bool copy_combine_ = false;  // blocking combine and dispatch_backward return their rows by copy engine
+  // EPX_OWN_ROWS=copies: a blocking rank-major bf16 copy-engine dispatch places this rank's own rows
+  // by copy engine, in runs read back from the positions (own_rows_by_copies(), dispatch()).
+  bool own_copies_ = false;
+  cudaStream_t place_stream_ = nullptr;
+  cudaEvent_t outputs_ready_ = nullptr, own_placed_ = nullptr;
+  int32_t* host_pos_ = nullptr;  // pinned: [max_tokens][R] positions, then the rank offset (int64)
+  struct OwnRun {
+    int64_t token, row, count;  // tokens [token, token + count) of x into output rows [row, row + count)
+  };
+  bool own_rows_by_copies(const int32_t* send_pos, const int64_t* rank_offsets, int64_t tokens, std::vector<OwnRun>& runs);
   std::shared_ptr<CUmemPoolHandle_st> pool_;  // outputs and handles; kept alive by every tensor from it
   // Dispatch output blocks whose tensors are gone, for the next dispatch: a pool allocation
   // costs tens of microseconds of host time (docs/performance.md).

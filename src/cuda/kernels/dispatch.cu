@@ -202,7 +202,7 @@ __device__ void receive_row_rank_major(const Shape& s, const RecvArrays& r, cons
     if (k < s.topk) slot_of(slots, s, k, l[b], weight[b], index);
   }
   const bool kept = i < r.info[2];
-  if (kept) place_row(own, payload, token, out, &i, 1, lane);
+  if (kept && !(own && out.own_placed)) place_row(own, payload, token, out, &i, 1, lane);
   if (lane == 0) {
     r.src_rank[i] = source;
     r.src_token[i] = token;
