@@ -4,7 +4,7 @@
 # sanitizer serializes kernels, so ranks waiting on each other could not progress), epx-bench.
 # Logs and JSON go to $OUT; a short summary is printed last.
 #   usage: [EPX_GIT_COMMIT=$(git rev-parse --short=12 HEAD)] [GTEST_FILTER=...] [GTEST_REPEAT=n] [BENCH_ARGS=...] [SANITIZE_TOOLS=...] \
-#          [AB_ENV="VAR=value ..."] bash scripts/device-check.sh [tests|sanitize|bench|ab|interleave|procs|sweep|engines|ll|holdback|profile|chain|all]...
+#          [AB_ENV="VAR=value ...[;VAR=value ...]"] bash scripts/device-check.sh [tests|sanitize|bench|ab|interleave|procs|sweep|engines|ll|holdback|profile|chain|all]...
 #          (default: all but ab, interleave, procs, sweep, engines, profile, holdback, chain)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -120,20 +120,23 @@ if want ab; then
   note "epx-bench with $AB_ENV rc=$rc"
 fi
 if want interleave; then
-  # Two variants (the defaults, AB_ENV's) in alternating runs, INTERLEAVE_RUNS of each: between two
-  # runs of one tree the medians move by up to ~20 us, so a difference shows only when every run of
-  # one variant beats the other's (interleave.log; INTERLEAVE_ARGS picks the ops).
+  # The defaults and AB_ENV's variants (';'-separated environments, e.g. "A=1;B=2 C=3") in
+  # alternating runs, INTERLEAVE_RUNS of each: between two runs of one tree the medians move by up
+  # to ~20 us, so a difference shows only when every run of one variant beats the other's
+  # (interleave.log, lines labelled by variant; INTERLEAVE_ARGS picks the ops).
+  IFS=';' read -ra ab_variants <<< "${AB_ENV:?interleave needs AB_ENV}"
   for i in $(seq "${INTERLEAVE_RUNS:-3}"); do
-    for variant in default ab; do
+    for variant in default "${ab_variants[@]}"; do
       vars=()
-      [ "$variant" = ab ] && read -ra vars <<< "${AB_ENV:?interleave needs AB_ENV}"
+      [ "$variant" != default ] && read -ra vars <<< "$variant"
       env "${vars[@]}" timeout 120 ./build-gpu/epx-bench --backend cuda --ranks "$gpus" \
         ${INTERLEAVE_ARGS:---wire bf16,fp8 --layout rank_major --ops dispatch} 2>&1 |
-        grep -E '^(dispatch|combine)' | sed "s/^/$variant run $i: /" >> "$OUT/interleave.log"
+        grep -E '^(dispatch|combine)' | sed "s/^/[$variant] run $i: /" >> "$OUT/interleave.log"
     done
   done
-  sort -k4,6 -s "$OUT/interleave.log"
-  note "interleaved runs: $(wc -l < "$OUT/interleave.log") lines (default vs $AB_ENV)"
+  # Grouped by op, dtype, layout, then variant, runs in order.
+  awk -F': ' '{split($2, f, " "); print f[1], f[2], f[3], $1 ":", $2}' "$OUT/interleave.log" | sort -s -k1,3 -k4,4
+  note "interleaved runs: $(wc -l < "$OUT/interleave.log") lines (default vs ${#ab_variants[@]} variants: $AB_ENV)"
 fi
 if want procs; then
   # The benchmark of `bench` with one process per rank (--processes), as jobs and DeepEP's benchmark
