@@ -347,9 +347,10 @@ CudaBackend::~CudaBackend() {
 // EPX_OWN_ROWS=copies: this rank's tokens that stay here, as runs of consecutive tokens with
 // consecutive output rows (a rank-major row is the rank's offset plus the token's stream
 // position here), read back once the plan kernel has written the layout (fork_ is after it).
-// True when there are few enough runs for one copy call each; else the receiver places them.
+// True when there are few enough runs for one copy call each and every row is inside the outputs
+// (a failed plan leaves the layout unwritten: the receiver, which sees the failure, then decides).
 bool CudaBackend::own_rows_by_copies(const int32_t* send_pos, const int64_t* rank_offsets, int64_t tokens,
-                                     std::vector<OwnRun>& runs) {
+                                     int64_t capacity, std::vector<OwnRun>& runs) {
   constexpr size_t kMaxRuns = 32;  // a copy call costs the host a few us
   int64_t* offset = reinterpret_cast<int64_t*>(host_pos_ + config().max_tokens_per_rank * ranks_);
   EPX_CUDA(cudaStreamWaitEvent(place_stream_, fork_, 0));
@@ -363,6 +364,7 @@ bool CudaBackend::own_rows_by_copies(const int32_t* send_pos, const int64_t* ran
     const int32_t pos = host_pos_[t * ranks_ + rank_];
     if (pos < 0) continue;
     const int64_t row = *offset + pos;
+    if (row < 0 || row >= capacity) return false;
     if (!runs.empty() && runs.back().token + runs.back().count == t && runs.back().row + runs.back().count == row)
       ++runs.back().count;
     else if (runs.size() == kMaxRuns)
@@ -811,7 +813,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   std::vector<OwnRun> runs;
   own_by_copies = own_copies_ && lean && !early_receiver && !capacity_mode && opt.layout == Layout::rank_major &&
                   wire_.format == WireFormat::bf16 && tokens > 0 &&
-                  own_rows_by_copies(dh->pos.send_pos, dh->recv.rank_offsets, tokens, runs);
+                  own_rows_by_copies(dh->pos.send_pos, dh->recv.rank_offsets, tokens, capacity, runs);
   if (!early_receiver) launch_receiver(false);
   if (own_by_copies) {
     EPX_CUDA(cudaStreamWaitEvent(place_stream_, outputs_ready_, 0));

@@ -140,7 +140,8 @@ class CudaBackend final : public Backend {
   struct OwnRun {
     int64_t token, row, count;  // tokens [token, token + count) of x into output rows [row, row + count)
   };
-  bool own_rows_by_copies(const int32_t* send_pos, const int64_t* rank_offsets, int64_t tokens, std::vector<OwnRun>& runs);
+  bool own_rows_by_copies(const int32_t* send_pos, const int64_t* rank_offsets, int64_t tokens, int64_t capacity,
+                          std::vector<OwnRun>& runs);
   std::shared_ptr<CUmemPoolHandle_st> pool_;  // outputs and handles; kept alive by every tensor from it
   // Dispatch output blocks whose tensors are gone, for the next dispatch: a pool allocation
   // costs tens of microseconds of host time (docs/performance.md).
