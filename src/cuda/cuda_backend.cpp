@@ -86,18 +86,11 @@ WindowMap make_window_map(const BufferConfig& c, int ranks, const WireRow& wire,
   const int64_t pieces = env_integer("EPX_BCAST_PIECES", 4, 1, kMaxPieces);
   const int64_t piece = (c.max_tokens_per_rank + pieces - 1) / pieces;
   m.piece_tokens = std::max<int64_t>(1, (piece + kChunkTokens - 1) / kChunkTokens * kChunkTokens);
-  // The copy-engine return's pieces: the broadcast's, or halving (EPX_RETURN_PIECES=halving: 1/2,
-  // 1/4, 1/8, 1/16, 1/16 of max_tokens), so what the reducers still have to do once the last piece
-  // lands is a sixteenth of the rows instead of a quarter, for one more copy call per rank.
-  const bool halving = env_choice("EPX_RETURN_PIECES", {"equal", "halving"}) == "halving";
-  const int64_t m_tokens = c.max_tokens_per_rank;
-  int64_t start = 0;
-  for (int p = 0; p <= kMaxPieces; ++p) {
-    m.return_start[p] = static_cast<int32_t>(std::min(start, m_tokens));
-    const int64_t left = m_tokens - start;
-    const int64_t size = halving ? (p < 4 ? (left + 1) / 2 : left) : m.piece_tokens;
-    start += std::max<int64_t>(1, (size + kChunkTokens - 1) / kChunkTokens * kChunkTokens);
-  }
+  // The copy-engine return's pieces: the broadcast's, or halving (EPX_RETURN_PIECES=halving), so
+  // what the reducers still have to do once the last piece lands is a sixteenth of the rows
+  // instead of a quarter, for one more copy call per rank.
+  return_piece_starts(c.max_tokens_per_rank, m.piece_tokens,
+                      env_choice("EPX_RETURN_PIECES", {"equal", "halving"}) == "halving", m.return_start);
   m.bcast_flag = take(4 * ranks * kMaxPieces);
   m.bcast_free = take(4 * ranks);
   m.begun = take(4 * ranks);
@@ -350,7 +343,7 @@ CudaBackend::~CudaBackend() {
 // True when there are few enough runs for one copy call each and every row is inside the outputs
 // (a failed plan leaves the layout unwritten: the receiver, which sees the failure, then decides).
 bool CudaBackend::own_rows_by_copies(const int32_t* send_pos, const int64_t* rank_offsets, int64_t tokens,
-                                     int64_t capacity, std::vector<OwnRun>& runs) {
+                                     int64_t capacity, std::vector<RowRun>& runs) {
   constexpr size_t kMaxRuns = 32;  // a copy call costs the host a few us
   int64_t* offset = reinterpret_cast<int64_t*>(host_pos_ + config().max_tokens_per_rank * ranks_);
   EPX_CUDA(cudaStreamWaitEvent(place_stream_, fork_, 0));
@@ -359,20 +352,7 @@ bool CudaBackend::own_rows_by_copies(const int32_t* send_pos, const int64_t* ran
   EPX_CUDA(cudaMemcpyAsync(offset, rank_offsets + rank_, sizeof(int64_t), cudaMemcpyDeviceToHost, place_stream_));
   EPX_CUDA(cudaStreamSynchronize(place_stream_));
   host_steps_.mark("own positions read");
-  runs.clear();
-  for (int64_t t = 0; t < tokens; ++t) {
-    const int32_t pos = host_pos_[t * ranks_ + rank_];
-    if (pos < 0) continue;
-    const int64_t row = *offset + pos;
-    if (row < 0 || row >= capacity) return false;
-    if (!runs.empty() && runs.back().token + runs.back().count == t && runs.back().row + runs.back().count == row)
-      ++runs.back().count;
-    else if (runs.size() == kMaxRuns)
-      return false;
-    else
-      runs.push_back({t, row, 1});
-  }
-  return true;
+  return cut_row_runs(host_pos_, tokens, ranks_, rank_, *offset, capacity, kMaxRuns, runs);
 }
 
 int CudaBackend::send_blocks(bool dispatch, Layout layout) const {
@@ -810,7 +790,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   }
   // EPX_OWN_ROWS=copies: own rows (bf16: x's rows) by the copy engines on their own stream, while
   // the receiver places the other ranks' rows; they need the positions on the host, one read.
-  std::vector<OwnRun> runs;
+  std::vector<RowRun> runs;
   own_by_copies = own_copies_ && lean && !early_receiver && !capacity_mode && opt.layout == Layout::rank_major &&
                   wire_.format == WireFormat::bf16 && tokens > 0 &&
                   own_rows_by_copies(dh->pos.send_pos, dh->recv.rank_offsets, tokens, capacity, runs);
@@ -818,7 +798,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   if (own_by_copies) {
     EPX_CUDA(cudaStreamWaitEvent(place_stream_, outputs_ready_, 0));
     const int64_t row_bytes = 2 * c.hidden;
-    for (const OwnRun& run : runs)
+    for (const RowRun& run : runs)
       kernels::copy_rows(out.recv_x.data<char>() + run.row * row_bytes, row_bytes, rows.x + run.token * rows.x_stride_bytes,
                          rows.x_stride_bytes, row_bytes, run.count, place_stream_);
     EPX_CUDA(cudaEventRecord(own_placed_, place_stream_));

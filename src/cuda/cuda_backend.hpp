@@ -11,6 +11,7 @@
 #include "core/backend.hpp"
 #include "core/handle.hpp"
 #include "core/wire.hpp"
+#include "cuda/copy_cuts.hpp"
 #include "cuda/cuda_group.hpp"
 #include "cuda/host_steps.hpp"
 #include "cuda/kernels/launch.hpp"
@@ -137,11 +138,8 @@ class CudaBackend final : public Backend {
   cudaStream_t place_stream_ = nullptr;
   cudaEvent_t outputs_ready_ = nullptr, own_placed_ = nullptr;
   int32_t* host_pos_ = nullptr;  // pinned: [max_tokens][R] positions, then the rank offset (int64)
-  struct OwnRun {
-    int64_t token, row, count;  // tokens [token, token + count) of x into output rows [row, row + count)
-  };
   bool own_rows_by_copies(const int32_t* send_pos, const int64_t* rank_offsets, int64_t tokens, int64_t capacity,
-                          std::vector<OwnRun>& runs);
+                          std::vector<RowRun>& runs);
   std::shared_ptr<CUmemPoolHandle_st> pool_;  // outputs and handles; kept alive by every tensor from it
   // Dispatch output blocks whose tensors are gone, for the next dispatch: a pool allocation
   // costs tens of microseconds of host time (docs/performance.md).
