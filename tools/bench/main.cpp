@@ -137,10 +137,7 @@ std::vector<Record> run_low_latency(const Options& o, const Ranks& ranks, const 
             call();
             io.synchronize();
           }
-          // No rank captures (allocates) while a peer's eager calls may still wait for it, and no
-          // rank replays before every rank's graph is uploaded (docs/cuda.md: allocations and the
-          // shared GPU).
-          io.synchronize();
+          // The ranks capture together and replay once every rank's graph is uploaded.
           start.arrive_and_wait();
           io.capture(kGraphCalls, call);
           start.arrive_and_wait();

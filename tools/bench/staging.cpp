@@ -137,9 +137,7 @@ void Staging::capture(int calls, const std::function<void()>& call) {
     if (graph) cudaGraphDestroy(graph);
     throw;
   }
-  // Uploaded here, not by the first launch: an upload allocates device memory, and an allocation
-  // while a peer's kernel waits on the same GPU (the shared-GPU transport) can hold this rank's
-  // kernels back until the peer times out (docs/cuda.md).
+  // Uploaded here, not by the first launch, so no replay pays for the upload's allocation.
   const bool ok = cudaStreamEndCapture(stream, &graph) == cudaSuccess && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess &&
                   cudaGraphUpload(exec, stream) == cudaSuccess && cudaStreamSynchronize(stream) == cudaSuccess;
   if (graph) cudaGraphDestroy(graph);

@@ -228,9 +228,10 @@ void combine(const Ctx& ctx, int send_blocks, const RecvArrays& r, Layout layout
   CombineArgs args = a;
   args.paired_terms = paired_terms();
   args.bulk_terms = bulk_terms();
-  combine_kernel<<<ctx.blocks, kThreads, args.bulk_terms ? bulk_stage_smem(kThreads / 32) : 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, layout, tokens, send_pos,
-                                                          slot_expert, args, send_blocks, ctx.state, ctx.timeout_ns,
-                                                          ctx.status);
+  const size_t smem = args.bulk_terms ? static_cast<size_t>(bulk_stage_smem(kThreads / 32)) : 0;
+  combine_kernel<<<ctx.blocks, kThreads, smem, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, layout, tokens, send_pos,
+                                                             slot_expert, args, send_blocks, ctx.state, ctx.timeout_ns,
+                                                             ctx.status);
 }
 
 void reduce_partials(const Ctx& ctx, const RecvArrays& r, const CombineArgs& a, const PartialRows& p) {

@@ -55,10 +55,10 @@ struct ChunkRange {
 constexpr int kRangeCountBits = 5;
 static_assert(kChunkTokens < (1 << kRangeCountBits), "a chunk's row count must fit its bits");
 
-// Byte offsets inside every rank's window (the same on all ranks).
 // Pieces a broadcast (and a copy-engine return) is cut into: the receivers start on a piece as soon as it is in.
 constexpr int kMaxPieces = 16;
 
+// Byte offsets inside every rank's window (the same on all ranks).
 struct WindowMap {
   int64_t signals;       // uint64 [kSignalKinds][R]
   int64_t plans;         // [2 parities][2 phases][R] plan_stride bytes: header + int64 [E + R]

@@ -429,8 +429,6 @@ __device__ void dispatch_recv(const Ctx& c, int set, const Set& s) {
   stamp(c, kDispatch, kEnd);
 }
 
-// One launch for either phase or both (the fused call): a block done sending goes on to
-// receive. With both, every block of the grid must be resident at once (one per SM at most).
 // When the call's send half began, in mapped host memory: timeout messages compare ranks' starts
 // (docs/cuda.md: on the shared GPU every rank reads the same timer).
 __device__ void note_start(const Ctx& c, Kind kind, int set, int phases) {
@@ -438,6 +436,8 @@ __device__ void note_start(const Ctx& c, Kind kind, int set, int phases) {
     *reinterpret_cast<volatile uint64_t*>(c.host_started + kind * 2 + set) = globaltimer_ns();
 }
 
+// One launch for either phase or both (the fused call): a block done sending goes on to
+// receive. With both, every block of the grid must be resident at once (one per SM at most).
 __global__ void __launch_bounds__(kWarps * 32) dispatch_kernel(Ctx c, int phases, int set, Route route, Rows rows, Set s) {
   stamp(c, kDispatch, kStart);
   note_start(c, kDispatch, set, phases);
