@@ -222,14 +222,31 @@ if want profile; then
   }
   declare -A PROFILE_ARGS=(
     [receiver]="--wire bf16 --layout rank_major --ops dispatch"
+    [receiver_em]="--wire bf16 --layout expert_major --ops dispatch"
     [partials]="--wire bf16 --layout expert_major --ops combine"
+    [reducers]="--wire bf16 --layout rank_major --ops combine"
     [ll_dispatch]="--preset ll --wire fp8 --ops ll_dispatch"
     [ll_combine]="--preset ll --wire fp8 --ops ll_combine"
   )
-  prof receiver 'dispatch_receive_kernel' EPX_DISPATCH_ENGINE=copy
-  prof partials 'reduce_partials_kernel' EPX_DISPATCH_ENGINE=copy EPX_COMBINE_ENGINE=copy
-  prof ll_dispatch '^dispatch_kernel$' EPX_TIMEOUT_MS=60000
-  prof ll_combine '^combine_kernel$' EPX_TIMEOUT_MS=60000
+  # PROFILES picks the reports (default: the first two's kernels and the low-latency ones).
+  for name in ${PROFILES:-receiver partials ll_dispatch ll_combine}; do
+    case $name in
+      receiver | receiver_em) prof "$name" 'dispatch_receive_kernel' EPX_DISPATCH_ENGINE=copy ;;
+      partials) prof partials 'reduce_partials_kernel' EPX_DISPATCH_ENGINE=copy EPX_COMBINE_ENGINE=copy ;;
+      reducers) prof reducers '^combine_kernel$' EPX_DISPATCH_ENGINE=copy EPX_COMBINE_ENGINE=copy ;;
+      ll_dispatch) prof ll_dispatch '^dispatch_kernel$' EPX_TIMEOUT_MS=60000 ;;
+      ll_combine) prof ll_combine '^combine_kernel$' EPX_TIMEOUT_MS=60000 ;;
+      *) echo "unknown profile $name" ;;
+    esac
+  done
+  # The machine code of the kernels named in SASS_KERNELS (a regex of mangled names), for
+  # counting a loop's instructions (sass.log).
+  cuobjdump=$(command -v cuobjdump || ls /usr/local/cuda*/bin/cuobjdump 2> /dev/null | head -1)
+  if [ -n "${SASS_KERNELS:-}" ] && [ -n "$cuobjdump" ]; then
+    find build-gpu -name '*.o' -path '*kernels*' -exec "$cuobjdump" -sass {} \; 2>/dev/null |
+      awk -v re="$SASS_KERNELS" '/Function :/{p = ($0 ~ re)} p' > "$OUT/sass.log"
+    note "sass: $(grep -c 'Function :' "$OUT/sass.log") kernels dumped"
+  fi
   note "ncu profiles: $(ls "$OUT"/ncu-*.log 2>/dev/null | wc -l) logs"
 fi
 if want sweep; then

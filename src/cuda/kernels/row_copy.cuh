@@ -187,6 +187,28 @@ __device__ inline void quantize_nvfp4_row(const uint16_t* x, int64_t hidden, flo
 
 constexpr int kSumUnroll = 4;   // 16-byte vectors per lane in flight per term
 
+// acc[c] = fma(weight, v[c], acc[c]) for the 8 bf16 values of a 16-byte vector (little-endian:
+// value 2j is word j's low half). An unweighted sum passes weight 1: fma(1, v, acc) rounds
+// v + acc once, so it equals acc + v bit for bit, and one instruction serves both sums.
+__device__ inline void fma_bf16x8(float (&acc)[8], const int4& raw, float weight) {
+  const uint32_t word[4] = {static_cast<uint32_t>(raw.x), static_cast<uint32_t>(raw.y), static_cast<uint32_t>(raw.z),
+                            static_cast<uint32_t>(raw.w)};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    acc[2 * j] = __fmaf_rn(weight, __uint_as_float(word[j] << 16), acc[2 * j]);
+    acc[2 * j + 1] = __fmaf_rn(weight, __uint_as_float(word[j] & 0xffff0000u), acc[2 * j + 1]);
+  }
+}
+
+// The 8 sums rounded to bf16, as one 16-byte vector.
+__device__ inline int4 pack_bf16x8(const float (&acc)[8]) {
+  uint32_t word[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    word[j] = static_cast<uint32_t>(float_to_bf16(acc[2 * j])) | static_cast<uint32_t>(float_to_bf16(acc[2 * j + 1])) << 16;
+  return int4{static_cast<int>(word[0]), static_cast<int>(word[1]), static_cast<int>(word[2]), static_cast<int>(word[3])};
+}
+
 // out = bf16(sum over terms i = 0..n-1 in order), fp32 accumulation from 0: acc = fma(w_i, v, acc)
 // when weighted, else acc + v. term(i, row, weight) returns false for an absent term. Wide
 // (16-byte) accesses when every row is 16-byte aligned and hidden % 8 == 0; then the loads of the
@@ -231,24 +253,15 @@ __device__ void sum_rows(int n, Term term, bool weighted, uint16_t* out, int64_t
 #pragma unroll
       for (int g = 0; g < kGroup; ++g) {
         if (!present[g]) continue;
+        const float wg = weighted ? weight[g] : 1.0f;
 #pragma unroll
-        for (int u = 0; u < kSumUnroll; ++u) {
-          const uint16_t* b = reinterpret_cast<const uint16_t*>(&raw[g][u]);
-#pragma unroll
-          for (int c = 0; c < 8; ++c) {
-            const float v = bf16_to_float(b[c]);
-            acc[u][c] = weighted ? __fmaf_rn(weight[g], v, acc[u][c]) : __fadd_rn(acc[u][c], v);
-          }
-        }
+        for (int u = 0; u < kSumUnroll; ++u) fma_bf16x8(acc[u], raw[g][u], wg);
       }
     }
 #pragma unroll
     for (int u = 0; u < kSumUnroll; ++u) {
       const int64_t v = base + u * 32 + lane;
-      if (v >= vectors) continue;
-      uint16_t b[8];
-      for (int c = 0; c < 8; ++c) b[c] = float_to_bf16(acc[u][c]);
-      reinterpret_cast<int4*>(out)[v] = *reinterpret_cast<const int4*>(b);
+      if (v < vectors) reinterpret_cast<int4*>(out)[v] = pack_bf16x8(acc[u]);
     }
   }
 }
