@@ -176,6 +176,17 @@ std::vector<Record> local_copies(const Options& o, const std::vector<std::vector
     r.sms = t.blocks;
     out.push_back(r);
   }
+  // Reads of 4x those bytes (about what the expert-major partials read at two ranks: ~4 expert
+  // rows per received token), by 8 and 16 SMs, the budget and every SM: how a read-bound sum's
+  // rate grows with the SMs given to it.
+  std::vector<int> read_blocks{8, 16, budget, sms};
+  std::sort(read_blocks.begin(), read_blocks.end());
+  read_blocks.erase(std::unique(read_blocks.begin(), read_blocks.end()), read_blocks.end());
+  for (const LocalCopyTime& t : time_local_reads(static_cast<size_t>(4 * received), read_blocks, o.warmup, o.iters)) {
+    Record r = record(o, "local_read", t.times, 4 * received, 0.0, 1);
+    r.sms = t.blocks;
+    out.push_back(r);
+  }
   return out;
 }
 
@@ -186,10 +197,12 @@ std::vector<Record> measure_baselines(const Options& o, const std::vector<std::v
   std::vector<Record> out;
 #ifdef EPX_HAS_CUDA
   int gpus = 0;
-  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 2 || o.backend != "cuda") return out;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 1 || o.backend != "cuda") return out;
   try {
-    out.push_back(peer_copy(o));
-    out.push_back(nccl_alltoall(o, bytes_to));
+    if (gpus >= 2) {
+      out.push_back(peer_copy(o));
+      out.push_back(nccl_alltoall(o, bytes_to));
+    }
     for (Record& r : local_copies(o, bytes_to)) out.push_back(std::move(r));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "epx-bench: %s (baselines skipped)\n", e.what());

@@ -94,7 +94,9 @@ std::vector<RankOutputs> run_config(const Options& o, const Ranks& ranks, const 
 }
 
 // Reference points measured beside epx (baselines.hpp): nothing of epx's to verify.
-bool is_baseline(const std::string& op) { return op == "peer_copy" || op == "nccl_alltoall" || op == "local_copy"; }
+bool is_baseline(const std::string& op) {
+  return op == "peer_copy" || op == "nccl_alltoall" || op == "local_copy" || op == "local_read";
+}
 
 // Low-latency mode: ll_dispatch and ll_combine (fused forms), verified against the reference.
 constexpr int kGraphCalls = 10;  // calls per timed CUDA-graph replay (even: the buffer sets alternate)

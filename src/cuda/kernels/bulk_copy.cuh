@@ -4,10 +4,8 @@
 // row in flight costs shared memory, not registers, so 16 warps of a block keep 16 whole rows in
 // flight where register copies keep ~4 KiB per warp (docs/performance.md).
 //
-// Layout of the block's dynamic shared memory: [warps][kBulkStageBytes] stages, then
-// kStageSlots mbarriers (8 bytes each) per warp, then one phase word (4 bytes) per warp. The sums
-// (bulk_sum.cuh) use a stage as a ring of kStageSlots slots, each with its own mbarrier; a row copy
-// uses the whole stage with the first slot's mbarrier.
+// Layout of the block's dynamic shared memory: [warps][kBulkStageBytes] stages, then one mbarrier
+// (8 bytes) and one phase word (4 bytes) per warp.
 #pragma once
 #include <cuda/ptx>
 
@@ -16,32 +14,32 @@
 namespace epx::detail {
 
 constexpr int64_t kBulkStageBytes = 14336;  // a bf16 row of hidden 7168; longer rows go in pieces
-constexpr int kStageSlots = 7;
-constexpr int64_t kSlotBytes = kBulkStageBytes / kStageSlots;  // 2 KiB
 
-constexpr int64_t bulk_stage_smem(int warps) { return warps * (kBulkStageBytes + 8 * kStageSlots + 4); }
+constexpr int64_t bulk_stage_smem(int warps) { return warps * (kBulkStageBytes + 8 + 4); }
 
 struct BulkStage {
   char* buf;
-  uint64_t* bar;    // kStageSlots mbarriers, slot j's at bar[j]
-  uint32_t* phase;  // bit j: the parity of slot j's mbarrier phase to wait for next
+  uint64_t* bar;
+  uint32_t* phase;
 };
 
 __device__ inline BulkStage warp_bulk_stage() {
   extern __shared__ __align__(128) char bulk_smem[];
   const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  uint64_t* bars = reinterpret_cast<uint64_t*>(bulk_smem + warps * kBulkStageBytes);
-  return {bulk_smem + warp * kBulkStageBytes, bars + warp * kStageSlots,
-          reinterpret_cast<uint32_t*>(bars + warps * kStageSlots) + warp};
+  char* bars = bulk_smem + warps * kBulkStageBytes;
+  return {bulk_smem + warp * kBulkStageBytes, reinterpret_cast<uint64_t*>(bars) + warp,
+          reinterpret_cast<uint32_t*>(bars + 8 * warps) + warp};
 }
 
 // Once per warp before its first bulk copy.
 __device__ inline void init_bulk_stage(int lane) {
   const BulkStage st = warp_bulk_stage();
-  if (lane < kStageSlots) cuda::ptx::mbarrier_init(st.bar + lane, 1);
-  if (lane == 0) *st.phase = 0;
-  // The initialized barriers are visible to the bulk-copy (async) proxy.
-  if (lane < kStageSlots) cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
+  if (lane == 0) {
+    cuda::ptx::mbarrier_init(st.bar, 1);
+    *st.phase = 0;
+    // The initialized barrier is visible to the bulk-copy (async) proxy.
+    cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
+  }
   __syncwarp();
 }
 
@@ -66,7 +64,7 @@ __device__ inline void bulk_copy_row(const char* src, char* const* dst, int n, i
       ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared, st.bar, piece);
       ptx::cp_async_bulk(ptx::space_cluster, ptx::space_global, st.buf, src + at, piece, st.bar);
       const uint32_t phase = *st.phase;
-      while (!ptx::mbarrier_try_wait_parity(st.bar, phase & 1u)) {
+      while (!ptx::mbarrier_try_wait_parity(st.bar, phase)) {
       }
       *st.phase = phase ^ 1u;
       for (int d = 0; d < n; ++d) ptx::cp_async_bulk(ptx::space_global, ptx::space_shared, dst[d] + at, st.buf, piece);
