@@ -1,137 +1,104 @@
-// Weighted row sums whose terms come through the warp's bulk-copy stage (bulk_copy.cuh): lane 0
-// loads a 2 KiB slice of up to 7 terms' rows into the stage with one cp.async.bulk each, every lane
-// waits on the stage's mbarrier, then adds its 16-byte vectors of each slice from shared memory in
-// term order. A warp keeps up to 14 KiB of loads in flight where the register loop of sum_rows keeps
-// 2 KiB (one term's 4 vectors per lane), without more registers (docs/performance.md).
+// Weighted row sums whose terms come through the warp's stage in shared memory (bulk_copy.cuh),
+// used as a ring of kStageSlots 2 KiB slots: every lane keeps its 16-byte vectors of the next
+// kStageSlots (slice, term) loads in flight with cp.async (the load/store unit's asynchronous
+// copy, one commit group per load), waits for the oldest, adds it, and refills that slot with the
+// load kStageSlots ahead. A lane reads only the vectors it loaded, so the lanes need no barrier;
+// 14 KiB per warp stay in flight without registers. The bulk-copy (TMA) engine was the first
+// form: it moved ~50 GB/s per SM where plain loads move ~100 (docs/performance.md).
 #pragma once
 #include "cuda/kernels/bulk_copy.cuh"
 #include "cuda/kernels/row_copy.cuh"
 
 namespace epx::detail {
 
-constexpr int64_t kBulkSliceBytes = 2048;  // of each term per round: 4 vectors of 16 bytes per lane
-constexpr int kBulkTerms = static_cast<int>(kBulkStageBytes / kBulkSliceBytes);  // terms per round: 7
-static_assert(kSumUnroll * 32 * 16 == kBulkSliceBytes, "a slice is kSumUnroll vectors per lane");
+static_assert(kSumUnroll * 32 * 16 == kSlotBytes, "a slot holds kSumUnroll vectors per lane");
 
 // Whether sum_rows_bulk can take these rows: 16-byte aligned rows of a whole number of vectors.
 __device__ inline bool bulk_summable(const uint16_t* out, int64_t hidden) { return hidden % 8 == 0 && aligned16(out); }
 
-constexpr int kFewTerms = kBulkTerms / 2;  // up to this many present terms: sum_few_rows_bulk
-
-// Waits until the stage's loads of this round are in, then (fn) reads them; the phase moves on.
-template <typename Read>
-__device__ void consume_bulk_round(const BulkStage& st, int lane, Read fn) {
-  const uint32_t phase = *st.phase;
-  while (!cuda::ptx::mbarrier_try_wait_parity(st.bar, phase)) {
-  }
-  fn();
-  __syncwarp();  // every lane saw this phase complete before lane 0 moves the phase word on
-  if (lane == 0) *st.phase = phase ^ 1u;
+__device__ inline const char* shfl_ptr(const void* p, int from) {
+  return reinterpret_cast<const char*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(p), from));
 }
 
-// sum_rows_bulk for at most kFewTerms present terms (a rank-major reducer's: every rank's row of
-// a token, then the shared expert's): a round loads `per` slices of every term at once (one bulk
-// copy per term, 12-14 KiB in flight), so a slice's sum is complete within its round and no
-// partial sums are carried from round to round. Same sums, same order.
-__device__ inline void sum_few_rows_bulk(unsigned terms, const uint16_t* my_row, float my_weight, bool weighted,
-                                         uint16_t* out, int64_t row_bytes, int lane) {
-  namespace ptx = cuda::ptx;
-  const BulkStage st = warp_bulk_stage();
-  const int count = __popc(terms);
-  const char* row[kFewTerms];
-  float weight[kFewTerms];
-  unsigned left = terms;
-#pragma unroll
-  for (int g = 0; g < kFewTerms; ++g) {  // the present terms in order, in every lane
-    const int i = left ? __ffs(static_cast<int>(left)) - 1 : 0;
-    row[g] = reinterpret_cast<const char*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(my_row), i));
-    weight[g] = __shfl_sync(0xffffffffu, my_weight, i);
-    left &= left - 1;
-  }
-  const int64_t span = kBulkTerms / count * kBulkSliceBytes;  // of each term per round
-  for (int64_t at = 0; at < row_bytes; at += span) {
-    const int64_t bytes = row_bytes - at < span ? row_bytes - at : span;
-    __syncwarp();  // every lane's reads of the stage's previous round are done
-    if (lane == 0) {
-      ptx::fence_proxy_async(ptx::space_shared);  // those generic reads before the async writes
-      ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared, st.bar,
-                                     static_cast<uint32_t>(count * bytes));
-#pragma unroll
-      for (int g = 0; g < kFewTerms; ++g)
-        if (g < count)
-          ptx::cp_async_bulk(ptx::space_cluster, ptx::space_global, st.buf + g * span, row[g] + at,
-                             static_cast<uint32_t>(bytes), st.bar);
-    }
-    consume_bulk_round(st, lane, [&] {
-      for (int64_t v = lane; v * 16 < bytes; v += 32) {
-        float acc[8] = {};
-#pragma unroll
-        for (int g = 0; g < kFewTerms; ++g)
-          if (g < count) fma_bf16x8(acc, reinterpret_cast<const int4*>(st.buf + g * span)[v], weighted ? weight[g] : 1.0f);
-        reinterpret_cast<int4*>(out + at / 2)[v] = pack_bf16x8(acc);
-      }
-    });
-  }
+// 16 bytes from global to shared memory, L1 bypassed; a later cp_async_wait of this thread makes
+// them visible to it.
+__device__ inline void cp_async16(void* smem, const void* global) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem))),
+               "l"(global)
+               : "memory");
+}
+__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Until at most `kPending` of this thread's most recent commit groups are still in flight.
+template <int kPending>
+__device__ inline void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 // The same sums as sum_rows (fp32 from 0 in term order, fma with the weight when weighted, bf16
-// rounding at the end) for n <= 32 terms whose rows are 16-byte aligned. The warp's stage was
-// set up by init_bulk_stage; term(i, row, weight) is called by lane i only. The rows may have been
-// written by other GPUs or the copy engines: the caller acquired the flags that cover them.
+// rounding at the end) for n <= 32 terms whose rows are 16-byte aligned. term(i, row, weight) is
+// called by lane i only. The rows may have been written by other GPUs or the copy engines: the
+// caller acquired the flags that cover them.
 template <typename Term>
 __device__ void sum_rows_bulk(int n, Term term, bool weighted, uint16_t* out, int64_t hidden, int lane) {
-  namespace ptx = cuda::ptx;
-  const BulkStage st = warp_bulk_stage();
+  char* const stage = warp_bulk_stage().buf;
   const uint16_t* my_row = nullptr;
   float my_weight = 0.0f;
   const bool present = lane < n && term(lane, my_row, my_weight);
   const unsigned terms = __ballot_sync(0xffffffffu, present);  // in term order, lowest first
-  const int64_t row_bytes = hidden * 2;
-  // The bulk copies (async proxy) read global memory after the warp's generic acquires.
-  if (lane == 0) ptx::fence_proxy_async(ptx::space_global);
-  if (terms != 0 && __popc(terms) <= kFewTerms) {
-    sum_few_rows_bulk(terms, my_row, my_weight, weighted, out, row_bytes, lane);
-    return;
-  }
-  for (int64_t at = 0; at < row_bytes; at += kBulkSliceBytes) {
-    const int64_t slice = row_bytes - at < kBulkSliceBytes ? row_bytes - at : kBulkSliceBytes;
-    float acc[kSumUnroll][8] = {};
-    for (unsigned left = terms; left != 0;) {
-      // The next round's terms: up to kBulkTerms of the ones left, in order.
-      unsigned round = 0;
-      for (int g = 0; g < kBulkTerms && left != 0; ++g, left &= left - 1) round |= left & (0u - left);
-      __syncwarp();  // every lane's reads of the stage's previous round are done
-      if (lane == 0) {
-        // Those generic reads of the stage come before the async proxy's writes to it.
-        ptx::fence_proxy_async(ptx::space_shared);
-        ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared, st.bar,
-                                       static_cast<uint32_t>(__popc(round) * slice));
-      }
-      int g = 0;
-      for (unsigned r = round; r != 0; r &= r - 1, ++g) {
-        const int i = __ffs(r) - 1;
-        const char* row = reinterpret_cast<const char*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(my_row), i));
-        if (lane == 0)
-          ptx::cp_async_bulk(ptx::space_cluster, ptx::space_global, st.buf + g * kBulkSliceBytes, row + at,
-                             static_cast<uint32_t>(slice), st.bar);
-      }
-      consume_bulk_round(st, lane, [&] {
-        int t = 0;
-        for (unsigned r = round; r != 0; r &= r - 1, ++t) {
-          const float weight = weighted ? __shfl_sync(0xffffffffu, my_weight, __ffs(r) - 1) : 1.0f;
+  const int count = __popc(terms);
+  // Lane g holds the g-th present term's row and weight (1 unweighted: fma(1, v, acc) = acc + v).
+  const int from = lane < count ? static_cast<int>(__fns(terms, 0, lane + 1)) : 0;
+  const char* row = shfl_ptr(my_row, from);
+  const float weight = weighted ? __shfl_sync(0xffffffffu, my_weight, from) : 1.0f;
+  const int row_bytes = static_cast<int>(hidden * 2);
+  const int slot_bytes = static_cast<int>(kSlotBytes);
+  const int slices = (row_bytes + slot_bytes - 1) / slot_bytes;
+  const int items = slices * count;  // loads, slice by slice, each slice's terms in order
+  int issued = 0, issue_slice = 0, issue_term = 0;
+  // This lane's vectors of the next load into `slot`, as one commit group (an empty one when
+  // every load is issued, so that the oldest pending group is always kStageSlots back).
+  auto issue = [&](int slot) {
+    if (issued < items) {
+      const char* src = shfl_ptr(row, issue_term) + issue_slice * slot_bytes;
+      const int bytes = min(slot_bytes, row_bytes - issue_slice * slot_bytes);
 #pragma unroll
-          for (int u = 0; u < kSumUnroll; ++u)
-            if ((u * 32 + lane) * 16 < slice)
-              fma_bf16x8(acc[u], reinterpret_cast<const int4*>(st.buf + t * kBulkSliceBytes)[u * 32 + lane], weight);
-        }
-      });
+      for (int u = 0; u < kSumUnroll; ++u) {
+        const int at = (u * 32 + lane) * 16;
+        if (at < bytes) cp_async16(stage + slot * slot_bytes + at, src + at);
+      }
+      ++issued;
+      if (++issue_term == count) issue_term = 0, ++issue_slice;
     }
+    cp_async_commit();
+  };
+  for (int slot = 0; slot < kStageSlots; ++slot) issue(slot);
+  float acc[kSumUnroll][8] = {};
+  int slot = 0, term_at = 0, slice_at = 0;
+  for (int item = 0; item < items; ++item) {
+    cp_async_wait<kStageSlots - 1>();  // this item's group, the oldest of kStageSlots
+    const float w = __shfl_sync(0xffffffffu, weight, term_at);
+    const int4* in = reinterpret_cast<const int4*>(stage + slot * slot_bytes);
+    // The lane's whole slot, branch-free: past a short last slice the sums are of stale bytes
+    // and are never stored.
 #pragma unroll
-    for (int u = 0; u < kSumUnroll; ++u) {
-      const int64_t v = u * 32 + lane;
-      if (v * 16 < slice) reinterpret_cast<int4*>(out + at / 2)[v] = pack_bf16x8(acc[u]);
+    for (int u = 0; u < kSumUnroll; ++u) fma_bf16x8(acc[u], in[u * 32 + lane], w);
+    issue(slot);  // the load kStageSlots ahead, into the slot just read (by this lane only)
+    if (++term_at == count) {  // the slice's last term: its sums are complete
+      const int vectors = min(slot_bytes, row_bytes - slice_at * slot_bytes) / 16;
+      int4* to = reinterpret_cast<int4*>(out + slice_at * (slot_bytes / 2));
+#pragma unroll
+      for (int u = 0; u < kSumUnroll; ++u) {
+        if (u * 32 + lane < vectors) to[u * 32 + lane] = pack_bf16x8(acc[u]);
+#pragma unroll
+        for (int c = 0; c < 8; ++c) acc[u][c] = 0.0f;
+      }
+      term_at = 0;
+      ++slice_at;
     }
+    slot = slot + 1 == kStageSlots ? 0 : slot + 1;
   }
+  if (count == 0)  // no term: the sum from 0
+    for (int v = lane; v < row_bytes / 16; v += 32) reinterpret_cast<int4*>(out)[v] = int4{0, 0, 0, 0};
 }
 
 }  // namespace epx::detail
