@@ -178,12 +178,18 @@ std::vector<Record> local_copies(const Options& o, const std::vector<std::vector
   }
   // Reads of 4x those bytes (about what the expert-major partials read at two ranks: ~4 expert
   // rows per received token), by 8 and 16 SMs, the budget and every SM: how a read-bound sum's
-  // rate grows with the SMs given to it.
+  // rate grows with the SMs given to it; then writes of as many bytes.
   std::vector<int> read_blocks{8, 16, budget, sms};
   std::sort(read_blocks.begin(), read_blocks.end());
   read_blocks.erase(std::unique(read_blocks.begin(), read_blocks.end()), read_blocks.end());
   for (const LocalCopyTime& t : time_local_reads(static_cast<size_t>(4 * received), read_blocks, o.warmup, o.iters)) {
     Record r = record(o, "local_read", t.times, 4 * received, 0.0, 1);
+    r.sms = t.blocks;
+    out.push_back(r);
+  }
+  // Writes of as many bytes (about what an expert-major receiver writes at two ranks).
+  for (const LocalCopyTime& t : time_local_writes(static_cast<size_t>(4 * received), read_blocks, o.warmup, o.iters)) {
+    Record r = record(o, "local_write", t.times, 4 * received, 0.0, 1);
     r.sms = t.blocks;
     out.push_back(r);
   }

@@ -11,8 +11,8 @@ namespace epx::bench {
 // bytes_to[s][d]: bytes rank s sends to rank d in the all-to-all (the dispatch's bf16 traffic).
 // Returns records "peer_copy" (both directions at once, copy engines) and "nccl_alltoall" (with
 // 2 GPUs or more), "local_copy" (a copy within GPU 0 of what a rank's dispatch receives, by the
-// SM budget's blocks, by every SM and by the copy engines: sms 0) and "local_read" (reads of 4x
-// those bytes by 8, 16, the budget's and every SM); none when the build has no CUDA.
+// SM budget's blocks, by every SM and by the copy engines: sms 0), "local_read" and "local_write"
+// (reads, writes of 4x those bytes by 8, 16, the budget's and every SM); none without CUDA.
 std::vector<Record> measure_baselines(const Options& o, const std::vector<std::vector<double>>& bytes_to);
 
 }  // namespace epx::bench

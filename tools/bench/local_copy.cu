@@ -50,6 +50,14 @@ __global__ void __launch_bounds__(kThreads) read_kernel(const int4* __restrict__
   sink[static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x] = fold;
 }
 
+// Writes only (the bound of a receiver that writes each row it reads to several expert rows):
+// stores need no round trip, so one 16-byte store per thread and step keeps the SM busy.
+__global__ void __launch_bounds__(kThreads) write_kernel(int4* __restrict__ dst, size_t n) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * kThreads;
+  const int4 v{static_cast<int>(threadIdx.x), 1, 2, 3};
+  for (size_t i = static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride) dst[i] = v;
+}
+
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string("local copy: ") + what + ": " + cudaGetErrorString(e));
 }
@@ -119,6 +127,19 @@ std::vector<LocalCopyTime> time_local_copies(size_t bytes, const std::vector<int
   out.push_back({0, timer.time([&] {
                    check(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, timer.stream()), "cudaMemcpyAsync");
                  })});
+  return out;
+}
+
+std::vector<LocalCopyTime> time_local_writes(size_t bytes, const std::vector<int>& block_counts, int warmup, int iters) {
+  bytes = bytes / sizeof(int4) * sizeof(int4);
+  Timer timer(warmup, iters);
+  DeviceBuffer dst(bytes);
+  std::vector<LocalCopyTime> out;
+  for (int blocks : block_counts)
+    out.push_back({blocks, timer.time([&] {
+                     write_kernel<<<blocks, kThreads, 0, timer.stream()>>>(static_cast<int4*>(dst.ptr), bytes / sizeof(int4));
+                     check(cudaGetLastError(), "write kernel launch");
+                   })});
   return out;
 }
 

@@ -59,13 +59,13 @@ __device__ void sum_rows_bulk(int n, Term term, bool weighted, uint16_t* out, in
   // every load is issued, so that the oldest pending group is always kStageSlots back).
   auto issue = [&](int slot) {
     if (issued < items) {
-      const char* src = shfl_ptr(row, issue_term) + issue_slice * slot_bytes;
-      const int bytes = min(slot_bytes, row_bytes - issue_slice * slot_bytes);
+      const int at = issue_slice * slot_bytes + lane * 16;  // this lane's first vector in the row
+      const char* src = shfl_ptr(row, issue_term) + at;
+      char* dst = stage + slot * slot_bytes + lane * 16;
+      const int left = row_bytes - at;  // bytes of the row from there on
 #pragma unroll
-      for (int u = 0; u < kSumUnroll; ++u) {
-        const int at = (u * 32 + lane) * 16;
-        if (at < bytes) cp_async16(stage + slot * slot_bytes + at, src + at);
-      }
+      for (int u = 0; u < kSumUnroll; ++u)
+        if (u * 32 * 16 < left) cp_async16(dst + u * 32 * 16, src + u * 32 * 16);
       ++issued;
       if (++issue_term == count) issue_term = 0, ++issue_slice;
     }
