@@ -14,7 +14,7 @@
 namespace epx::detail {
 
 constexpr int64_t kBulkStageBytes = 14336;  // a bf16 row of hidden 7168; longer rows go in pieces
-// The sums (bulk_sum.cuh) use a stage as a ring of 2 KiB slots.
+// The staged sums (staged_sum.cuh) use a stage as a ring of 2 KiB slots.
 constexpr int kStageSlots = 7;
 constexpr int64_t kSlotBytes = kBulkStageBytes / kStageSlots;
 

@@ -10,7 +10,7 @@
 // tells -0 from +0.
 #include "cuda/cuda_check.hpp"
 #include "cuda/env_setting.hpp"
-#include "cuda/kernels/bulk_sum.cuh"
+#include "cuda/kernels/staged_sum.cuh"
 #include "cuda/kernels/launch.hpp"
 #include "cuda/kernels/row_copy.cuh"
 
@@ -49,9 +49,9 @@ __device__ void copy_bf16_plus_zero(const uint16_t* src, uint16_t* dst, int64_t 
 
 // Expert side, one warp: the partial of received row i (rank-major order): the bf16 row into
 // dst (when y is given) and the token's K slot values into dst_slots (when a.slot_values is).
-// bulk: an expert-major sum's terms come through the warp's bulk-copy stage (bulk_sum.cuh).
+// staged: an expert-major sum's terms come through the warp's stage (staged_sum.cuh).
 __device__ void partial_row(const Shape& s, const RecvArrays& r, Layout layout, const CombineArgs& a, bool wide,
-                            bool bulk, int64_t i, uint16_t* dst, float* dst_slots, int lane) {
+                            bool staged, int64_t i, uint16_t* dst, float* dst_slots, int lane) {
   const int64_t capacity = r.info[2];
   if (a.y) {
     if (layout == Layout::rank_major && wide) {  // one term: 0 + y, a copy that turns -0 into +0
@@ -69,7 +69,7 @@ __device__ void partial_row(const Shape& s, const RecvArrays& r, Layout layout, 
         weight = r.slot_weight[i * s.topk + k];
         return out_row >= 0 && out_row < capacity;
       };
-      if (bulk) sum_rows_bulk(static_cast<int>(s.topk), term, a.weighted, dst, s.hidden, lane);
+      if (staged) sum_rows_staged(static_cast<int>(s.topk), term, a.weighted, dst, s.hidden, lane);
       else sum_rows(static_cast<int>(s.topk), term, a.weighted, dst, s.hidden, wide, lane);
     }
   }
@@ -94,9 +94,9 @@ __device__ void return_row(const PeerWindows& w, const WindowMap& m, const Shape
 }
 
 // Source side, one warp: token t from every rank's returned row (rank order), then shared.
-// bulk: the rows come through the warp's bulk-copy stage (bulk_sum.cuh).
+// staged: the rows come through the warp's stage (staged_sum.cuh).
 __device__ void reduce_token(const PeerWindows& w, const WindowMap& m, const Shape& s, const int32_t* send_pos,
-                             const int32_t* slot_expert, const CombineArgs& a, bool wide, bool bulk, int64_t t,
+                             const int32_t* slot_expert, const CombineArgs& a, bool wide, bool staged, int64_t t,
                              int lane) {
   const uint16_t* rev = at_window<const uint16_t>(w, w.rank, m.rev_rows);
   auto term = [&](int d, const uint16_t*& row, float& weight) {
@@ -109,7 +109,7 @@ __device__ void reduce_token(const PeerWindows& w, const WindowMap& m, const Sha
     row = a.by_copy && d == w.rank ? a.own_rows + pos * a.y_stride : rev + (d * s.max_tokens + pos) * s.hidden;
     return pos >= 0;
   };
-  if (a.out && bulk) sum_rows_bulk(w.ranks + 1, term, false, a.out + t * s.hidden, s.hidden, lane);
+  if (a.out && staged) sum_rows_staged(w.ranks + 1, term, false, a.out + t * s.hidden, s.hidden, lane);
   else if (a.out && a.paired_terms) sum_rows<2>(w.ranks + 1, term, false, a.out + t * s.hidden, s.hidden, wide, lane);
   else if (a.out) sum_rows(w.ranks + 1, term, false, a.out + t * s.hidden, s.hidden, wide, lane);
   if (a.slot_out) {
@@ -159,8 +159,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PeerWindows w, Window
     }
     return;
   }
-  const bool bulk = a.bulk_terms && wide && w.ranks + 1 <= 32;  // a term per lane
-  if (bulk) init_bulk_stage(lane);
+  const bool staged = a.staged_terms && wide && w.ranks + 1 <= 32;  // a term per lane
   const int64_t reducer = (blockIdx.x - send_blocks) * static_cast<int64_t>(kThreads / 32) + warp;
   const int64_t reducers = static_cast<int64_t>(gridDim.x - send_blocks) * (kThreads / 32);
   for (int64_t t = reducer; t < tokens; t += reducers) {
@@ -174,7 +173,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PeerWindows w, Window
                                 w.ranks, 0, epoch, timeout_ns, st, kSignalReverse, lane)) {
       return;  // every rank returns every chunk, empty ones too; lane d waits for rank d
     }
-    reduce_token(w, m, s, send_pos, slot_expert, a, wide, bulk, t, lane);
+    reduce_token(w, m, s, send_pos, slot_expert, a, wide, staged, t, lane);
   }
 }
 
@@ -182,30 +181,30 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PeerWindows w, Window
 // partials into a local buffer in rank-major order (partials [M, H], partial_slots [M, K]), which
 // the copy engines then return like a rank-major y. Warp j takes row first + j, skipping `gap`
 // rows at gap_at (this rank's own rows while the other ranks' are reduced first). The sums are
-// bound by the bytes an SM keeps in flight: by registers, 24 warps (80 registers, no spills; 32
-// warps spilled at 64) of 2 KiB each; by bulk copies (the default), 16 warps of up to 14 KiB each,
-// in their stages of shared memory (EPX_PARTIALS_COPY=registers keeps the register loop).
-template <bool kBulk>
-constexpr int kPartialWarps = kBulk ? 16 : 24;
-template <bool kBulk>
-__global__ void __launch_bounds__(kPartialWarps<kBulk> * 32) reduce_partials_kernel(Shape s, RecvArrays r, CombineArgs a,
-                                                                                    PartialRows p, const DeviceStatus* st) {
+// bound by the bytes an SM keeps in flight and the instructions per value: by registers, 24 warps
+// (80 registers, no spills; 32 warps spilled at 64) of 2 KiB each; staged (the default), 16 warps
+// of 14 KiB each in their stages of shared memory (EPX_PARTIALS_COPY=registers keeps the register
+// loop).
+template <bool kStaged>
+constexpr int kPartialWarps = kStaged ? 16 : 24;
+template <bool kStaged>
+__global__ void __launch_bounds__(kPartialWarps<kStaged> * 32) reduce_partials_kernel(Shape s, RecvArrays r, CombineArgs a,
+                                                                                      PartialRows p, const DeviceStatus* st) {
   if (failed(st)) return;
   const int lane = threadIdx.x % 32;
   const bool wide = s.hidden % 8 == 0 && aligned16(a.y) && a.y_stride % 8 == 0 && aligned16(p.rows);
-  const bool bulk = kBulk && wide && s.topk <= 32;  // a term per lane
-  if (bulk) init_bulk_stage(lane);
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kPartialWarps<kBulk>;
-  for (int64_t j = blockIdx.x * static_cast<int64_t>(kPartialWarps<kBulk>) + threadIdx.x / 32; j < p.count; j += warps) {
+  const bool staged = kStaged && wide && s.topk <= 32;  // a term per lane
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kPartialWarps<kStaged>;
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(kPartialWarps<kStaged>) + threadIdx.x / 32; j < p.count; j += warps) {
     const int64_t i = p.first + j + (j >= p.gap_at ? p.gap : 0);
-    partial_row(s, r, Layout::expert_major, a, wide, bulk, i, p.rows + i * s.hidden,
+    partial_row(s, r, Layout::expert_major, a, wide, staged, i, p.rows + i * s.hidden,
                 p.slots ? p.slots + i * s.topk : nullptr, lane);
   }
 }
 
-bool bulk_partials() {
-  static const bool bulk = env_choice("EPX_PARTIALS_COPY", {"bulk", "registers"}) == "bulk";
-  return bulk;
+bool staged_partials() {
+  static const bool staged = env_choice("EPX_PARTIALS_COPY", {"staged", "registers"}) == "staged";
+  return staged;
 }
 
 // EPX_SUM_GROUP=1: the reducers add a token's rows one load round at a time (for measuring).
@@ -214,11 +213,11 @@ bool paired_terms() {
   return paired;
 }
 
-// The reducers load a token's rows by bulk copies into their warp's stage (12-14 KiB in flight per
-// warp instead of two rows' 4 KiB; docs/performance.md); EPX_REDUCE_COPY=registers: sum_rows<2>.
-bool bulk_terms() {
-  static const bool bulk = env_choice("EPX_REDUCE_COPY", {"bulk", "registers"}) == "bulk";
-  return bulk;
+// The reducers stage a token's rows in their warp's shared memory (14 KiB in flight per warp
+// instead of two rows' 4 KiB; docs/performance.md); EPX_REDUCE_COPY=registers: sum_rows<2>.
+bool staged_terms() {
+  static const bool staged = env_choice("EPX_REDUCE_COPY", {"staged", "registers"}) == "staged";
+  return staged;
 }
 
 }  // namespace
@@ -227,8 +226,8 @@ void combine(const Ctx& ctx, int send_blocks, const RecvArrays& r, Layout layout
              const int32_t* send_pos, const int32_t* slot_expert, const CombineArgs& a) {
   CombineArgs args = a;
   args.paired_terms = paired_terms();
-  args.bulk_terms = bulk_terms();
-  const size_t smem = args.bulk_terms ? static_cast<size_t>(bulk_stage_smem(kThreads / 32)) : 0;
+  args.staged_terms = staged_terms();
+  const size_t smem = args.staged_terms ? static_cast<size_t>(bulk_stage_smem(kThreads / 32)) : 0;
   combine_kernel<<<ctx.blocks, kThreads, smem, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, layout, tokens, send_pos,
                                                              slot_expert, args, send_blocks, ctx.state, ctx.timeout_ns,
                                                              ctx.status);
@@ -236,7 +235,7 @@ void combine(const Ctx& ctx, int send_blocks, const RecvArrays& r, Layout layout
 
 void reduce_partials(const Ctx& ctx, const RecvArrays& r, const CombineArgs& a, const PartialRows& p) {
   if (p.count == 0) return;
-  if (bulk_partials())
+  if (staged_partials())
     reduce_partials_kernel<true><<<ctx.blocks, kPartialWarps<true> * 32, bulk_stage_smem(kPartialWarps<true>),
                                    ctx.stream>>>(ctx.shape, r, a, p, ctx.status);
   else

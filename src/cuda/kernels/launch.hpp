@@ -207,7 +207,7 @@ struct CombineArgs {
   const uint16_t* own_rows = nullptr;
   const float* own_slot_values = nullptr;
   bool paired_terms = true;  // the reducers load two rows of a token before adding (EPX_SUM_GROUP, combine.cu)
-  bool bulk_terms = true;    // the reducers load a token's rows by bulk copies (EPX_REDUCE_COPY, combine.cu)
+  bool staged_terms = true;  // the reducers stage a token's rows in shared memory (EPX_REDUCE_COPY, combine.cu)
 };
 void combine(const Ctx& ctx, int send_blocks, const RecvArrays& r, Layout layout, int64_t tokens,
              const int32_t* send_pos, const int32_t* slot_expert, const CombineArgs& a);

@@ -13,9 +13,6 @@ namespace epx::detail {
 
 static_assert(kSumUnroll * 32 * 16 == kSlotBytes, "a slot holds kSumUnroll vectors per lane");
 
-// Whether sum_rows_bulk can take these rows: 16-byte aligned rows of a whole number of vectors.
-__device__ inline bool bulk_summable(const uint16_t* out, int64_t hidden) { return hidden % 8 == 0 && aligned16(out); }
-
 __device__ inline const char* shfl_ptr(const void* p, int from) {
   return reinterpret_cast<const char*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(p), from));
 }
@@ -39,7 +36,7 @@ __device__ inline void cp_async_wait() {
 // called by lane i only. The rows may have been written by other GPUs or the copy engines: the
 // caller acquired the flags that cover them.
 template <typename Term>
-__device__ void sum_rows_bulk(int n, Term term, bool weighted, uint16_t* out, int64_t hidden, int lane) {
+__device__ void sum_rows_staged(int n, Term term, bool weighted, uint16_t* out, int64_t hidden, int lane) {
   char* const stage = warp_bulk_stage().buf;
   const uint16_t* my_row = nullptr;
   float my_weight = 0.0f;
