@@ -4,8 +4,8 @@
 # sanitizer serializes kernels, so ranks waiting on each other could not progress), epx-bench.
 # Logs and JSON go to $OUT; a short summary is printed last.
 #   usage: [EPX_GIT_COMMIT=$(git rev-parse --short=12 HEAD)] [GTEST_FILTER=...] [GTEST_REPEAT=n] [BENCH_ARGS=...] [SANITIZE_TOOLS=...] \
-#          [AB_ENV="VAR=value ...[;VAR=value ...]"] bash scripts/device-check.sh [tests|sanitize|bench|ab|interleave|procs|sweep|engines|ll|holdback|profile|chain|all]...
-#          (default: all but ab, interleave, procs, sweep, engines, profile, holdback, chain)
+#          [AB_ENV="VAR=value ...[;VAR=value ...]"] bash scripts/device-check.sh [tests|sanitize|bench|ab|interleave|procs|sweep|engines|ll|holdback|profile|chain|queues|all]...
+#          (default: all but ab, interleave, procs, sweep, engines, profile, holdback, chain, queues)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
@@ -36,7 +36,7 @@ fi
 note "built against NCCL in $NCCL_DIR"
 
 # Steps that run only when named ("all" leaves them out).
-optional_steps="ab interleave procs sweep engines profile holdback chain"
+optional_steps="ab interleave procs sweep engines profile holdback chain queues"
 want() { [[ ( " $steps " == *" all "* && " $optional_steps " != *" $1 "* ) || " $steps " == *" $1 "* ]]; }
 gpus=$(nvidia-smi -L | wc -l)
 
@@ -188,6 +188,17 @@ for k, v in sorted(times.items(), key=lambda kv: -sum(kv[1]) / len(kv[1])):
     print(f"chain kernel {k:32s} {sum(v) / len(v):8.1f} us (mean of {len(v)})")
 PY
   note "chain: $(grep -c 'Context' "$OUT/chain.log") kernel launches profiled"
+fi
+if want queues; then
+  # Which of 40 streams made in a row share a hardware queue with the first (and the sixth), with
+  # 8 and 32 connections (queues.log; docs/cuda.md).
+  for connections in 8 32; do
+    for first in 0 5; do
+      CUDA_DEVICE_MAX_CONNECTIONS=$connections timeout 60 ./build-gpu/epx-queue-probe 40 $first >> "$OUT/queues.log" 2>&1
+    done
+  done
+  cat "$OUT/queues.log"
+  note "queue probe: $(wc -l < "$OUT/queues.log") lines"
 fi
 if want holdback; then
   # The shared-GPU hold-back (docs/cuda.md, Known gaps): EP8 of the low-latency benchmark on one GPU,

@@ -1,0 +1,72 @@
+// Which CUDA streams share a hardware queue (docs/cuda.md, the shared-GPU hold-back): the runtime
+// maps streams onto CUDA_DEVICE_MAX_CONNECTIONS queues, and a kernel queued behind another
+// stream's kernel in the same queue cannot start until that one ends. For each pair (first, k)
+// of streams, both made in the order given below, a kernel on stream `first` waits (up to a
+// timeout) for a flag that a kernel launched after it on stream k sets: if the two share a queue,
+// the wait times out. Prints, for each k, whether it shares stream first's queue.
+//   usage: epx-queue-probe [streams (default 40)] [first (default 0)] [timeout ms (default 50)]
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+namespace {
+
+__global__ void wait_flag(volatile int* flag, int want, unsigned long long timeout_ns, int* timed_out) {
+  unsigned long long start;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  for (;;) {
+    if (*flag == want) return;
+    unsigned long long now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (now - start > timeout_ns) {
+      *timed_out = 1;
+      return;
+    }
+  }
+}
+
+__global__ void set_flag(volatile int* flag, int value) { *flag = value; }
+
+int check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "epx-queue-probe: %s: %s\n", what, cudaGetErrorString(e));
+    std::exit(1);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int count = argc > 1 ? std::atoi(argv[1]) : 40;
+  const int first = argc > 2 ? std::atoi(argv[2]) : 0;
+  const unsigned long long timeout_ns = (argc > 3 ? std::atoll(argv[3]) : 50) * 1000000ull;
+  const char* connections = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  std::vector<cudaStream_t> streams(count);
+  for (auto& s : streams) check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+  int *flag = nullptr, *timed_out = nullptr;
+  check(cudaMallocManaged(&flag, sizeof(int)), "cudaMallocManaged");
+  check(cudaMallocManaged(&timed_out, sizeof(int)), "cudaMallocManaged");
+  std::printf("CUDA_DEVICE_MAX_CONNECTIONS=%s, %d streams made in a row; streams sharing stream %d's queue:",
+              connections ? connections : "(unset: 8)", count, first);
+  int shared = 0;
+  for (int k = 0; k < count; ++k) {
+    if (k == first) continue;
+    *flag = 0;
+    *timed_out = 0;
+    wait_flag<<<1, 1, 0, streams[first]>>>(flag, k + 1, timeout_ns, timed_out);
+    set_flag<<<1, 1, 0, streams[k]>>>(flag, k + 1);
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    if (*timed_out) {
+      std::printf(" %d", k);
+      ++shared;
+    }
+  }
+  std::printf("%s\n", shared ? "" : " none");
+  for (auto& s : streams) cudaStreamDestroy(s);
+  cudaFree(flag);
+  cudaFree(timed_out);
+  return 0;
+}
