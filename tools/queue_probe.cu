@@ -1,9 +1,9 @@
 // Which CUDA streams share a hardware queue (docs/cuda.md, the shared-GPU hold-back): the runtime
 // maps streams onto CUDA_DEVICE_MAX_CONNECTIONS queues, and a kernel queued behind another
 // stream's kernel in the same queue cannot start until that one ends. For each pair (first, k)
-// of streams, both made in the order given below, a kernel on stream `first` waits (up to a
-// timeout) for a flag that a kernel launched after it on stream k sets: if the two share a queue,
-// the wait times out. Prints, for each k, whether it shares stream first's queue.
+// of streams, made and first used in a row, a kernel on stream `first` waits (up to a timeout)
+// for a flag that a kernel launched after it on stream k sets: if the two share a queue, the wait
+// times out. Prints the streams that share stream first's queue.
 //   usage: epx-queue-probe [streams (default 40)] [first (default 0)] [timeout ms (default 50)]
 #include <cuda_runtime.h>
 
@@ -49,7 +49,16 @@ int main(int argc, char** argv) {
   int *flag = nullptr, *timed_out = nullptr;
   check(cudaMallocManaged(&flag, sizeof(int)), "cudaMallocManaged");
   check(cudaMallocManaged(&timed_out, sizeof(int)), "cudaMallocManaged");
-  std::printf("CUDA_DEVICE_MAX_CONNECTIONS=%s, %d streams made in a row; streams sharing stream %d's queue:",
+  // Both kernels loaded (a lazy module load waits for running kernels), then every stream used
+  // once, in order, while the GPU is idle (in case streams take their queue at first use).
+  wait_flag<<<1, 1, 0, streams[0]>>>(flag, 0, timeout_ns, timed_out);
+  set_flag<<<1, 1, 0, streams[0]>>>(flag, 0);
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  for (auto& s : streams) {
+    set_flag<<<1, 1, 0, s>>>(flag, 0);
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  }
+  std::printf("CUDA_DEVICE_MAX_CONNECTIONS=%s, %d streams made and used in a row; streams sharing stream %d's queue:",
               connections ? connections : "(unset: 8)", count, first);
   int shared = 0;
   for (int k = 0; k < count; ++k) {
