@@ -200,13 +200,22 @@ __device__ inline void fma_bf16x8(float (&acc)[8], const int4& raw, float weight
   }
 }
 
+// lo and hi rounded to bf16 (nearest, ties to even), lo in the low half: float_to_bf16's bits,
+// by one hardware conversion for the pair. The hardware gives a canonical NaN where
+// float_to_bf16 keeps the payload, so a pair whose sum is NaN (a NaN, or infinities that cancel)
+// takes float_to_bf16. The software rounding alone cost ~8 instructions a value: most of a
+// one-term sum's instructions (docs/performance.md).
+__device__ inline uint32_t bf16x2_bits(float lo, float hi) {
+  uint32_t word;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(word) : "f"(hi), "f"(lo));  // the first operand goes high
+  if (isnan(lo + hi)) word = static_cast<uint32_t>(float_to_bf16(lo)) | static_cast<uint32_t>(float_to_bf16(hi)) << 16;
+  return word;
+}
+
 // The 8 sums rounded to bf16, as one 16-byte vector.
 __device__ inline int4 pack_bf16x8(const float (&acc)[8]) {
-  uint32_t word[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j)
-    word[j] = static_cast<uint32_t>(float_to_bf16(acc[2 * j])) | static_cast<uint32_t>(float_to_bf16(acc[2 * j + 1])) << 16;
-  return int4{static_cast<int>(word[0]), static_cast<int>(word[1]), static_cast<int>(word[2]), static_cast<int>(word[3])};
+  return int4{static_cast<int>(bf16x2_bits(acc[0], acc[1])), static_cast<int>(bf16x2_bits(acc[2], acc[3])),
+              static_cast<int>(bf16x2_bits(acc[4], acc[5])), static_cast<int>(bf16x2_bits(acc[6], acc[7]))};
 }
 
 // out = bf16(sum over terms i = 0..n-1 in order), fp32 accumulation from 0: acc = fma(w_i, v, acc)
