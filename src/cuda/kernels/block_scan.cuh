@@ -1,5 +1,6 @@
 // Exclusive scans over any number of items with one thread block, in item order: what makes
-// positions deterministic (rows ordered by source token) and layouts computed in parallel.
+// positions deterministic (rows ordered by source token) and layouts computed in parallel; and
+// one warp's inclusive sum over its lanes.
 #pragma once
 #include <cub/block/block_scan.cuh>
 
@@ -27,6 +28,16 @@ __device__ int64_t block_exclusive_sum(int64_t n, Value value, Out out) {
     __syncthreads();
   }
   return running;
+}
+
+// The sum of v over lanes 0..lane of the warp (every lane calls it).
+template <typename T>
+__device__ T warp_inclusive_sum(T v, int lane) {
+  for (int o = 1; o < 32; o *= 2) {
+    const T up = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += up;
+  }
+  return v;
 }
 
 // For i in [0, n): position(i, exclusive count of flagged items before i) for flagged items.

@@ -2,6 +2,7 @@
 // sender's half of the layout. Tokens are cut into chunks of kChunkTokens; a chunk's counts
 // are scanned across chunks, so a position is (the chunk's base) + (its place in the chunk),
 // both in token order, which keeps the layout deterministic.
+#include "cuda/kernels/block_scan.cuh"
 #include "cuda/kernels/device_common.cuh"
 #include "cuda/kernels/launch.hpp"
 
@@ -76,11 +77,7 @@ __global__ void __launch_bounds__(kWarps * 32) scan_chunks_kernel(Shape s, int64
 #pragma unroll
       for (int i = 0; i < kLoads; ++i) {
         const int64_t c = base + 32 * i + lane;
-        int32_t inclusive = v[i];
-        for (int o = 1; o < 32; o *= 2) {
-          const int32_t up = __shfl_up_sync(0xffffffffu, inclusive, o);
-          if (lane >= o) inclusive += up;
-        }
+        const int32_t inclusive = warp_inclusive_sum(v[i], lane);
         if (c < chunks) p.chunk_base[c * width + col] = static_cast<int32_t>(running) + inclusive - v[i];
         running += __shfl_sync(0xffffffffu, inclusive, 31);
       }

@@ -48,11 +48,7 @@ __device__ inline void receive_layout_block(const PeerWindows& w, const WindowMa
     } else if (p < w.ranks) {
       r.chunks_from[p] = 0;
     }
-    int64_t inclusive = rows;
-    for (int o = 1; o < 32; o *= 2) {
-      const int64_t up = __shfl_up_sync(0xffffffffu, inclusive, o);
-      if (p >= o) inclusive += up;
-    }
+    const int64_t inclusive = warp_inclusive_sum(rows, p);
     if (p < w.ranks) r.rank_offsets[p + 1] = inclusive;
     if (p == 0) r.rank_offsets[0] = 0;
     if (p == 31) received = inclusive;
