@@ -10,9 +10,9 @@
 // tells -0 from +0.
 #include "cuda/cuda_check.hpp"
 #include "cuda/env_setting.hpp"
-#include "cuda/kernels/staged_sum.cuh"
 #include "cuda/kernels/launch.hpp"
 #include "cuda/kernels/row_copy.cuh"
+#include "cuda/kernels/staged_sum.cuh"
 
 namespace epx::detail::kernels {
 
