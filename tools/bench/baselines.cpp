@@ -171,28 +171,25 @@ std::vector<Record> local_copies(const Options& o, const std::vector<std::vector
   BENCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const int budget = o.sms > 0 ? o.sms : 24;
   std::vector<Record> out;
-  for (const LocalCopyTime& t : time_local_copies(static_cast<size_t>(received), {budget, sms}, o.warmup, o.iters)) {
-    Record r = record(o, "local_copy", t.times, received, 0.0, 1);
-    r.sms = t.blocks;
-    out.push_back(r);
-  }
+  auto add = [&](const char* op, const std::vector<LocalCopyTime>& times, double bytes) {
+    for (const LocalCopyTime& t : times) {
+      Record r = record(o, op, t.times, bytes, 0.0, 1);
+      r.sms = t.blocks;
+      out.push_back(r);
+    }
+  };
+  add("local_copy", time_local_copies(static_cast<size_t>(received), {budget, sms}, o.warmup, o.iters), received);
   // Reads of 4x those bytes (about what the expert-major partials read at two ranks: ~4 expert
   // rows per received token), by 8 and 16 SMs, the budget and every SM: how a read-bound sum's
-  // rate grows with the SMs given to it; then writes of as many bytes.
-  std::vector<int> read_blocks{8, 16, budget, sms};
-  std::sort(read_blocks.begin(), read_blocks.end());
-  read_blocks.erase(std::unique(read_blocks.begin(), read_blocks.end()), read_blocks.end());
-  for (const LocalCopyTime& t : time_local_reads(static_cast<size_t>(4 * received), read_blocks, o.warmup, o.iters)) {
-    Record r = record(o, "local_read", t.times, 4 * received, 0.0, 1);
-    r.sms = t.blocks;
-    out.push_back(r);
-  }
-  // Writes of as many bytes (about what an expert-major receiver writes at two ranks).
-  for (const LocalCopyTime& t : time_local_writes(static_cast<size_t>(4 * received), read_blocks, o.warmup, o.iters)) {
-    Record r = record(o, "local_write", t.times, 4 * received, 0.0, 1);
-    r.sms = t.blocks;
-    out.push_back(r);
-  }
+  // rate grows with the SMs given to it; then writes of as many bytes (about what an
+  // expert-major receiver writes at two ranks).
+  std::vector<int> block_counts{8, 16, budget, sms};
+  std::sort(block_counts.begin(), block_counts.end());
+  block_counts.erase(std::unique(block_counts.begin(), block_counts.end()), block_counts.end());
+  const double expert_row_bytes = 4 * received;
+  const auto expert_bytes = static_cast<size_t>(expert_row_bytes);
+  add("local_read", time_local_reads(expert_bytes, block_counts, o.warmup, o.iters), expert_row_bytes);
+  add("local_write", time_local_writes(expert_bytes, block_counts, o.warmup, o.iters), expert_row_bytes);
   return out;
 }
 

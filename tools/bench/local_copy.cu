@@ -109,6 +109,14 @@ struct DeviceBuffer {
   void* ptr = nullptr;
 };
 
+// The time of launch(blocks) for each block count, in order.
+template <typename Launch>
+std::vector<LocalCopyTime> time_each(Timer& timer, const std::vector<int>& block_counts, Launch launch) {
+  std::vector<LocalCopyTime> out;
+  for (int blocks : block_counts) out.push_back({blocks, timer.time([&] { launch(blocks); })});
+  return out;
+}
+
 }  // namespace
 
 std::vector<LocalCopyTime> time_local_copies(size_t bytes, const std::vector<int>& block_counts, int warmup, int iters) {
@@ -118,12 +126,10 @@ std::vector<LocalCopyTime> time_local_copies(size_t bytes, const std::vector<int
   check(cudaMemset(src.ptr, 0x3c, bytes), "cudaMemset");
   const auto* from = static_cast<const int4*>(src.ptr);
   auto* to = static_cast<int4*>(dst.ptr);
-  std::vector<LocalCopyTime> out;
-  for (int blocks : block_counts)
-    out.push_back({blocks, timer.time([&] {
-                     copy_kernel<<<blocks, kThreads, 0, timer.stream()>>>(from, to, bytes / sizeof(int4));
-                     check(cudaGetLastError(), "copy kernel launch");
-                   })});
+  std::vector<LocalCopyTime> out = time_each(timer, block_counts, [&](int blocks) {
+    copy_kernel<<<blocks, kThreads, 0, timer.stream()>>>(from, to, bytes / sizeof(int4));
+    check(cudaGetLastError(), "copy kernel launch");
+  });
   out.push_back({0, timer.time([&] {
                    check(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, timer.stream()), "cudaMemcpyAsync");
                  })});
@@ -134,13 +140,10 @@ std::vector<LocalCopyTime> time_local_writes(size_t bytes, const std::vector<int
   bytes = bytes / sizeof(int4) * sizeof(int4);
   Timer timer(warmup, iters);
   DeviceBuffer dst(bytes);
-  std::vector<LocalCopyTime> out;
-  for (int blocks : block_counts)
-    out.push_back({blocks, timer.time([&] {
-                     write_kernel<<<blocks, kThreads, 0, timer.stream()>>>(static_cast<int4*>(dst.ptr), bytes / sizeof(int4));
-                     check(cudaGetLastError(), "write kernel launch");
-                   })});
-  return out;
+  return time_each(timer, block_counts, [&](int blocks) {
+    write_kernel<<<blocks, kThreads, 0, timer.stream()>>>(static_cast<int4*>(dst.ptr), bytes / sizeof(int4));
+    check(cudaGetLastError(), "write kernel launch");
+  });
 }
 
 std::vector<LocalCopyTime> time_local_reads(size_t bytes, const std::vector<int>& block_counts, int warmup, int iters) {
@@ -150,14 +153,11 @@ std::vector<LocalCopyTime> time_local_reads(size_t bytes, const std::vector<int>
   for (int blocks : block_counts) most_blocks = std::max(most_blocks, blocks);
   DeviceBuffer src(bytes), sink(static_cast<size_t>(most_blocks) * kThreads * sizeof(int));
   check(cudaMemset(src.ptr, 0x3c, bytes), "cudaMemset");
-  std::vector<LocalCopyTime> out;
-  for (int blocks : block_counts)
-    out.push_back({blocks, timer.time([&] {
-                     read_kernel<<<blocks, kThreads, 0, timer.stream()>>>(static_cast<const int4*>(src.ptr),
-                                                                         bytes / sizeof(int4), static_cast<int*>(sink.ptr));
-                     check(cudaGetLastError(), "read kernel launch");
-                   })});
-  return out;
+  return time_each(timer, block_counts, [&](int blocks) {
+    read_kernel<<<blocks, kThreads, 0, timer.stream()>>>(static_cast<const int4*>(src.ptr), bytes / sizeof(int4),
+                                                         static_cast<int*>(sink.ptr));
+    check(cudaGetLastError(), "read kernel launch");
+  });
 }
 
 }  // namespace epx::bench
