@@ -73,15 +73,14 @@ __device__ float scale_and_dot(const uint16_t* g, const uint16_t* y, uint16_t* o
         if (v >= vectors) continue;
         const uint16_t* gb = reinterpret_cast<const uint16_t*>(&gv[u]);
         const uint16_t* yb = reinterpret_cast<const uint16_t*>(&yv[u]);
-        int4 o;
-        uint16_t* ob = reinterpret_cast<uint16_t*>(&o);
+        float scaled[kChunk];
 #pragma unroll
         for (int c = 0; c < kChunk; ++c) {
           const float gf = bf16_to_float(gb[c]);
           dot = __fmaf_rn(gf, bf16_to_float(yb[c]), dot);
-          ob[c] = float_to_bf16(__fmul_rn(w, gf));
+          scaled[c] = __fmul_rn(w, gf);
         }
-        reinterpret_cast<int4*>(out)[v] = o;
+        reinterpret_cast<int4*>(out)[v] = pack_bf16x8(scaled);  // rounded by the hardware (row_copy.cuh)
       }
     }
   } else {  // any hidden and alignment: the same order, one vector at a time
