@@ -4,8 +4,8 @@
 # sanitizer serializes kernels, so ranks waiting on each other could not progress), epx-bench.
 # Logs and JSON go to $OUT; a short summary is printed last.
 #   usage: [EPX_GIT_COMMIT=$(git rev-parse --short=12 HEAD)] [GTEST_FILTER=...] [GTEST_REPEAT=n] [BENCH_ARGS=...] [SANITIZE_TOOLS=...] \
-#          [AB_ENV="VAR=value ...[;VAR=value ...]"] bash scripts/device-check.sh [tests|sanitize|bench|ab|interleave|procs|sweep|engines|ll|holdback|profile|chain|queues|all]...
-#          (default: all but ab, interleave, procs, sweep, engines, profile, holdback, chain, queues)
+#          [AB_ENV="VAR=value ...[;VAR=value ...]"] bash scripts/device-check.sh [tests|sanitize|bench|ab|interleave|procs|sweep|engines|ll|holdback|profile|chain|queues|stores|all]...
+#          (default: all but ab, interleave, procs, sweep, engines, profile, holdback, chain, queues, stores)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
@@ -36,7 +36,7 @@ fi
 note "built against NCCL in $NCCL_DIR"
 
 # Steps that run only when named ("all" leaves them out).
-optional_steps="ab interleave procs sweep engines profile holdback chain queues"
+optional_steps="ab interleave procs sweep engines profile holdback chain queues stores"
 want() { [[ ( " $steps " == *" all "* && " $optional_steps " != *" $1 "* ) || " $steps " == *" $1 "* ]]; }
 gpus=$(nvidia-smi -L | wc -l)
 
@@ -199,6 +199,12 @@ if want queues; then
   done
   cat "$OUT/queues.log"
   note "queue probe: $(wc -l < "$OUT/queues.log") lines"
+fi
+if want stores; then
+  # What 8, 24 and 132 SMs write, by store kind (stores.log; docs/performance.md, the floors).
+  timeout 120 ./build-gpu/epx-store-probe ${STORE_ARGS:-} > "$OUT/stores.log" 2>&1
+  cat "$OUT/stores.log"
+  note "store probe: $(grep -c ' [0-9.]*$' "$OUT/stores.log") lines"
 fi
 if want holdback; then
   # The shared-GPU hold-back (docs/cuda.md, Known gaps): EP8 of the low-latency benchmark on one GPU,
