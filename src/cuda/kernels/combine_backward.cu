@@ -1,6 +1,9 @@
 // combine_backward: grad_out rows go to the expert ranks (each token once per rank, like
 // dispatch), become grad_y rows there (times the slot weight when weighted), and the weight
 // gradients (lane-order dots of docs/semantics.md) come back to the sources.
+#include "cuda/cuda_check.hpp"
+#include "cuda/kernels/bulk_copy.cuh"
+#include "cuda/kernels/cp_async.cuh"
 #include "cuda/kernels/empty_rows.cuh"
 #include "cuda/kernels/launch.hpp"
 #include "cuda/kernels/row_copy.cuh"
@@ -97,6 +100,88 @@ __device__ float scale_and_dot(const uint16_t* g, const uint16_t* y, uint16_t* o
   return dot;
 }
 
+// The same rows and dots as scale_and_dot for every slot in `todo` (lanes whose slot has a row
+// here; lane b gives its slot's y row, grad_y row and weight), through the warp's stage: a ring of
+// kRing entries, each a 2 KiB slice of g and the same slice of one slot's y, loaded by cp.async in
+// (slot, slice) order, so kRing x 4 KiB per warp stay in flight without registers (scale_and_dot
+// keeps 4 KiB in registers, and that bounded it: docs/performance.md). Each lane loads and reads
+// only its own vectors (no barrier). A slot's slices are consumed in order, so each lane's dot
+// takes its vectors in the same order as scale_and_dot's. Rows 16-byte aligned, hidden % 8 == 0.
+// Returns lane b's slot's dot to lane b.
+constexpr int kRing = 3;
+static_assert(kRing * 2 * kSlotBytes <= kBulkStageBytes, "the ring fits the warp's stage");
+__device__ float scale_and_dot_staged(const uint16_t* g, unsigned todo, const uint16_t* my_y, uint16_t* my_out,
+                                      float my_w, int64_t hidden, int lane) {
+  char* const ring = warp_bulk_stage().buf;
+  const int count = __popc(todo);
+  // Lane j holds the j-th slot's rows and weight (slots in lane order).
+  const int from = lane < count ? static_cast<int>(__fns(todo, 0, lane + 1)) : 0;
+  const char* y_row = shfl_ptr(my_y, from);
+  char* out_row = const_cast<char*>(shfl_ptr(my_out, from));
+  const float w_row = __shfl_sync(0xffffffffu, my_w, from);
+  const int row_bytes = static_cast<int>(hidden * 2), slice_bytes = static_cast<int>(kSlotBytes);
+  const int slices = (row_bytes + slice_bytes - 1) / slice_bytes;
+  const int items = count * slices;
+  int issued = 0, issue_slot = 0, issue_slice = 0;
+  // This lane's vectors of the next (slot, slice) into ring entry `e`, one commit group (empty
+  // once every item is issued, so that the oldest pending group is always kRing back).
+  auto issue = [&](int e) {
+    if (issued < items) {
+      const int at = issue_slice * slice_bytes + lane * 16;
+      const char* y = shfl_ptr(y_row, issue_slot) + at;
+      const char* gs = reinterpret_cast<const char*>(g) + at;
+      char* dst = ring + e * 2 * slice_bytes + lane * 16;
+#pragma unroll
+      for (int u = 0; u < kSumUnroll; ++u) {
+        if (u * 32 * 16 < row_bytes - at) {
+          cp_async16(dst + u * 32 * 16, gs + u * 32 * 16);
+          cp_async16(dst + slice_bytes + u * 32 * 16, y + u * 32 * 16);
+        }
+      }
+      ++issued;
+      if (++issue_slice == slices) issue_slice = 0, ++issue_slot;
+    }
+    cp_async_commit();
+  };
+  for (int e = 0; e < kRing; ++e) issue(e);
+  float dot = 0.0f, mine = 0.0f;
+  int e = 0, slot = 0, slice = 0;
+  for (int item = 0; item < items; ++item) {
+    cp_async_wait<kRing - 1>();  // this item's group, the oldest of kRing
+    const float w = __shfl_sync(0xffffffffu, w_row, slot);
+    char* out = const_cast<char*>(shfl_ptr(out_row, slot)) + slice * slice_bytes;
+    const int vectors = min(slice_bytes, row_bytes - slice * slice_bytes) / 16;
+    const int4* gs = reinterpret_cast<const int4*>(ring + e * 2 * slice_bytes);
+    const int4* ys = reinterpret_cast<const int4*>(ring + e * 2 * slice_bytes + slice_bytes);
+#pragma unroll
+    for (int u = 0; u < kSumUnroll; ++u) {
+      const int v = u * 32 + lane;
+      if (v >= vectors) continue;
+      const int4 graw = gs[v], yraw = ys[v];
+      const uint16_t* gb = reinterpret_cast<const uint16_t*>(&graw);
+      const uint16_t* yb = reinterpret_cast<const uint16_t*>(&yraw);
+      float scaled[kChunk];
+#pragma unroll
+      for (int c = 0; c < kChunk; ++c) {
+        const float gf = bf16_to_float(gb[c]);
+        dot = __fmaf_rn(gf, bf16_to_float(yb[c]), dot);
+        scaled[c] = __fmul_rn(w, gf);
+      }
+      reinterpret_cast<int4*>(out)[v] = pack_bf16x8(scaled);
+    }
+    issue(e);  // the item kRing ahead, into the entry just read (by this lane only)
+    if (++slice == slices) {  // the slot's last slice: its dot is complete
+      for (int o = 16; o >= 1; o /= 2) dot = __fadd_rn(dot, __shfl_xor_sync(0xffffffffu, dot, o));
+      if (lane == static_cast<int>(__fns(todo, 0, slot + 1))) mine = dot;  // the slot's own lane
+      dot = 0.0f;
+      slice = 0;
+      ++slot;
+    }
+    e = e + 1 == kRing ? 0 : e + 1;
+  }
+  return mine;
+}
+
 // Warp per received row i (grad_out of token src_token[i], forwarded once to this rank): its
 // grad_y rows, and (weighted, expert-major only) each local slot's weight gradient back to the
 // source. Rank-major: row i is grad_out as is. Expert-major unweighted: grad_out to every slot's
@@ -110,6 +195,7 @@ __global__ void __launch_bounds__(kExpandWarps * 32) expand_grad_kernel(PeerWind
   const int64_t warp = blockIdx.x * static_cast<int64_t>(kExpandWarps) + threadIdx.x / 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kExpandWarps;
   const int64_t rows = failed(st) ? 0 : r.info[0], capacity = r.info[2];
+  const bool wide = s.hidden % 8 == 0 && aligned16(y) && y_stride % 8 == 0 && aligned16(grad_y);
   for_each_empty_row(s, r, layout, warp, warps, [&](int64_t row) {
     char* dst = reinterpret_cast<char*>(grad_y + row * s.hidden);
     zero_row(&dst, 1, 2 * s.hidden, lane);
@@ -131,6 +217,8 @@ __global__ void __launch_bounds__(kExpandWarps * 32) expand_grad_kernel(PeerWind
       }
       continue;
     }
+    // The staged expansion needs 16-byte rows and vectors (g's row: a window payload row).
+    const bool staged = weighted && wide && aligned16(g);
     for (int64_t k0 = 0; k0 < s.topk; k0 += 32) {
       const int64_t k = k0 + lane;
       const int64_t row = k < s.topk ? r.slot_row[i * s.topk + k] : -1;
@@ -147,6 +235,12 @@ __global__ void __launch_bounds__(kExpandWarps * 32) expand_grad_kernel(PeerWind
       }
       const float weight = k < s.topk ? r.slot_weight[i * s.topk + k] : 0.0f;
       float mine = 0.0f;  // lane k's slot's dot
+      if (staged) {
+        const bool has_row = (todo >> lane) & 1u;
+        mine = scale_and_dot_staged(g, todo, has_row ? y + row * y_stride : nullptr,
+                                    has_row ? grad_y + row * s.hidden : nullptr, weight, s.hidden, lane);
+        todo = 0;
+      }
       for (; todo; todo &= todo - 1) {
         const int b = __ffs(static_cast<int>(todo)) - 1;
         const int64_t row_b = __shfl_sync(0xffffffffu, row, b);
@@ -187,8 +281,10 @@ void send_tokens(const Ctx& ctx, const SendRows& rows, int64_t tokens, const int
 
 void expand_grad(const Ctx& ctx, const RecvArrays& r, Layout layout, bool weighted, const uint16_t* y, int64_t y_stride,
                  uint16_t* grad_y) {
-  expand_grad_kernel<<<ctx.blocks, kExpandWarps * 32, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, layout, weighted, y,
-                                                                  y_stride, grad_y, ctx.status);
+  // The weighted expansion stages its rows in each warp's 14 KiB of shared memory.
+  const size_t smem = weighted ? static_cast<size_t>(bulk_stage_smem(kExpandWarps)) : 0;
+  expand_grad_kernel<<<ctx.blocks, kExpandWarps * 32, smem, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, layout,
+                                                                          weighted, y, y_stride, grad_y, ctx.status);
 }
 
 void gather_slot_values(const Ctx& ctx, int64_t tokens, const int32_t* send_pos, const int32_t* slot_expert,
@@ -198,6 +294,10 @@ void gather_slot_values(const Ctx& ctx, int64_t tokens, const int32_t* send_pos,
                                                                 slot_expert, slot_out, ctx.status);
 }
 
-void preload_combine_backward_kernels() { preload(send_tokens_kernel, expand_grad_kernel, gather_slot_values_kernel); }
+void preload_combine_backward_kernels() {
+  preload(send_tokens_kernel, expand_grad_kernel, gather_slot_values_kernel);
+  EPX_CUDA(cudaFuncSetAttribute(expand_grad_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                static_cast<int>(bulk_stage_smem(kExpandWarps))));
+}
 
 }  // namespace epx::detail::kernels

@@ -10,6 +10,10 @@ namespace epx::detail {
 constexpr int kUnroll = 8;
 
 __device__ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+// Lane `from`'s pointer, to every lane of the warp.
+__device__ inline const char* shfl_ptr(const void* p, int from) {
+  return reinterpret_cast<const char*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(p), from));
+}
 
 // kConstant: the source never changes while the kernel runs (user input), so the read-only
 // path may cache it. Rows written by peers during the kernel are read with plain loads.

@@ -7,29 +7,12 @@
 // form: it moved ~50 GB/s per SM where plain loads move ~100 (docs/performance.md).
 #pragma once
 #include "cuda/kernels/bulk_copy.cuh"
+#include "cuda/kernels/cp_async.cuh"
 #include "cuda/kernels/row_copy.cuh"
 
 namespace epx::detail {
 
 static_assert(kSumUnroll * 32 * 16 == kSlotBytes, "a slot holds kSumUnroll vectors per lane");
-
-__device__ inline const char* shfl_ptr(const void* p, int from) {
-  return reinterpret_cast<const char*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(p), from));
-}
-
-// 16 bytes from global to shared memory, L1 bypassed; a later cp_async_wait of this thread makes
-// them visible to it.
-__device__ inline void cp_async16(void* smem, const void* global) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem))),
-               "l"(global)
-               : "memory");
-}
-__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-// Until at most `kPending` of this thread's most recent commit groups are still in flight.
-template <int kPending>
-__device__ inline void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
 
 // The same sums as sum_rows (fp32 from 0 in term order, fma with the weight when weighted, bf16
 // rounding at the end) for n <= 32 terms whose rows are 16-byte aligned. term(i, row, weight) is
