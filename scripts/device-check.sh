@@ -242,6 +242,7 @@ if want profile; then
     [receiver_em]="--wire bf16 --layout expert_major --ops dispatch"
     [partials]="--wire bf16 --layout expert_major --ops combine"
     [reducers]="--wire bf16 --layout rank_major --ops combine"
+    [expand]="--wire bf16 --layout expert_major --ops combine_backward"
     [ll_dispatch]="--preset ll --wire fp8 --ops ll_dispatch"
     [ll_combine]="--preset ll --wire fp8 --ops ll_combine"
   )
@@ -251,6 +252,7 @@ if want profile; then
       receiver | receiver_em) prof "$name" 'dispatch_receive_kernel' EPX_DISPATCH_ENGINE=copy ;;
       partials) prof partials 'reduce_partials_kernel' EPX_DISPATCH_ENGINE=copy EPX_COMBINE_ENGINE=copy ;;
       reducers) prof reducers '^combine_kernel$' EPX_DISPATCH_ENGINE=copy EPX_COMBINE_ENGINE=copy ;;
+      expand) prof expand 'expand_grad_kernel' ;;
       ll_dispatch) prof ll_dispatch '^dispatch_kernel$' EPX_TIMEOUT_MS=60000 ;;
       ll_combine) prof ll_combine '^combine_kernel$' EPX_TIMEOUT_MS=60000 ;;
       *) echo "unknown profile $name" ;;
