@@ -892,6 +892,12 @@ const HandleState& CudaBackend::start_handle_call(const Call& call, const Handle
   return *h;
 }
 
+std::function<void(const HandleState&)> CudaBackend::copies_first_prepare(
+    const std::function<void(const HandleState&, bool)>& prepare) const {
+  if (!copies_first_) return nullptr;
+  return [prepare](const HandleState& state) { prepare(state, true); };
+}
+
 CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle, const CombineOptions& opt) {
   const Call call = begin_call(kCombine);
   const BufferConfig& c = config();
@@ -917,8 +923,7 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
         validate_combine(in, state, c, opt, DeviceKind::cuda);
         check_device_tensor(in.y, "combine: y");
       },
-      copies_first_ ? std::function<void(const HandleState&)>([&](const HandleState& state) { prepare(state, true); })
-                    : nullptr);
+      copies_first_prepare(prepare));
   timer_.mark(1, stream_);
   const DeviceHandle& dh = device_of(*h);
   if (!copies_first_) prepare(*h, false);
@@ -1018,8 +1023,7 @@ DispatchBackwardResult CudaBackend::dispatch_backward(const DispatchBackwardInpu
   const HandleState* h = &start_handle_call(
       call, handle, options,
       [&](const HandleState& state) { validate_dispatch_backward(in, state, c, DeviceKind::cuda); },
-      copies_first_ ? std::function<void(const HandleState&)>([&](const HandleState& state) { prepare(state, true); })
-                    : nullptr);
+      copies_first_prepare(prepare));
   const DeviceHandle& dh = device_of(*h);
   if (!copies_first_) prepare(*h, false);
   kernels::combine(ctx(), by_copy ? 0 : send_blocks(false, h->layout), dh.recv, h->layout, h->tokens, dh.pos.send_pos,

@@ -64,6 +64,10 @@ class CudaBackend final : public Backend {
   const HandleState& start_handle_call(const Call& call, const Handle& handle, int64_t options,
                                        const std::function<void(const HandleState&)>& validate,
                                        const std::function<void(const HandleState&)>& before_plan = nullptr);
+  // start_handle_call's before_plan for combine and dispatch_backward: prepare(state, true) when
+  // the copies go first (EPX_COMBINE_COPIES=first), else none (the caller prepares after the plan).
+  std::function<void(const HandleState&)> copies_first_prepare(
+      const std::function<void(const HandleState&, bool)>& prepare) const;
   // before_plan: the copies wait on the device for every rank to begin this call instead of
   // following the plan exchange (EPX_COMBINE_COPIES=first).
   bool start_copy_return(const HandleState& h, const TensorView& rows, const TensorView& slot_values,
