@@ -52,6 +52,21 @@ __global__ void __launch_bounds__(kWarps * 32) send_tokens_kernel(PeerWindows w,
 
 __device__ int64_t source_position(const RecvArrays& r, int64_t i) { return i - r.rank_offsets[r.src_rank[i]]; }
 
+// One 16-byte vector (8 channels) of g and of y: dot += g * y channel by channel in order (fma),
+// and the vector of bf16(w * g), rounded by the hardware (row_copy.cuh).
+__device__ inline int4 scale_and_dot_vector(const int4& g, const int4& y, float w, float& dot) {
+  const uint16_t* gb = reinterpret_cast<const uint16_t*>(&g);
+  const uint16_t* yb = reinterpret_cast<const uint16_t*>(&y);
+  float scaled[kChunk];
+#pragma unroll
+  for (int c = 0; c < kChunk; ++c) {
+    const float gf = bf16_to_float(gb[c]);
+    dot = __fmaf_rn(gf, bf16_to_float(yb[c]), dot);
+    scaled[c] = __fmul_rn(w, gf);
+  }
+  return pack_bf16x8(scaled);
+}
+
 // One slot's grad_y row, out = bf16(w * g), and the specified lane-order dot(g, y): lane l takes
 // the 8-channel vectors l, l + 32, ... in increasing order (fma per channel), then the warp's
 // xor-shuffle sum (docs/semantics.md). kDotUnroll vectors of each row are loaded before any is
@@ -74,16 +89,7 @@ __device__ float scale_and_dot(const uint16_t* g, const uint16_t* y, uint16_t* o
       for (int u = 0; u < kDotUnroll; ++u) {
         const int64_t v = base + u * 32 + lane;
         if (v >= vectors) continue;
-        const uint16_t* gb = reinterpret_cast<const uint16_t*>(&gv[u]);
-        const uint16_t* yb = reinterpret_cast<const uint16_t*>(&yv[u]);
-        float scaled[kChunk];
-#pragma unroll
-        for (int c = 0; c < kChunk; ++c) {
-          const float gf = bf16_to_float(gb[c]);
-          dot = __fmaf_rn(gf, bf16_to_float(yb[c]), dot);
-          scaled[c] = __fmul_rn(w, gf);
-        }
-        reinterpret_cast<int4*>(out)[v] = pack_bf16x8(scaled);  // rounded by the hardware (row_copy.cuh)
+        reinterpret_cast<int4*>(out)[v] = scale_and_dot_vector(gv[u], yv[u], w, dot);
       }
     }
   } else {  // any hidden and alignment: the same order, one vector at a time
@@ -157,17 +163,7 @@ __device__ float scale_and_dot_staged(const uint16_t* g, unsigned todo, const ui
     for (int u = 0; u < kSumUnroll; ++u) {
       const int v = u * 32 + lane;
       if (v >= vectors) continue;
-      const int4 graw = gs[v], yraw = ys[v];
-      const uint16_t* gb = reinterpret_cast<const uint16_t*>(&graw);
-      const uint16_t* yb = reinterpret_cast<const uint16_t*>(&yraw);
-      float scaled[kChunk];
-#pragma unroll
-      for (int c = 0; c < kChunk; ++c) {
-        const float gf = bf16_to_float(gb[c]);
-        dot = __fmaf_rn(gf, bf16_to_float(yb[c]), dot);
-        scaled[c] = __fmul_rn(w, gf);
-      }
-      reinterpret_cast<int4*>(out)[v] = pack_bf16x8(scaled);
+      reinterpret_cast<int4*>(out)[v] = scale_and_dot_vector(gs[v], ys[v], w, dot);
     }
     issue(e);  // the item kRing ahead, into the entry just read (by this lane only)
     if (++slice == slices) {  // the slot's last slice: its dot is complete
