@@ -265,8 +265,10 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
     EPX_CUDA(cudaStreamCreateWithFlags(&place_stream_, cudaStreamNonBlocking));
     EPX_CUDA(cudaEventCreateWithFlags(&outputs_ready_, cudaEventDisableTiming));
     EPX_CUDA(cudaEventCreateWithFlags(&own_placed_, cudaEventDisableTiming));
-    EPX_CUDA(cudaHostAlloc(&host_pos_, static_cast<size_t>(4 * config.max_tokens_per_rank * ranks_ + 8),
-                           cudaHostAllocDefault));
+    // The positions, then the rank offset at an 8-byte boundary (an even number of positions).
+    const size_t positions = (static_cast<size_t>(config.max_tokens_per_rank) * ranks_ + 1) / 2 * 2;
+    EPX_CUDA(cudaHostAlloc(&host_pos_, 4 * positions + 8, cudaHostAllocDefault));
+    host_offset_ = reinterpret_cast<int64_t*>(host_pos_ + positions);
   }
   EPX_CUDA(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
   EPX_CUDA(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
@@ -345,14 +347,13 @@ CudaBackend::~CudaBackend() {
 bool CudaBackend::own_rows_by_copies(const int32_t* send_pos, const int64_t* rank_offsets, int64_t tokens,
                                      int64_t capacity, std::vector<RowRun>& runs) {
   constexpr size_t kMaxRuns = 32;  // a copy call costs the host a few us
-  int64_t* offset = reinterpret_cast<int64_t*>(host_pos_ + config().max_tokens_per_rank * ranks_);
   EPX_CUDA(cudaStreamWaitEvent(place_stream_, fork_, 0));
   EPX_CUDA(cudaMemcpyAsync(host_pos_, send_pos, static_cast<size_t>(4 * tokens * ranks_), cudaMemcpyDeviceToHost,
                            place_stream_));
-  EPX_CUDA(cudaMemcpyAsync(offset, rank_offsets + rank_, sizeof(int64_t), cudaMemcpyDeviceToHost, place_stream_));
+  EPX_CUDA(cudaMemcpyAsync(host_offset_, rank_offsets + rank_, sizeof(int64_t), cudaMemcpyDeviceToHost, place_stream_));
   EPX_CUDA(cudaStreamSynchronize(place_stream_));
   host_steps_.mark("own positions read");
-  return cut_row_runs(host_pos_, tokens, ranks_, rank_, *offset, capacity, kMaxRuns, runs);
+  return cut_row_runs(host_pos_, tokens, ranks_, rank_, *host_offset_, capacity, kMaxRuns, runs);
 }
 
 int CudaBackend::send_blocks(bool dispatch, Layout layout) const {

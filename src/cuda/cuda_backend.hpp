@@ -141,7 +141,8 @@ class CudaBackend final : public Backend {
   bool own_copies_ = false;
   cudaStream_t place_stream_ = nullptr;
   cudaEvent_t outputs_ready_ = nullptr, own_placed_ = nullptr;
-  int32_t* host_pos_ = nullptr;  // pinned: [max_tokens][R] positions, then the rank offset (int64)
+  int32_t* host_pos_ = nullptr;      // pinned: [max_tokens][R] positions, then host_offset_
+  int64_t* host_offset_ = nullptr;   // in host_pos_'s allocation, 8-byte aligned: this rank's rank offset
   bool own_rows_by_copies(const int32_t* send_pos, const int64_t* rank_offsets, int64_t tokens, int64_t capacity,
                           std::vector<RowRun>& runs);
   std::shared_ptr<CUmemPoolHandle_st> pool_;  // outputs and handles; kept alive by every tensor from it
