@@ -66,7 +66,7 @@ void Staging::synchronize() const {
 
 Tensor Staging::fetch(const Tensor& t) const {
 #ifdef EPX_HAS_CUDA
-  if (device_ >= 0) cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
+  synchronize();
   return epx::to_host(t);
 #else
   return t;
