@@ -4,8 +4,8 @@
 # sanitizer serializes kernels, so ranks waiting on each other could not progress), epx-bench.
 # Logs and JSON go to $OUT; a short summary is printed last.
 #   usage: [EPX_GIT_COMMIT=$(git rev-parse --short=12 HEAD)] [GTEST_FILTER=...] [GTEST_REPEAT=n] [BENCH_ARGS=...] [SANITIZE_TOOLS=...] \
-#          [AB_ENV="VAR=value ...[;VAR=value ...]"] bash scripts/device-check.sh [tests|sanitize|bench|ab|interleave|procs|sweep|engines|ll|holdback|profile|chain|queues|stores|all]...
-#          (default: all but ab, interleave, procs, sweep, engines, profile, holdback, chain, queues, stores)
+#          [AB_ENV="VAR=value ...[;VAR=value ...]"] bash scripts/device-check.sh [tests|sanitize|bench|ab|interleave|procs|sweep|engines|ll|holdback|profile|chain|queues|syncs|stores|all]...
+#          (default: all but ab, interleave, procs, sweep, engines, profile, holdback, chain, queues, syncs, stores)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
@@ -36,7 +36,7 @@ fi
 note "built against NCCL in $NCCL_DIR"
 
 # Steps that run only when named ("all" leaves them out).
-optional_steps="ab interleave procs sweep engines profile holdback chain queues stores"
+optional_steps="ab interleave procs sweep engines profile holdback chain queues syncs stores"
 want() { [[ ( " $steps " == *" all "* && " $optional_steps " != *" $1 "* ) || " $steps " == *" $1 "* ]]; }
 gpus=$(nvidia-smi -L | wc -l)
 
@@ -199,6 +199,15 @@ if want queues; then
   done
   cat "$OUT/queues.log"
   note "queue probe: $(wc -l < "$OUT/queues.log") lines"
+fi
+if want syncs; then
+  # Which host calls wait for kernels already running, with lazy and eager module loading
+  # (syncs.log; docs/cuda.md, the shared-GPU hold-back).
+  for loading in LAZY EAGER; do
+    CUDA_MODULE_LOADING=$loading timeout 120 ./build-gpu/epx-sync-probe >> "$OUT/syncs.log" 2>&1
+  done
+  cat "$OUT/syncs.log"
+  note "sync probe: $(grep -c WAITS "$OUT/syncs.log") of $(grep -c ' call ' "$OUT/syncs.log") calls wait for running kernels"
 fi
 if want stores; then
   # What 8, 24 and 132 SMs write, by store kind (stores.log; docs/performance.md, the floors).

@@ -1,0 +1,139 @@
+// Which host calls wait for kernels that are already running (docs/cuda.md, the shared-GPU
+// hold-back). Ranks that share one GPU share one CUDA context. If a rank's host makes a call that
+// waits for the context's running kernels while a peer's kernel spins waiting for this rank, the
+// call returns only when the peer gives up: this rank's next kernel is held back for the whole
+// timeout. For each call below, a kernel on one stream spins (up to the timeout) for a flag; the
+// host then makes the call and launches, on a second stream, the kernel that sets the flag. A call
+// that waits for running kernels makes the spin time out and takes about the timeout itself.
+//   usage: epx-sync-probe [timeout ms (default 300)]
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <thread>
+#include <vector>
+
+namespace {
+
+__global__ void wait_flag(volatile int* flag, int want, unsigned long long timeout_ns, int* timed_out) {
+  unsigned long long start;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  for (;;) {
+    if (*flag == want) return;
+    unsigned long long now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (now - start > timeout_ns) {
+      *timed_out = 1;
+      return;
+    }
+  }
+}
+
+__global__ void set_flag(volatile int* flag, int value) { *flag = value; }
+
+// Launched for the first time inside a case: its module is loaded then (lazy loading).
+__global__ void never_loaded(int* p) {
+  if (p) *p = 0;
+}
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "epx-sync-probe: %s: %s\n", what, cudaGetErrorString(e));
+    std::exit(1);
+  }
+}
+
+struct Case {
+  const char* name;
+  std::function<void()> call;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const long long timeout_ms = argc > 1 ? std::atoll(argv[1]) : 300;
+  const char* loading = std::getenv("CUDA_MODULE_LOADING");
+  cudaStream_t waiting = nullptr, setting = nullptr, other = nullptr;
+  for (cudaStream_t* s : {&waiting, &setting, &other}) check(cudaStreamCreateWithFlags(s, cudaStreamNonBlocking), "cudaStreamCreate");
+  int *flag = nullptr, *timed_out = nullptr;
+  check(cudaMallocManaged(&flag, sizeof(int)), "cudaMallocManaged");
+  check(cudaMallocManaged(&timed_out, sizeof(int)), "cudaMallocManaged");
+  // The probe's own two kernels loaded before any case.
+  wait_flag<<<1, 1, 0, waiting>>>(flag, 0, 1000000, timed_out);
+  set_flag<<<1, 1, 0, setting>>>(flag, 0);
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+
+  constexpr size_t kMiB = size_t{1} << 20;
+  void *dev = nullptr, *dev_freed = nullptr, *pool_block = nullptr, *host = nullptr, *host_freed = nullptr;
+  std::vector<char> pageable(16 * kMiB, 1);
+  check(cudaMalloc(&dev, 16 * kMiB), "cudaMalloc");
+  check(cudaMalloc(&dev_freed, kMiB), "cudaMalloc");
+  check(cudaHostAlloc(&host_freed, kMiB, cudaHostAllocDefault), "cudaHostAlloc");
+  cudaMemPool_t pool = nullptr, pool_destroyed = nullptr;
+  cudaMemPoolProps props{};
+  props.allocType = cudaMemAllocationTypePinned;
+  props.location.type = cudaMemLocationTypeDevice;
+  props.location.id = 0;
+  check(cudaMemPoolCreate(&pool_destroyed, &props), "cudaMemPoolCreate");
+  uint64_t keep = UINT64_MAX;
+  cudaStream_t made = nullptr, destroyed = nullptr;
+  check(cudaStreamCreateWithFlags(&destroyed, cudaStreamNonBlocking), "cudaStreamCreate");
+  cudaEvent_t event = nullptr;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  check(cudaStreamBeginCapture(other, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
+  set_flag<<<1, 1, 0, other>>>(flag + 0, 0);
+  check(cudaStreamEndCapture(other, &graph), "cudaStreamEndCapture");
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+
+  // In this order: the first memset and the first launch of never_loaded come before any other.
+  const std::vector<Case> cases = {
+      {"nothing (must not wait)", [] {}},
+      {"first cudaMemsetAsync on another stream", [&] { check(cudaMemsetAsync(dev, 0, kMiB, other), "memset"); }},
+      {"first launch of a kernel not loaded yet", [&] { never_loaded<<<1, 1, 0, other>>>(nullptr); }},
+      {"cudaMemsetAsync on another stream", [&] { check(cudaMemsetAsync(dev, 1, kMiB, other), "memset"); }},
+      {"cudaMemcpyAsync device to device", [&] { check(cudaMemcpyAsync(dev, (char*)dev + 8 * kMiB, kMiB, cudaMemcpyDeviceToDevice, other), "copy"); }},
+      {"cudaMemset (legacy stream) 1 MiB", [&] { check(cudaMemset(dev, 0, kMiB), "cudaMemset"); }},
+      {"cudaMemcpy host to device, pageable", [&] { check(cudaMemcpy(dev, pageable.data(), kMiB, cudaMemcpyHostToDevice), "cudaMemcpy"); }},
+      {"cudaMemcpy device to host, pageable", [&] { check(cudaMemcpy(pageable.data(), dev, kMiB, cudaMemcpyDeviceToHost), "cudaMemcpy"); }},
+      {"cudaMalloc 1 MiB", [&] { void* p = nullptr; check(cudaMalloc(&p, kMiB), "cudaMalloc"); }},
+      {"cudaMalloc 256 MiB", [&] { void* p = nullptr; check(cudaMalloc(&p, 256 * kMiB), "cudaMalloc"); }},
+      {"cudaFree", [&] { check(cudaFree(dev_freed), "cudaFree"); }},
+      {"cudaHostAlloc 1 MiB", [&] { check(cudaHostAlloc(&host, kMiB, cudaHostAllocDefault), "cudaHostAlloc"); }},
+      {"cudaHostAlloc mapped 4 KiB", [&] { void* p = nullptr; check(cudaHostAlloc(&p, 4096, cudaHostAllocMapped), "cudaHostAlloc"); }},
+      {"cudaFreeHost", [&] { check(cudaFreeHost(host_freed), "cudaFreeHost"); }},
+      {"cudaMemPoolCreate", [&] { check(cudaMemPoolCreate(&pool, &props), "cudaMemPoolCreate");
+                                   check(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep), "attr"); }},
+      {"cudaMallocFromPoolAsync 64 MiB, the pool grows", [&] { check(cudaMallocFromPoolAsync(&pool_block, 64 * kMiB, pool, other), "alloc"); }},
+      {"cudaFreeAsync to the pool", [&] { check(cudaFreeAsync(pool_block, other), "cudaFreeAsync"); }},
+      {"cudaMallocFromPoolAsync 64 MiB, the pool's kept memory", [&] { check(cudaMallocFromPoolAsync(&pool_block, 64 * kMiB, pool, other), "alloc"); }},
+      {"cudaMallocAsync 64 MiB, default pool", [&] { void* p = nullptr; check(cudaMallocAsync(&p, 64 * kMiB, other), "alloc"); }},
+      {"cudaMemPoolDestroy", [&] { check(cudaMemPoolDestroy(pool_destroyed), "cudaMemPoolDestroy"); }},
+      {"cudaStreamCreateWithFlags", [&] { check(cudaStreamCreateWithFlags(&made, cudaStreamNonBlocking), "create"); }},
+      {"cudaStreamDestroy (idle stream)", [&] { check(cudaStreamDestroy(destroyed), "cudaStreamDestroy"); }},
+      {"cudaEventCreateWithFlags", [&] { check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "event"); }},
+      {"cudaGraphInstantiate", [&] { check(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate"); }},
+      {"cudaGraphUpload", [&] { check(cudaGraphUpload(exec, other), "cudaGraphUpload"); }},
+      {"cudaStreamSynchronize (another, idle stream)", [&] { check(cudaStreamSynchronize(other), "sync"); }},
+      {"cudaDeviceSynchronize (must wait)", [&] { check(cudaDeviceSynchronize(), "sync"); }},
+  };
+  std::printf("CUDA_MODULE_LOADING=%s, timeout %lld ms\n", loading ? loading : "(unset: lazy)", timeout_ms);
+  for (size_t i = 0; i < cases.size(); ++i) {
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    *flag = 0;
+    *timed_out = 0;
+    const int want = static_cast<int>(i) + 1;
+    wait_flag<<<1, 1, 0, waiting>>>(flag, want, static_cast<unsigned long long>(timeout_ms) * 1000000ull, timed_out);
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));  // the spin has begun
+    const auto start = std::chrono::steady_clock::now();
+    cases[i].call();
+    const double call_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    set_flag<<<1, 1, 0, setting>>>(flag, want);
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    std::printf("%-55s call %8.2f ms  %s\n", cases[i].name, call_ms,
+                *timed_out ? "WAITS for running kernels" : "does not wait");
+  }
+  return 0;
+}
