@@ -33,9 +33,17 @@ __global__ void wait_flag(volatile int* flag, int want, unsigned long long timeo
 
 __global__ void set_flag(volatile int* flag, int value) { *flag = value; }
 
-// Launched for the first time inside a case: its module is loaded then (lazy loading).
+// Launched for the first time inside a case: loaded then (lazy loading).
 __global__ void never_loaded(int* p) {
   if (p) *p = 0;
+}
+// Loaded by cudaFuncGetAttributes before the cases, first launched inside one.
+__global__ void preloaded(int* p) {
+  if (p) *p = 1;
+}
+// Launched before the cases: what the first use of a stream, an event or a thread costs.
+__global__ void touch(int* p) {
+  if (p) *p = 2;
 }
 
 void check(cudaError_t e, const char* what) {
@@ -63,6 +71,9 @@ int main(int argc, char** argv) {
   // The probe's own two kernels loaded before any case.
   wait_flag<<<1, 1, 0, waiting>>>(flag, 0, 1000000, timed_out);
   set_flag<<<1, 1, 0, setting>>>(flag, 0);
+  touch<<<1, 1, 0, setting>>>(nullptr);
+  cudaFuncAttributes attributes;
+  check(cudaFuncGetAttributes(&attributes, preloaded), "cudaFuncGetAttributes");
   check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 
   constexpr size_t kMiB = size_t{1} << 20;
@@ -78,9 +89,11 @@ int main(int argc, char** argv) {
   props.location.id = 0;
   check(cudaMemPoolCreate(&pool_destroyed, &props), "cudaMemPoolCreate");
   uint64_t keep = UINT64_MAX;
-  cudaStream_t made = nullptr, destroyed = nullptr;
+  cudaStream_t made = nullptr, destroyed = nullptr, unused = nullptr;
   check(cudaStreamCreateWithFlags(&destroyed, cudaStreamNonBlocking), "cudaStreamCreate");
-  cudaEvent_t event = nullptr;
+  check(cudaStreamCreateWithFlags(&unused, cudaStreamNonBlocking), "cudaStreamCreate");
+  cudaEvent_t event = nullptr, unrecorded = nullptr;
+  check(cudaEventCreateWithFlags(&unrecorded, cudaEventDisableTiming), "event");
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
   check(cudaStreamBeginCapture(other, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
@@ -88,11 +101,26 @@ int main(int argc, char** argv) {
   check(cudaStreamEndCapture(other, &graph), "cudaStreamEndCapture");
   check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 
-  // In this order: the first memset and the first launch of never_loaded come before any other.
+  // In this order: the first memset and the first launches come before any other call.
   const std::vector<Case> cases = {
       {"nothing (must not wait)", [] {}},
       {"first cudaMemsetAsync on another stream", [&] { check(cudaMemsetAsync(dev, 0, kMiB, other), "memset"); }},
       {"first launch of a kernel not loaded yet", [&] { never_loaded<<<1, 1, 0, other>>>(nullptr); }},
+      {"first launch of a kernel loaded by cudaFuncGetAttributes", [&] { preloaded<<<1, 1, 0, other>>>(nullptr); }},
+      {"cudaFuncSetAttribute (loaded kernel)", [&] {
+         check(cudaFuncSetAttribute(touch, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024), "attr"); }},
+      {"first launch on a stream made before the spin", [&] { touch<<<1, 1, 0, unused>>>(nullptr); }},
+      {"first cudaEventRecord of an event, cudaStreamWaitEvent", [&] {
+         check(cudaEventRecord(unrecorded, other), "record");
+         check(cudaStreamWaitEvent(unused, unrecorded), "wait event"); }},
+      {"a new host thread: cudaSetDevice, a launch", [&] {
+         std::thread t([&] { check(cudaSetDevice(0), "cudaSetDevice"); touch<<<1, 1, 0, other>>>(nullptr); });
+         t.join(); }},
+      {"a new host thread: cudaStreamPerThread copy", [&] {
+         std::thread t([&] { check(cudaSetDevice(0), "cudaSetDevice");
+           check(cudaMemcpyAsync(pageable.data(), dev, 4096, cudaMemcpyDeviceToHost, cudaStreamPerThread), "copy");
+           check(cudaStreamSynchronize(cudaStreamPerThread), "sync"); });
+         t.join(); }},
       {"cudaMemsetAsync on another stream", [&] { check(cudaMemsetAsync(dev, 1, kMiB, other), "memset"); }},
       {"cudaMemcpyAsync device to device", [&] { check(cudaMemcpyAsync(dev, (char*)dev + 8 * kMiB, kMiB, cudaMemcpyDeviceToDevice, other), "copy"); }},
       {"cudaMemset (legacy stream) 1 MiB", [&] { check(cudaMemset(dev, 0, kMiB), "cudaMemset"); }},
@@ -112,6 +140,10 @@ int main(int argc, char** argv) {
       {"cudaMallocAsync 64 MiB, default pool", [&] { void* p = nullptr; check(cudaMallocAsync(&p, 64 * kMiB, other), "alloc"); }},
       {"cudaMemPoolDestroy", [&] { check(cudaMemPoolDestroy(pool_destroyed), "cudaMemPoolDestroy"); }},
       {"cudaStreamCreateWithFlags", [&] { check(cudaStreamCreateWithFlags(&made, cudaStreamNonBlocking), "create"); }},
+      {"cudaStreamCreate and a first launch on it", [&] {
+         cudaStream_t s = nullptr;
+         check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "create");
+         touch<<<1, 1, 0, s>>>(nullptr); }},
       {"cudaStreamDestroy (idle stream)", [&] { check(cudaStreamDestroy(destroyed), "cudaStreamDestroy"); }},
       {"cudaEventCreateWithFlags", [&] { check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "event"); }},
       {"cudaGraphInstantiate", [&] { check(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate"); }},
