@@ -101,6 +101,21 @@ int main(int argc, char** argv) {
   check(cudaStreamEndCapture(other, &graph), "cudaStreamEndCapture");
   check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 
+  // Starts `waits` on another thread, then (20 ms later) launches the setting kernel from this one.
+  int next_want = 0;
+  auto launch_beside = [&](const std::function<void()>& waits) {
+    std::thread t([&] {
+      check(cudaSetDevice(0), "cudaSetDevice");
+      waits();
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    set_flag<<<1, 1, 0, setting>>>(flag, next_want);
+    t.join();
+  };
+  void *dev_freed2 = nullptr, *host_freed2 = nullptr;
+  check(cudaMalloc(&dev_freed2, kMiB), "cudaMalloc");
+  check(cudaHostAlloc(&host_freed2, kMiB, cudaHostAllocDefault), "cudaHostAlloc");
+
   // In this order: the first memset and the first launches come before any other call.
   const std::vector<Case> cases = {
       {"nothing (must not wait)", [] {}},
@@ -150,6 +165,10 @@ int main(int argc, char** argv) {
       {"cudaGraphUpload", [&] { check(cudaGraphUpload(exec, other), "cudaGraphUpload"); }},
       {"cudaStreamSynchronize (another, idle stream)", [&] { check(cudaStreamSynchronize(other), "sync"); }},
       {"cudaDeviceSynchronize (must wait)", [&] { check(cudaDeviceSynchronize(), "sync"); }},
+      // A call that waits, made by another thread: does it also hold back this thread's launch?
+      {"this thread's launch while another waits in cudaFree", [&] { launch_beside([&] { cudaFree(dev_freed2); }); }},
+      {"this thread's launch while another waits in cudaFreeHost", [&] { launch_beside([&] { cudaFreeHost(host_freed2); }); }},
+      {"this thread's launch while another waits in cudaDeviceSynchronize", [&] { launch_beside([] { cudaDeviceSynchronize(); }); }},
   };
   std::printf("CUDA_MODULE_LOADING=%s, timeout %lld ms\n", loading ? loading : "(unset: lazy)", timeout_ms);
   for (size_t i = 0; i < cases.size(); ++i) {
@@ -157,6 +176,7 @@ int main(int argc, char** argv) {
     *flag = 0;
     *timed_out = 0;
     const int want = static_cast<int>(i) + 1;
+    next_want = want;
     wait_flag<<<1, 1, 0, waiting>>>(flag, want, static_cast<unsigned long long>(timeout_ms) * 1000000ull, timed_out);
     std::this_thread::sleep_for(std::chrono::milliseconds(5));  // the spin has begun
     const auto start = std::chrono::steady_clock::now();
