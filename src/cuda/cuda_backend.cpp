@@ -312,6 +312,7 @@ CudaBackend::~CudaBackend() {
   cudaStreamSynchronize(side_stream_);
   if (copy_stream_) cudaStreamSynchronize(copy_stream_);
   if (place_stream_) cudaStreamSynchronize(place_stream_);
+  window_->await_peers_release(timeout_);  // before any cudaFree (a shared GPU: cuda_group.hpp)
   {
     std::lock_guard<std::mutex> lock(block_cache_->mutex);
     for (const auto& block : block_cache_->blocks) cudaFreeAsync(block.first, side_stream_);

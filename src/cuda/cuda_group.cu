@@ -107,14 +107,24 @@ struct NcclGroupState final : CudaGroupState {
 
 class PlainWindow final : public SymmetricWindow {
  public:
-  PlainWindow(const std::vector<char*>& bases, int rank, std::shared_ptr<void> keep) : keep_(std::move(keep)) {
+  PlainWindow(const std::vector<char*>& bases, int rank, std::shared_ptr<void> keep, std::shared_ptr<PeerBarrier> released)
+      : keep_(std::move(keep)), released_(std::move(released)) {
     for (size_t p = 0; p < bases.size(); ++p) peers_.base[p] = bases[p];
     peers_.rank = rank;
     peers_.ranks = static_cast<int>(bases.size());
   }
 
+  void await_peers_release(std::chrono::milliseconds timeout) override {
+    try {
+      released_->arrive_and_wait(peers_.rank, timeout, "buffer release (shared-gpu window)");
+    } catch (const std::exception&) {
+      // A peer that never releases (its thread hung or gone): free anyway, as a destructor must.
+    }
+  }
+
  private:
   std::shared_ptr<void> keep_;  // every rank's memory, freed when the last rank lets go
+  std::shared_ptr<PeerBarrier> released_;  // the ranks' releases of this window meet here
 };
 
 struct SharedGpuGroupState final : CudaGroupState {
@@ -126,6 +136,7 @@ struct SharedGpuGroupState final : CudaGroupState {
     std::vector<char*> bases;
     int joined = 0;
     std::shared_ptr<void> memory;
+    std::shared_ptr<PeerBarrier> released;
   };
 
   std::unique_ptr<SymmetricWindow> allocate(int rank, size_t bytes, std::chrono::milliseconds timeout) override {
@@ -143,12 +154,13 @@ struct SharedGpuGroupState final : CudaGroupState {
         EPX_CUDA(cudaDeviceSynchronize());
         slot->memory = std::shared_ptr<void>(all, [](void* p) { cudaFree(p); });
         for (int p = 0; p < ranks; ++p) slot->bases[p] = all + bytes * p;
+        slot->released = std::make_shared<PeerBarrier>(ranks);
       }
       mine = slot;
       if (++mine->joined == ranks) pending.erase(created[rank] - 1);
     }
     barrier.arrive_and_wait(rank, timeout, "buffer creation (shared-gpu window)");
-    return std::make_unique<PlainWindow>(mine->bases, rank, mine->memory);
+    return std::make_unique<PlainWindow>(mine->bases, rank, mine->memory, mine->released);
   }
 
   const int ranks;

@@ -21,6 +21,13 @@ class SymmetricWindow {
   virtual ~SymmetricWindow() = default;
   const PeerWindows& peers() const { return peers_; }
   char* local() const { return peers_.base[peers_.rank]; }
+  // Called by a buffer's destructor once its streams are idle, before it frees anything. Where
+  // ranks share one GPU (one CUDA context), cudaFree and cudaFreeHost wait for every kernel
+  // running there and hold back every other thread's launches meanwhile (epx-sync-probe,
+  // docs/cuda.md): a rank freeing while a peer is still inside a call would hold back the launch
+  // that peer's kernels wait for, until their timeout. There this waits (at most `timeout`) until
+  // every rank releases this window. With a GPU per rank there is nothing to wait for.
+  virtual void await_peers_release(std::chrono::milliseconds /*timeout*/) {}
 
  protected:
   PeerWindows peers_{};

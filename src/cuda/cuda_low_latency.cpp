@@ -102,6 +102,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     cudaSetDevice(device_);
     cudaStreamSynchronize(stream_);
     cudaStreamSynchronize(own_stream_);
+    window_->await_peers_release(timeout_);  // before any cudaFree (a shared GPU: cuda_group.hpp)
     if (stamps_) print_timeline();
     cudaFree(stamps_);
     window_.reset();

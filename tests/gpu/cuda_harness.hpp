@@ -76,8 +76,9 @@ inline std::vector<RankRun> run_problem_cuda(const std::function<Group(int)>& gr
     RankRun& run = runs[r];
     const verify::RankInput& in = p.inputs[r];
     const int64_t tokens = in.tokens;
-    // Device inputs first: cudaMalloc/cudaMemcpy may synchronize the device, which must not
-    // happen while peers on a shared GPU already wait inside a call (docs/cuda.md).
+    // Device arrays before the buffer, so they are freed after it: a cudaFree waits for the GPU's
+    // running kernels and holds back other threads' launches, which must not happen while peers on
+    // a shared GPU are inside a call; the buffer's release waits for them (docs/cuda.md).
     const int64_t bound = rows_bound(p);
     run.y = verify::random_bf16(bound * h, 100 + r);
     run.shared = verify::random_bf16(tokens * h, 200 + r);

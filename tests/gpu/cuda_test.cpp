@@ -145,8 +145,9 @@ TEST(CudaGroupInitRank, RanksJoinedByIdMatchTheReference) {
 }
 
 // Runs fn(rank, group, inputs) for 2 ranks sharing GPU 0, each on its own thread. The device
-// copies of the rank's inputs exist before fn runs (allocations may synchronize the device,
-// which must not happen while a peer waits inside a call; docs/cuda.md).
+// copies of the rank's inputs exist before fn runs and are freed after it: fn's buffers are gone
+// by then, and their release waits for every rank (a cudaFree while a peer is inside a call
+// would hold the peer back; docs/cuda.md).
 void on_shared_gpu(const verify::Problem& p,
                    const std::function<void(int, const Group&, const DeviceArray&, const DeviceArray&)>& fn) {
   const CudaWorld world = CudaWorld::shared_gpu(p.ranks, 0);

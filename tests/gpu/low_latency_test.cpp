@@ -261,11 +261,16 @@ TEST(CudaLowLatencyErrors, ABadIdOnTheDeviceFailsEveryRankAndTheBufferGoesOn) {
   const verify::Problem p = ll_problem(c, 31);
   std::vector<std::string> raised(c.ranks), after(c.ranks);
   const std::vector<int64_t> all(c.ranks, c.tokens);
-  const auto errors = on_ranks(c, p, 20000, [&](int r, LowLatencyBuffer& b, const DeviceArray& x, const DeviceArray& idx) {
+  // Made here and freed after the ranks' buffers: a rank's cudaFree while its peer is inside a call
+  // would hold the peer back on the shared GPU (docs/cuda.md).
+  std::vector<DeviceArray> bad_idx;
+  for (int r = 0; r < c.ranks; ++r) {
     std::vector<int32_t> bad = p.inputs[r].idx;
     if (r == 1) bad[5 * c.topk + 2] = 99;
-    DeviceArray bad_idx(bad);
-    b.dispatch(ll_input(c, x, bad_idx));
+    bad_idx.emplace_back(bad);
+  }
+  const auto errors = on_ranks(c, p, 20000, [&](int r, LowLatencyBuffer& b, const DeviceArray& x, const DeviceArray& idx) {
+    b.dispatch(ll_input(c, x, bad_idx[r]));
     b.synchronize();
     try {
       b.dispatch(ll_input(c, x, idx));
