@@ -1,9 +1,13 @@
 // Which CUDA streams share a hardware queue (docs/cuda.md, the shared-GPU hold-back): the runtime
-// maps streams onto CUDA_DEVICE_MAX_CONNECTIONS queues, and a kernel queued behind another
-// stream's kernel in the same queue cannot start until that one ends. For each pair (first, k)
-// of streams, made and first used in a row, a kernel on stream `first` waits (up to a timeout)
-// for a flag that a kernel launched after it on stream k sets: if the two share a queue, the wait
-// times out. Prints the streams that share stream first's queue.
+// maps streams onto CUDA_DEVICE_MAX_CONNECTIONS queues. Kernels of different streams in one queue
+// start in turn without waiting for each other, but a queued item that depends on an unfinished
+// kernel of its own stream stops the queue until that kernel ends. For each pair (first, k) of
+// streams, made and first used in a row: a kernel on stream `first` waits (up to a timeout) for a
+// flag, a second kernel on `first` (which must wait for the first) is queued behind it, and then a
+// kernel on stream k sets the flag. If the two streams share a queue, the setter sits behind the
+// second kernel and the wait times out. (Without the second kernel nothing shows: the form of this
+// probe before 2026-12-01 had none, and found no sharing.) Prints the streams that share stream
+// first's queue.
 //   usage: epx-queue-probe [streams (default 40)] [first (default 0)] [timeout ms (default 50)]
 #include <cuda_runtime.h>
 
@@ -49,6 +53,8 @@ int main(int argc, char** argv) {
   int *flag = nullptr, *timed_out = nullptr;
   check(cudaMallocManaged(&flag, sizeof(int)), "cudaMallocManaged");
   check(cudaMallocManaged(&timed_out, sizeof(int)), "cudaMallocManaged");
+  int* scratch = nullptr;
+  check(cudaMalloc(&scratch, sizeof(int)), "cudaMalloc");
   // Both kernels loaded (a lazy module load waits for running kernels), then every stream used
   // once, in order, while the GPU is idle (in case streams take their queue at first use).
   wait_flag<<<1, 1, 0, streams[0]>>>(flag, 0, timeout_ns, timed_out);
@@ -66,6 +72,7 @@ int main(int argc, char** argv) {
     *flag = 0;
     *timed_out = 0;
     wait_flag<<<1, 1, 0, streams[first]>>>(flag, k + 1, timeout_ns, timed_out);
+    set_flag<<<1, 1, 0, streams[first]>>>(scratch, 0);  // waits for the wait, in stream order
     set_flag<<<1, 1, 0, streams[k]>>>(flag, k + 1);
     check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     if (*timed_out) {
@@ -77,5 +84,6 @@ int main(int argc, char** argv) {
   for (auto& s : streams) cudaStreamDestroy(s);
   cudaFree(flag);
   cudaFree(timed_out);
+  cudaFree(scratch);
   return 0;
 }
