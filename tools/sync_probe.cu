@@ -17,9 +17,18 @@
 
 namespace {
 
+__device__ unsigned long long now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// When the spin began, and when the kernel a case launches began (0: not yet).
+__device__ unsigned long long spin_began, case_began;
+
 __global__ void wait_flag(volatile int* flag, int want, unsigned long long timeout_ns, int* timed_out) {
-  unsigned long long start;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  const unsigned long long start = now_ns();
+  spin_began = start;
   for (;;) {
     if (*flag == want) return;
     unsigned long long now;
@@ -44,6 +53,21 @@ __global__ void preloaded(int* p) {
 // Launched before the cases: what the first use of a stream, an event or a thread costs.
 __global__ void touch(int* p) {
   if (p) *p = 2;
+}
+// First launched inside a case: a kernel that needs 200 KiB of dynamic shared memory, and one
+// with a 16 KiB local array per thread (a larger local-memory reservation).
+__global__ void big_shared(int* p) {
+  extern __shared__ int words[];
+  words[threadIdx.x] = threadIdx.x;
+  __syncthreads();
+  case_began = now_ns();
+  if (p) *p = words[(threadIdx.x + 1) % blockDim.x];
+}
+__global__ void big_stack(int* p, int i) {
+  volatile int local[4096];
+  for (int k = 0; k < 4096; k += 97) local[k] = k;
+  case_began = now_ns();
+  if (p) *p = local[i & 4095];
 }
 
 void check(cudaError_t e, const char* what) {
@@ -74,6 +98,9 @@ int main(int argc, char** argv) {
   touch<<<1, 1, 0, setting>>>(nullptr);
   cudaFuncAttributes attributes;
   check(cudaFuncGetAttributes(&attributes, preloaded), "cudaFuncGetAttributes");
+  constexpr int kBigShared = 200 * 1024;
+  check(cudaFuncSetAttribute(big_shared, cudaFuncAttributeMaxDynamicSharedMemorySize, kBigShared), "attr");
+  check(cudaFuncGetAttributes(&attributes, big_stack), "cudaFuncGetAttributes");
   check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 
   constexpr size_t kMiB = size_t{1} << 20;
@@ -122,6 +149,8 @@ int main(int argc, char** argv) {
       {"first cudaMemsetAsync on another stream", [&] { check(cudaMemsetAsync(dev, 0, kMiB, other), "memset"); }},
       {"first launch of a kernel not loaded yet", [&] { never_loaded<<<1, 1, 0, other>>>(nullptr); }},
       {"first launch of a kernel loaded by cudaFuncGetAttributes", [&] { preloaded<<<1, 1, 0, other>>>(nullptr); }},
+      {"first launch needing 200 KiB of shared memory", [&] { big_shared<<<1, 256, kBigShared, other>>>(nullptr); }},
+      {"first launch needing 16 KiB of local memory per thread", [&] { big_stack<<<132, 1024, 0, other>>>(nullptr, 0); }},
       {"cudaFuncSetAttribute (loaded kernel)", [&] {
          check(cudaFuncSetAttribute(touch, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024), "attr"); }},
       {"first launch on a stream made before the spin", [&] { touch<<<1, 1, 0, unused>>>(nullptr); }},
@@ -175,6 +204,8 @@ int main(int argc, char** argv) {
     check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     *flag = 0;
     *timed_out = 0;
+    const unsigned long long zero = 0;
+    check(cudaMemcpyToSymbol(case_began, &zero, sizeof zero), "cudaMemcpyToSymbol");
     const int want = static_cast<int>(i) + 1;
     next_want = want;
     wait_flag<<<1, 1, 0, waiting>>>(flag, want, static_cast<unsigned long long>(timeout_ms) * 1000000ull, timed_out);
@@ -184,8 +215,12 @@ int main(int argc, char** argv) {
     const double call_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     set_flag<<<1, 1, 0, setting>>>(flag, want);
     check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-    std::printf("%-55s call %8.2f ms  %s\n", cases[i].name, call_ms,
-                *timed_out ? "WAITS for running kernels" : "does not wait");
+    unsigned long long spin = 0, began = 0;
+    check(cudaMemcpyFromSymbol(&spin, spin_began, sizeof spin), "cudaMemcpyFromSymbol");
+    check(cudaMemcpyFromSymbol(&began, case_began, sizeof began), "cudaMemcpyFromSymbol");
+    std::printf("%-55s call %8.2f ms  %s", cases[i].name, call_ms, *timed_out ? "WAITS for running kernels" : "does not wait");
+    if (began) std::printf(" (its kernel began %.2f ms into the spin)", (began - spin) / 1e6);
+    std::printf("\n");
   }
   return 0;
 }
