@@ -201,10 +201,11 @@ if want queues; then
   note "queue probe: $(wc -l < "$OUT/queues.log") lines"
 fi
 if want syncs; then
-  # Which host calls wait for kernels already running, with lazy and eager module loading
-  # (syncs.log; docs/cuda.md, the shared-GPU hold-back).
-  for loading in LAZY EAGER; do
-    CUDA_MODULE_LOADING=$loading timeout 120 ./build-gpu/epx-sync-probe >> "$OUT/syncs.log" 2>&1
+  # Which host calls wait for kernels already running, with lazy and eager module loading, and
+  # with the stack limit set again first (syncs.log; docs/cuda.md, the shared-GPU hold-back).
+  for run in "LAZY" "EAGER" "LAZY reserve"; do
+    read -r loading extra <<< "$run"
+    CUDA_MODULE_LOADING=$loading timeout 120 ./build-gpu/epx-sync-probe 300 $extra >> "$OUT/syncs.log" 2>&1
   done
   cat "$OUT/syncs.log"
   note "sync probe: $(grep -c WAITS "$OUT/syncs.log") of $(grep -c ' call ' "$OUT/syncs.log") calls wait for running kernels"

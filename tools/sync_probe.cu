@@ -5,13 +5,14 @@
 // timeout. For each call below, a kernel on one stream spins (up to the timeout) for a flag; the
 // host then makes the call and launches, on a second stream, the kernel that sets the flag. A call
 // that waits for running kernels makes the spin time out and takes about the timeout itself.
-//   usage: epx-sync-probe [timeout ms (default 300)]
+//   usage: epx-sync-probe [timeout ms (default 300)] [reserve: set the stack limit again first]
 #include <cuda_runtime.h>
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -63,11 +64,12 @@ __global__ void big_shared(int* p) {
   case_began = now_ns();
   if (p) *p = words[(threadIdx.x + 1) % blockDim.x];
 }
-__global__ void big_stack(int* p, int i) {
-  volatile int local[4096];
-  for (int k = 0; k < 4096; k += 97) local[k] = k;
+template <int kWords>
+__global__ void stack_of(int* p, int i) {
+  volatile int local[kWords];
+  for (int k = 0; k < kWords; k += 7) local[k] = k;
   case_began = now_ns();
-  if (p) *p = local[i & 4095];
+  if (p) *p = local[i % kWords];
 }
 
 void check(cudaError_t e, const char* what) {
@@ -86,6 +88,7 @@ struct Case {
 
 int main(int argc, char** argv) {
   const long long timeout_ms = argc > 1 ? std::atoll(argv[1]) : 300;
+  const bool reserve = argc > 2 && std::string(argv[2]) == "reserve";
   const char* loading = std::getenv("CUDA_MODULE_LOADING");
   cudaStream_t waiting = nullptr, setting = nullptr, other = nullptr;
   for (cudaStream_t* s : {&waiting, &setting, &other}) check(cudaStreamCreateWithFlags(s, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -100,7 +103,13 @@ int main(int argc, char** argv) {
   check(cudaFuncGetAttributes(&attributes, preloaded), "cudaFuncGetAttributes");
   constexpr int kBigShared = 200 * 1024;
   check(cudaFuncSetAttribute(big_shared, cudaFuncAttributeMaxDynamicSharedMemorySize, kBigShared), "attr");
-  check(cudaFuncGetAttributes(&attributes, big_stack), "cudaFuncGetAttributes");
+  check(cudaFuncGetAttributes(&attributes, stack_of<120>), "cudaFuncGetAttributes");
+  check(cudaFuncGetAttributes(&attributes, stack_of<4096>), "cudaFuncGetAttributes");
+  if (reserve) {  // the default stack limit set again: does it reserve local memory now?
+    size_t stack = 0;
+    check(cudaDeviceGetLimit(&stack, cudaLimitStackSize), "cudaDeviceGetLimit");
+    check(cudaDeviceSetLimit(cudaLimitStackSize, stack), "cudaDeviceSetLimit");
+  }
   check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 
   constexpr size_t kMiB = size_t{1} << 20;
@@ -150,7 +159,9 @@ int main(int argc, char** argv) {
       {"first launch of a kernel not loaded yet", [&] { never_loaded<<<1, 1, 0, other>>>(nullptr); }},
       {"first launch of a kernel loaded by cudaFuncGetAttributes", [&] { preloaded<<<1, 1, 0, other>>>(nullptr); }},
       {"first launch needing 200 KiB of shared memory", [&] { big_shared<<<1, 256, kBigShared, other>>>(nullptr); }},
-      {"first launch needing 16 KiB of local memory per thread", [&] { big_stack<<<132, 1024, 0, other>>>(nullptr, 0); }},
+      {"first launch of a kernel with a 480-byte stack frame", [&] { stack_of<120><<<132, 1024, 0, other>>>(nullptr, 0); }},
+      {"first launch of a kernel with a 16 KiB stack frame", [&] { stack_of<4096><<<132, 1024, 0, other>>>(nullptr, 0); }},
+      {"the 16 KiB-frame kernel again", [&] { stack_of<4096><<<132, 1024, 0, other>>>(nullptr, 0); }},
       {"cudaFuncSetAttribute (loaded kernel)", [&] {
          check(cudaFuncSetAttribute(touch, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024), "attr"); }},
       {"first launch on a stream made before the spin", [&] { touch<<<1, 1, 0, unused>>>(nullptr); }},
@@ -194,12 +205,14 @@ int main(int argc, char** argv) {
       {"cudaGraphUpload", [&] { check(cudaGraphUpload(exec, other), "cudaGraphUpload"); }},
       {"cudaStreamSynchronize (another, idle stream)", [&] { check(cudaStreamSynchronize(other), "sync"); }},
       {"cudaDeviceSynchronize (must wait)", [&] { check(cudaDeviceSynchronize(), "sync"); }},
+      {"the 16 KiB-frame kernel after the frees", [&] { stack_of<4096><<<132, 1024, 0, other>>>(nullptr, 0); }},
       // A call that waits, made by another thread: does it also hold back this thread's launch?
       {"this thread's launch while another waits in cudaFree", [&] { launch_beside([&] { cudaFree(dev_freed2); }); }},
       {"this thread's launch while another waits in cudaFreeHost", [&] { launch_beside([&] { cudaFreeHost(host_freed2); }); }},
       {"this thread's launch while another waits in cudaDeviceSynchronize", [&] { launch_beside([] { cudaDeviceSynchronize(); }); }},
   };
-  std::printf("CUDA_MODULE_LOADING=%s, timeout %lld ms\n", loading ? loading : "(unset: lazy)", timeout_ms);
+  std::printf("CUDA_MODULE_LOADING=%s, timeout %lld ms%s\n", loading ? loading : "(unset: lazy)", timeout_ms,
+              reserve ? ", the stack limit set again before the cases" : "");
   for (size_t i = 0; i < cases.size(); ++i) {
     check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     *flag = 0;
