@@ -8,11 +8,13 @@
 // second kernel and the wait times out. (Without the second kernel nothing shows: the form of this
 // probe before 2026-12-01 had none, and found no sharing.) Prints the streams that share stream
 // first's queue.
-//   usage: epx-queue-probe [streams (default 40)] [first (default 0)] [timeout ms (default 50)]
+//   usage: epx-queue-probe [streams (default 40)] [first (default 0)] [timeout ms (default 50)] [threads]
 #include <cuda_runtime.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -33,6 +35,8 @@ __global__ void wait_flag(volatile int* flag, int want, unsigned long long timeo
 
 __global__ void set_flag(volatile int* flag, int value) { *flag = value; }
 
+__global__ void touch() {}
+
 int check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) {
     std::fprintf(stderr, "epx-queue-probe: %s: %s\n", what, cudaGetErrorString(e));
@@ -48,8 +52,26 @@ int main(int argc, char** argv) {
   const int first = argc > 2 ? std::atoi(argv[2]) : 0;
   const unsigned long long timeout_ns = (argc > 3 ? std::atoll(argv[3]) : 50) * 1000000ull;
   const char* connections = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  // "threads": 8 threads make the streams and use each once, all at the same time (as the ranks of
+  // the shared-GPU transport do), instead of one thread in a row.
+  const bool threads = argc > 4 && std::string(argv[4]) == "threads";
   std::vector<cudaStream_t> streams(count);
-  for (auto& s : streams) check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+  if (threads) {
+    constexpr int kThreads = 8;
+    std::vector<std::thread> makers;
+    for (int t = 0; t < kThreads; ++t)
+      makers.emplace_back([&, t] {
+        check(cudaSetDevice(0), "cudaSetDevice");
+        for (int i = t; i < count; i += kThreads) {
+          check(cudaStreamCreateWithFlags(&streams[i], cudaStreamNonBlocking), "cudaStreamCreate");
+          touch<<<1, 1, 0, streams[i]>>>();
+        }
+      });
+    for (auto& m : makers) m.join();
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  } else {
+    for (auto& s : streams) check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+  }
   int *flag = nullptr, *timed_out = nullptr;
   check(cudaMallocManaged(&flag, sizeof(int)), "cudaMallocManaged");
   check(cudaMallocManaged(&timed_out, sizeof(int)), "cudaMallocManaged");
@@ -64,8 +86,8 @@ int main(int argc, char** argv) {
     set_flag<<<1, 1, 0, s>>>(flag, 0);
     check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   }
-  std::printf("CUDA_DEVICE_MAX_CONNECTIONS=%s, %d streams made and used in a row; streams sharing stream %d's queue:",
-              connections ? connections : "(unset: 8)", count, first);
+  std::printf("CUDA_DEVICE_MAX_CONNECTIONS=%s, %d streams made and used %s; streams sharing stream %d's queue:",
+              connections ? connections : "(unset: 8)", count, threads ? "by 8 threads at once" : "in a row", first);
   int shared = 0;
   for (int k = 0; k < count; ++k) {
     if (k == first) continue;
