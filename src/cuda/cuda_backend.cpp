@@ -429,12 +429,30 @@ void CudaBackend::raise(const DeviceStatus& st, const Call& call) {
                            " ms for rank(s) ", st.rank,
                            ", which never arrived (crashed, hung, or called collective operations in a different order; "
                            "its signal here read ", st.c, ", awaited ", st.b,
-                           "); this rank's host reached the steps of this call at: ", host_steps_.summary());
+                           "); this rank's host reached the steps of this call at: ", host_steps_.summary(),
+                           "; ", signals_now());
       throw Error(ErrorCode::timeout, broken_reason_);
     }
     default:
       fail(ErrorCode::internal, who, "device reported status ", st.code);
   }
+}
+
+// What this rank's signal counters read now, after a wait gave up: a count that arrived after
+// all tells a late peer from one that never signalled.
+std::string CudaBackend::signals_now() const {
+  std::vector<uint64_t> counts(static_cast<size_t>(kSignalKinds) * ranks_);
+  if (cudaMemcpy(counts.data(), window_->local() + map_.signals, counts.size() * sizeof(uint64_t),
+                 cudaMemcpyDeviceToHost) != cudaSuccess)
+    return "its signals could not be read";
+  static const char* kinds[] = {"plan", "forward", "reverse"};
+  std::string text = "its signals from ranks 0.." + std::to_string(ranks_ - 1) + " read now:";
+  for (int k = 0; k < kSignalKinds; ++k) {
+    text += cat(" ", kinds[k], " [");
+    for (int p = 0; p < ranks_; ++p) text += cat(p ? " " : "", counts[static_cast<size_t>(k) * ranks_ + p]);
+    text += "]";
+  }
+  return text;
 }
 
 void CudaBackend::sync_and_check(const Call& call) {

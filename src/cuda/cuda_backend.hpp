@@ -75,6 +75,7 @@ class CudaBackend final : public Backend {
   // Waits for the forward / reverse transfer of this call.
   void wait(int kind);
   // Reads the device status (synchronizing the stream) and throws what it says.
+  std::string signals_now() const;
   void sync_and_check(const Call& call);
   // Throws if an earlier call that ran without a host sync failed.
   void check_earlier_calls(const Call& call);
