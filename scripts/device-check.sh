@@ -194,7 +194,9 @@ if want queues; then
   # 8 and 32 connections (queues.log; docs/cuda.md).
   for connections in 8 32; do
     for first in 0 5; do
-      CUDA_DEVICE_MAX_CONNECTIONS=$connections timeout 60 ./build-gpu/epx-queue-probe 40 $first >> "$OUT/queues.log" 2>&1
+      for mode in "" event; do
+        CUDA_DEVICE_MAX_CONNECTIONS=$connections timeout 60 ./build-gpu/epx-queue-probe 40 $first 50 $mode >> "$OUT/queues.log" 2>&1
+      done
     done
   done
   cat "$OUT/queues.log"

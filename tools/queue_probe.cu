@@ -8,7 +8,7 @@
 // second kernel and the wait times out. (Without the second kernel nothing shows: the form of this
 // probe before 2026-12-01 had none, and found no sharing.) Prints the streams that share stream
 // first's queue.
-//   usage: epx-queue-probe [streams (default 40)] [first (default 0)] [timeout ms (default 50)] [threads]
+//   usage: epx-queue-probe [streams (default 40)] [first (default 0)] [timeout ms (default 50)] [threads|event]
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -55,6 +55,15 @@ int main(int argc, char** argv) {
   // "threads": 8 threads make the streams and use each once, all at the same time (as the ranks of
   // the shared-GPU transport do), instead of one thread in a row.
   const bool threads = argc > 4 && std::string(argv[4]) == "threads";
+  // "event": the waiting kernel runs on a stream of its own, made first, and stream `first` waits
+  // for it through an event (cudaStreamWaitEvent), as a rank's side stream waits for its main one.
+  const bool event_wait = argc > 4 && std::string(argv[4]) == "event";
+  cudaStream_t spinner = nullptr;
+  cudaEvent_t spun = nullptr;
+  if (event_wait) {
+    check(cudaStreamCreateWithFlags(&spinner, cudaStreamNonBlocking), "cudaStreamCreate");
+    check(cudaEventCreateWithFlags(&spun, cudaEventDisableTiming), "cudaEventCreate");
+  }
   std::vector<cudaStream_t> streams(count);
   if (threads) {
     constexpr int kThreads = 8;
@@ -86,14 +95,21 @@ int main(int argc, char** argv) {
     set_flag<<<1, 1, 0, s>>>(flag, 0);
     check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   }
-  std::printf("CUDA_DEVICE_MAX_CONNECTIONS=%s, %d streams made and used %s; streams sharing stream %d's queue:",
-              connections ? connections : "(unset: 8)", count, threads ? "by 8 threads at once" : "in a row", first);
+  std::printf("CUDA_DEVICE_MAX_CONNECTIONS=%s, %d streams made and used %s%s; streams sharing stream %d's queue:",
+              connections ? connections : "(unset: 8)", count, threads ? "by 8 threads at once" : "in a row",
+              event_wait ? ", the wait behind an event" : "", first);
   int shared = 0;
   for (int k = 0; k < count; ++k) {
     if (k == first) continue;
     *flag = 0;
     *timed_out = 0;
-    wait_flag<<<1, 1, 0, streams[first]>>>(flag, k + 1, timeout_ns, timed_out);
+    if (event_wait) {  // the wait on a stream of its own; stream first waits for it by an event
+      wait_flag<<<1, 1, 0, spinner>>>(flag, k + 1, timeout_ns, timed_out);
+      check(cudaEventRecord(spun, spinner), "cudaEventRecord");
+      check(cudaStreamWaitEvent(streams[first], spun, 0), "cudaStreamWaitEvent");
+    } else {
+      wait_flag<<<1, 1, 0, streams[first]>>>(flag, k + 1, timeout_ns, timed_out);
+    }
     set_flag<<<1, 1, 0, streams[first]>>>(scratch, 0);  // waits for the wait, in stream order
     set_flag<<<1, 1, 0, streams[k]>>>(flag, k + 1);
     check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
