@@ -191,7 +191,7 @@ PY
 fi
 if want queues; then
   # Which of 40 streams made in a row share a hardware queue with the first (and the sixth), with
-  # 8 and 32 connections (queues.log; docs/cuda.md).
+  # 8 and 32 connections, the wait on that stream or behind an event (queues.log; docs/cuda.md).
   for connections in 8 32; do
     for first in 0 5; do
       for mode in "" event; do
