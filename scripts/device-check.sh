@@ -4,8 +4,8 @@
 # sanitizer serializes kernels, so ranks waiting on each other could not progress), epx-bench.
 # Logs and JSON go to $OUT; a short summary is printed last.
 #   usage: [EPX_GIT_COMMIT=$(git rev-parse --short=12 HEAD)] [GTEST_FILTER=...] [GTEST_REPEAT=n] [BENCH_ARGS=...] [SANITIZE_TOOLS=...] \
-#          [AB_ENV="VAR=value ...[;VAR=value ...]"] bash scripts/device-check.sh [tests|sanitize|bench|ab|interleave|procs|sweep|engines|ll|holdback|profile|chain|queues|syncs|stores|all]...
-#          (default: all but ab, interleave, procs, sweep, engines, profile, holdback, chain, queues, syncs, stores)
+#          [AB_ENV="VAR=value ...[;VAR=value ...]"] bash scripts/device-check.sh [tests|sanitize|bench|ab|interleave|procs|sweep|engines|ll|holdback|profile|chain|queues|syncs|calls|stores|all]...
+#          (default: all but ab, interleave, procs, sweep, engines, profile, holdback, chain, queues, syncs, calls, stores)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
@@ -36,7 +36,7 @@ fi
 note "built against NCCL in $NCCL_DIR"
 
 # Steps that run only when named ("all" leaves them out).
-optional_steps="ab interleave procs sweep engines profile holdback chain queues syncs stores"
+optional_steps="ab interleave procs sweep engines profile holdback chain queues syncs calls stores"
 want() { [[ ( " $steps " == *" all "* && " $optional_steps " != *" $1 "* ) || " $steps " == *" $1 "* ]]; }
 gpus=$(nvidia-smi -L | wc -l)
 
@@ -211,6 +211,17 @@ if want syncs; then
   done
   cat "$OUT/syncs.log"
   note "sync probe: $(grep -c WAITS "$OUT/syncs.log") of $(grep -c ' call ' "$OUT/syncs.log") calls wait for running kernels"
+fi
+if want calls; then
+  # A dispatch's shape on the shared GPU without epx (8 ranks, 20 calls), whole and with each part
+  # left out, at 8 and 32 hardware queues (calls.log; docs/cuda.md, the hold-back).
+  for connections in 8 32; do
+    for variant in "" nomemset nopool noevent onestream; do
+      CUDA_DEVICE_MAX_CONNECTIONS=$connections timeout 60 ./build-gpu/epx-call-probe 8 20 200 $variant >> "$OUT/calls.log" 2>&1
+    done
+  done
+  cat "$OUT/calls.log"
+  note "call probe: $(grep -c 'timed out' "$OUT/calls.log") runs"
 fi
 if want stores; then
   # What 8, 24 and 132 SMs write, by store kind (stores.log; docs/performance.md, the floors).
