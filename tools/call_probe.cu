@@ -23,13 +23,11 @@
 #include <thread>
 #include <vector>
 
+#include "probe_common.cuh"
+
 namespace {
 
-__device__ unsigned long long now_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+using probe::now_ns;
 
 __device__ void store_release(int* word, int value) { asm volatile("st.release.sys.b32 [%0], %1;" ::"l"(word), "r"(value)); }
 
@@ -95,12 +93,7 @@ class Barrier {
   long generation_ = 0;
 };
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "epx-call-probe: %s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
+void check(cudaError_t e, const char* what) { probe::check("epx-call-probe", e, what); }
 
 }  // namespace
 

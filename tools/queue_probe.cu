@@ -17,33 +17,16 @@
 #include <thread>
 #include <vector>
 
+#include "probe_common.cuh"
+
 namespace {
 
-__global__ void wait_flag(volatile int* flag, int want, unsigned long long timeout_ns, int* timed_out) {
-  unsigned long long start;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-  for (;;) {
-    if (*flag == want) return;
-    unsigned long long now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    if (now - start > timeout_ns) {
-      *timed_out = 1;
-      return;
-    }
-  }
-}
-
-__global__ void set_flag(volatile int* flag, int value) { *flag = value; }
+using probe::set_flag;
+using probe::wait_flag;
 
 __global__ void touch() {}
 
-int check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "epx-queue-probe: %s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-  return 0;
-}
+void check(cudaError_t e, const char* what) { probe::check("epx-queue-probe", e, what); }
 
 }  // namespace
 

@@ -16,32 +16,16 @@
 #include <thread>
 #include <vector>
 
+#include "probe_common.cuh"
+
 namespace {
 
-__device__ unsigned long long now_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+using probe::now_ns;
+using probe::set_flag;
+using probe::wait_flag;
 
 // When the spin began, and when the kernel a case launches began (0: not yet).
 __device__ unsigned long long spin_began, case_began;
-
-__global__ void wait_flag(volatile int* flag, int want, unsigned long long timeout_ns, int* timed_out) {
-  const unsigned long long start = now_ns();
-  spin_began = start;
-  for (;;) {
-    if (*flag == want) return;
-    unsigned long long now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    if (now - start > timeout_ns) {
-      *timed_out = 1;
-      return;
-    }
-  }
-}
-
-__global__ void set_flag(volatile int* flag, int value) { *flag = value; }
 
 // Launched for the first time inside a case: loaded then (lazy loading).
 __global__ void never_loaded(int* p) {
@@ -72,12 +56,7 @@ __global__ void stack_of(int* p, int i) {
   if (p) *p = local[i % kWords];
 }
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "epx-sync-probe: %s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
+void check(cudaError_t e, const char* what) { probe::check("epx-sync-probe", e, what); }
 
 struct Case {
   const char* name;
@@ -96,7 +75,9 @@ int main(int argc, char** argv) {
   check(cudaMallocManaged(&flag, sizeof(int)), "cudaMallocManaged");
   check(cudaMallocManaged(&timed_out, sizeof(int)), "cudaMallocManaged");
   // The probe's own two kernels loaded before any case.
-  wait_flag<<<1, 1, 0, waiting>>>(flag, 0, 1000000, timed_out);
+  unsigned long long* spin_start = nullptr;  // where the spin notes when it began
+  check(cudaGetSymbolAddress(reinterpret_cast<void**>(&spin_start), spin_began), "cudaGetSymbolAddress");
+  wait_flag<<<1, 1, 0, waiting>>>(flag, 0, 1000000, timed_out, spin_start);
   set_flag<<<1, 1, 0, setting>>>(flag, 0);
   touch<<<1, 1, 0, setting>>>(nullptr);
   cudaFuncAttributes attributes;
@@ -221,7 +202,8 @@ int main(int argc, char** argv) {
     check(cudaMemcpyToSymbol(case_began, &zero, sizeof zero), "cudaMemcpyToSymbol");
     const int want = static_cast<int>(i) + 1;
     next_want = want;
-    wait_flag<<<1, 1, 0, waiting>>>(flag, want, static_cast<unsigned long long>(timeout_ms) * 1000000ull, timed_out);
+    wait_flag<<<1, 1, 0, waiting>>>(flag, want, static_cast<unsigned long long>(timeout_ms) * 1000000ull, timed_out,
+                                    spin_start);
     std::this_thread::sleep_for(std::chrono::milliseconds(5));  // the spin has begun
     const auto start = std::chrono::steady_clock::now();
     cases[i].call();
