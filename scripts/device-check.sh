@@ -198,6 +198,10 @@ if want queues; then
         CUDA_DEVICE_MAX_CONNECTIONS=$connections timeout 60 ./build-gpu/epx-queue-probe 40 $first 50 $mode >> "$OUT/queues.log" 2>&1
       done
     done
+    # More streams busy at once than queues (the "busy" form: 4 to 40 waiting streams, then a setter).
+    for busy in 5 8 9 10 17 32 33 34 41; do
+      CUDA_DEVICE_MAX_CONNECTIONS=$connections timeout 60 ./build-gpu/epx-queue-probe $busy 0 200 busy >> "$OUT/queues.log" 2>&1
+    done
   done
   cat "$OUT/queues.log"
   note "queue probe: $(wc -l < "$OUT/queues.log") lines"

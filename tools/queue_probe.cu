@@ -8,7 +8,7 @@
 // second kernel and the wait times out. (Without the second kernel nothing shows: the form of this
 // probe before 2026-12-01 had none, and found no sharing.) Prints the streams that share stream
 // first's queue.
-//   usage: epx-queue-probe [streams (default 40)] [first (default 0)] [timeout ms (default 50)] [threads|event]
+//   usage: epx-queue-probe [streams (default 40)] [first (default 0)] [timeout ms (default 50)] [threads|event|busy]
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -41,6 +41,8 @@ int main(int argc, char** argv) {
   // "event": the waiting kernel runs on a stream of its own, made first, and stream `first` waits
   // for it through an event (cudaStreamWaitEvent), as a rank's side stream waits for its main one.
   const bool event_wait = argc > 4 && std::string(argv[4]) == "event";
+  // "busy": the first count-1 streams busy at once, then a launch on the last one (see below).
+  const bool busy = argc > 4 && std::string(argv[4]) == "busy";
   cudaStream_t spinner = nullptr;
   cudaEvent_t spun = nullptr;
   if (event_wait) {
@@ -77,6 +79,24 @@ int main(int argc, char** argv) {
   for (auto& s : streams) {
     set_flag<<<1, 1, 0, s>>>(flag, 0);
     check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  }
+  if (busy) {
+    // Streams 0..count-2 each hold a waiting kernel with one that must follow it; then the last
+    // stream sets the flag they wait for. If the queues are handed out as streams get work, the
+    // setter shares a queue with a waiting stream only once more streams are busy than queues.
+    *flag = 0;
+    *timed_out = 0;
+    for (int k = 0; k + 1 < count; ++k) {
+      wait_flag<<<1, 1, 0, streams[k]>>>(flag, 1, timeout_ns, timed_out);
+      set_flag<<<1, 1, 0, streams[k]>>>(scratch, 0);
+    }
+    set_flag<<<1, 1, 0, streams[count - 1]>>>(flag, 1);
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    std::printf("CUDA_DEVICE_MAX_CONNECTIONS=%s, %d streams busy with a waiting kernel and one behind it: the "
+                "setter on stream %d %s\n",
+                connections ? connections : "(unset: 8)", count - 1, count - 1,
+                *timed_out ? "WAS HELD BACK (the waits timed out)" : "ran");
+    return 0;
   }
   std::printf("CUDA_DEVICE_MAX_CONNECTIONS=%s, %d streams made and used %s%s; streams sharing stream %d's queue:",
               connections ? connections : "(unset: 8)", count, threads ? "by 8 threads at once" : "in a row",
