@@ -74,8 +74,9 @@ class CudaBackend final : public Backend {
                          kernels::CombineArgs& a, std::vector<Tensor>& staging, bool before_plan);
   // Waits for the forward / reverse transfer of this call.
   void wait(int kind);
-  // Reads the device status (synchronizing the stream) and throws what it says.
+  // This rank's signal counters as read now, for a timeout's message.
   std::string signals_now() const;
+  // Reads the device status (synchronizing the stream) and throws what it says.
   void sync_and_check(const Call& call);
   // Throws if an earlier call that ran without a host sync failed.
   void check_earlier_calls(const Call& call);
