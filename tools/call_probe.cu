@@ -128,8 +128,8 @@ int main(int argc, char** argv) {
       check(cudaSetDevice(0), "cudaSetDevice");
       cudaStream_t main_stream = nullptr, side = nullptr;
       check(cudaStreamCreateWithFlags(&main_stream, cudaStreamNonBlocking), "cudaStreamCreate");
-      check(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "cudaStreamCreate");
       if (one_stream) side = main_stream;
+      else check(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "cudaStreamCreate");
       cudaEvent_t fork = nullptr;
       check(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming), "cudaEventCreate");
       cudaMemPool_t pool = nullptr;

@@ -37,12 +37,13 @@ int main(int argc, char** argv) {
   const char* connections = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
   // "threads": 8 threads make the streams and use each once, all at the same time (as the ranks of
   // the shared-GPU transport do), instead of one thread in a row.
-  const bool threads = argc > 4 && std::string(argv[4]) == "threads";
+  const std::string mode = argc > 4 ? argv[4] : "";
+  const bool threads = mode == "threads";
   // "event": the waiting kernel runs on a stream of its own, made first, and stream `first` waits
   // for it through an event (cudaStreamWaitEvent), as a rank's side stream waits for its main one.
-  const bool event_wait = argc > 4 && std::string(argv[4]) == "event";
+  const bool event_wait = mode == "event";
   // "busy": the first count-1 streams busy at once, then a launch on the last one (see below).
-  const bool busy = argc > 4 && std::string(argv[4]) == "busy";
+  const bool busy = mode == "busy";
   cudaStream_t spinner = nullptr;
   cudaEvent_t spun = nullptr;
   if (event_wait) {
@@ -96,33 +97,37 @@ int main(int argc, char** argv) {
                 "setter on stream %d %s\n",
                 connections ? connections : "(unset: 8)", count - 1, count - 1,
                 *timed_out ? "WAS HELD BACK (the waits timed out)" : "ran");
-    return 0;
-  }
-  std::printf("CUDA_DEVICE_MAX_CONNECTIONS=%s, %d streams made and used %s%s; streams sharing stream %d's queue:",
-              connections ? connections : "(unset: 8)", count, threads ? "by 8 threads at once" : "in a row",
-              event_wait ? ", the wait behind an event" : "", first);
-  int shared = 0;
-  for (int k = 0; k < count; ++k) {
-    if (k == first) continue;
-    *flag = 0;
-    *timed_out = 0;
-    if (event_wait) {  // the wait on a stream of its own; stream first waits for it by an event
-      wait_flag<<<1, 1, 0, spinner>>>(flag, k + 1, timeout_ns, timed_out);
-      check(cudaEventRecord(spun, spinner), "cudaEventRecord");
-      check(cudaStreamWaitEvent(streams[first], spun, 0), "cudaStreamWaitEvent");
-    } else {
-      wait_flag<<<1, 1, 0, streams[first]>>>(flag, k + 1, timeout_ns, timed_out);
+  } else {
+    std::printf("CUDA_DEVICE_MAX_CONNECTIONS=%s, %d streams made and used %s%s; streams sharing stream %d's queue:",
+                connections ? connections : "(unset: 8)", count, threads ? "by 8 threads at once" : "in a row",
+                event_wait ? ", the wait behind an event" : "", first);
+    int shared = 0;
+    for (int k = 0; k < count; ++k) {
+      if (k == first) continue;
+      *flag = 0;
+      *timed_out = 0;
+      if (event_wait) {  // the wait on a stream of its own; stream first waits for it by an event
+        wait_flag<<<1, 1, 0, spinner>>>(flag, k + 1, timeout_ns, timed_out);
+        check(cudaEventRecord(spun, spinner), "cudaEventRecord");
+        check(cudaStreamWaitEvent(streams[first], spun, 0), "cudaStreamWaitEvent");
+      } else {
+        wait_flag<<<1, 1, 0, streams[first]>>>(flag, k + 1, timeout_ns, timed_out);
+      }
+      set_flag<<<1, 1, 0, streams[first]>>>(scratch, 0);  // waits for the wait, in stream order
+      set_flag<<<1, 1, 0, streams[k]>>>(flag, k + 1);
+      check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+      if (*timed_out) {
+        std::printf(" %d", k);
+        ++shared;
+      }
     }
-    set_flag<<<1, 1, 0, streams[first]>>>(scratch, 0);  // waits for the wait, in stream order
-    set_flag<<<1, 1, 0, streams[k]>>>(flag, k + 1);
-    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-    if (*timed_out) {
-      std::printf(" %d", k);
-      ++shared;
-    }
+    std::printf("%s\n", shared ? "" : " none");
   }
-  std::printf("%s\n", shared ? "" : " none");
   for (auto& s : streams) cudaStreamDestroy(s);
+  if (event_wait) {
+    cudaStreamDestroy(spinner);
+    cudaEventDestroy(spun);
+  }
   cudaFree(flag);
   cudaFree(timed_out);
   cudaFree(scratch);

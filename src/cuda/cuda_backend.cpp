@@ -9,6 +9,7 @@
 #include <cstring>
 #include <chrono>
 #include <functional>
+#include <iterator>
 
 #include "core/routing.hpp"
 #include "core/timeout.hpp"
@@ -445,7 +446,8 @@ std::string CudaBackend::signals_now() const {
   if (cudaMemcpy(counts.data(), window_->local() + map_.signals, counts.size() * sizeof(uint64_t),
                  cudaMemcpyDeviceToHost) != cudaSuccess)
     return "its signals could not be read";
-  static const char* kinds[] = {"plan", "forward", "reverse"};
+  static constexpr const char* kinds[] = {"plan", "forward", "reverse"};
+  static_assert(std::size(kinds) == kSignalKinds, "a name for every signal kind");
   std::string text = "its signals from ranks 0.." + std::to_string(ranks_ - 1) + " read now:";
   for (int k = 0; k < kSignalKinds; ++k) {
     text += cat(" ", kinds[k], " [");
