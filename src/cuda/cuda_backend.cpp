@@ -164,10 +164,9 @@ void carve_handle(DeviceHandle& h, Carver& c, int64_t tokens, const BufferConfig
   h.recv.slot_row = c.take<int64_t>(rows * k);
 }
 
-// Rows [first, first + rows) of a tensor (same memory).
-Tensor row_range(const Tensor& t, int64_t first, int64_t rows) {
+// The first `rows` rows of a tensor (same memory).
+Tensor first_rows(const Tensor& t, int64_t rows) {
   TensorView v = t.view();
-  v.data = static_cast<char*>(v.data) + first * v.strides[0] * dtype_size(v.dtype);
   v.shape[0] = rows;
   return Tensor(t.storage(), v);
 }
@@ -747,20 +746,9 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   int64_t capacity = capacity_mode ? c.capacity_rows : ranks_ * c.max_tokens_per_rank;
   const int senders = broadcast_ ? 0 : send_blocks(true, opt.layout);  // a broadcast needs no sender
   const kernels::Ctx side = ctx(side_stream_);
-  // Early receiver: launched behind the placing data, before the plan, so the host's launches
-  // after it (the plan) no longer hold back its start; it waits on the device for the layout.
-  // Not on the shared-GPU transport (a waiting kernel there can hold back another rank's, the
-  // hazard of docs/cuda.md) nor where the output sizes come from the plan.
-  const bool early_receiver = broadcast_ && lean && !sizes_first && early_receiver_;
-  // Own rows first: the early receiver places this rank's rows (rank-major bf16, from x) before
-  // the plan says where the layout starts: from row rank * max_tokens of the allocation, so that
-  // every lower rank's rows fit before them; recv_x is returned from the layout's first row on.
-  const bool own_first =
-      early_receiver && !capacity_mode && opt.layout == Layout::rank_major && wire_.format == WireFormat::bf16;
-  const int64_t own_anchor = rank_ * c.max_tokens_per_rank;
-  bool own_by_copies = false;  // EPX_OWN_ROWS=copies and few runs: the copy engines place own rows
   // The outputs (one allocation, on the side stream; the receiver writes every row, padding and
   // empty rows too) and the receiver, which waits on the device for the layout when it goes first.
+  bool own_by_copies = false;  // EPX_OWN_ROWS=copies and few runs: the copy engines place own rows
   auto launch_receiver = [&](bool wait_layout) {
     OutputBlock outputs(*this, side_stream_);
     if (wire_.format == WireFormat::bf16) outputs.add(&out.recv_x, DType::bf16, {capacity, c.hidden});
@@ -786,15 +774,16 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
                             reinterpret_cast<int32_t*>(ptr(out.recv_topk_idx)),
                             reinterpret_cast<float*>(ptr(out.recv_topk_weights))};
     ro.own_placed = own_by_copies;
-    if (own_first) {
-      ro.own_anchor = own_anchor;
-      ro.own_tokens = tokens;
-    }
     timer_.mark(4, side_stream_);
     kernels::dispatch_receive(side, blocks_ - senders, dh->recv, ro, opt.layout, rows, mine, phase, wait_layout);
     host_steps_.mark("receiver launched");
     timer_.mark(5, side_stream_);
   };
+  // Early receiver: launched behind the placing data, before the plan, so the host's launches
+  // after it (the plan) no longer hold back its start; it waits on the device for the layout.
+  // Not on the shared-GPU transport (a waiting kernel there can hold back another rank's, the
+  // hazard of docs/cuda.md) nor where the output sizes come from the plan.
+  const bool early_receiver = broadcast_ && lean && !sizes_first && early_receiver_;
   if (early_receiver) launch_receiver(true);
   exchange_plan(call, phase, tokens, signature, dh->pos.totals, width, nullptr, nullptr, lean ? &layout : nullptr);
   host_steps_.mark("plan posted");
@@ -862,7 +851,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   // Blocking: the call's sync, then the sizes.
   EPX_CUDA(cudaMemcpyAsync(host_info_, dh->recv.info, 4 * sizeof(int64_t), cudaMemcpyDeviceToHost, stream_));
   EPX_CUDA(cudaMemcpyAsync(host_info_ + 4, dh->dropped, sizeof(int64_t), cudaMemcpyDeviceToHost, stream_));
-  const bool offsets_to_host = copy_combine_ || own_first;  // combine copies by source; recv_x's first row
+  const bool offsets_to_host = copy_combine_;  // combine copies by source
   if (offsets_to_host)
     EPX_CUDA(cudaMemcpyAsync(host_info_ + 8, dh->recv.rank_offsets, (ranks_ + 1) * sizeof(int64_t),
                              cudaMemcpyDeviceToHost, stream_));
@@ -875,10 +864,9 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   h->recv.num_rows = host_info_[1];
   h->recv.capacity = host_info_[2];
   if (offsets_to_host) h->recv.rank_offsets.assign(host_info_ + 8, host_info_ + 8 + ranks_ + 1);
-  const int64_t x_first = own_first ? own_anchor - host_info_[8 + rank_] : 0;  // own rows first: recv_x's first row
   for (Tensor* t : {&out.recv_x, &out.recv_scales, &out.recv_global_scale, &out.recv_src, &out.recv_weights,
                     &out.recv_topk_idx, &out.recv_topk_weights})
-    if (t->defined()) *t = row_range(*t, t == &out.recv_x ? x_first : 0, h->recv.capacity);
+    if (t->defined()) *t = first_rows(*t, h->recv.capacity);
   out.handle = Handle(std::move(h));
   if (timer_.on()) {
     timer_.add("dispatch: routing+plan", 0, 1);

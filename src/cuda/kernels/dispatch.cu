@@ -360,19 +360,6 @@ __device__ bool receive_broadcast(const PeerWindows& w, const WindowMap& m, cons
   return true;
 }
 
-// Own rows first, before the plan (out.own_anchor >= 0): this rank's bf16 rows from x to x's rows
-// own_anchor + pos, a warp per token. They need only this rank's positions (final before the
-// receiver starts), so they overlap the plan exchange and the broadcast's copies.
-__device__ void place_own_rows_first(const Shape& s, const RecvOutputs& out, const SendRows& own, const Placing& mine,
-                                     int rank, int64_t warp, int64_t warps, int lane) {
-  for (int64_t t = warp; t < out.own_tokens; t += warps) {
-    const int32_t pos = mine.pos[t * s.ranks + rank];
-    if (pos < 0) continue;
-    const int64_t row = out.own_anchor + pos;
-    place_row(&own, nullptr, static_cast<int32_t>(t), out, &row, 1, lane);
-  }
-}
-
 // A receiver launched before the plan exchange's kernel (wait_layout): thread 0 waits until that
 // kernel has written this call's layout, the block's other threads at the barrier. False when the
 // call failed first or after twice the timeout (the plan's own wait for a peer, which names the
@@ -401,14 +388,7 @@ __global__ void __launch_bounds__(kRecvWarps<kBroadcast> * 32) dispatch_receive_
   const int64_t warp = blockIdx.x * static_cast<int64_t>(kRecvWarps<kBroadcast>) + threadIdx.x / 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kRecvWarps<kBroadcast>;
   if (out.bulk) init_bulk_stage(lane);
-  if constexpr (kBroadcast) {
-    if (out.own_anchor >= 0 && !failed(st)) place_own_rows_first(s, out, own, mine, w.rank, warp, warps, lane);
-  }
   const bool ready = !wait_layout || layout_ready(cs, epoch, w.rank, timeout_ns, st);
-  if (kBroadcast && ready && out.own_anchor >= 0) {  // the layout's rows: from row own_anchor - rank offset on
-    out.x += (out.own_anchor - r.rank_offsets[w.rank]) * out.x_bytes;
-    out.own_placed = true;
-  }
   if (ready) fill_empty_rows(s, r, out, layout, warp, warps, lane);
   int64_t chunks = 0;
   for (int p = 0; p < w.ranks && ready; ++p) chunks = max(chunks, static_cast<int64_t>(r.chunks_from[p]));

@@ -175,11 +175,6 @@ struct RecvOutputs {
   float* topk_weights;
   bool bulk = false;  // set by dispatch_receive: rows' codes go by bulk copy (bulk_copy.cuh)
   bool own_placed = false;  // this rank's own rows (from x) are placed by copy engines: not by the receiver
-  // >= 0: own rows first (rank-major bf16, a receiver launched before the plan). Own row pos goes to
-  // x's row own_anchor + pos, known before any other rank's count; x's row i of the layout is then
-  // row own_anchor - rank_offsets[rank] + i of the allocation, which the host returns from there.
-  int64_t own_anchor = -1;
-  int64_t own_tokens = 0;  // with own_anchor: this rank's token count
 };
 // `own`: this rank's input rows, which the receiver places itself (no sender copies them). With
 // own.broadcast every row's place comes from its source's Placing (this rank's: `mine`) and the
