@@ -3,11 +3,14 @@
 #include <nccl.h>
 #include <nccl_device.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <vector>
 
+#include "core/check.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/cuda_group.hpp"
 #include "epx/cuda.hpp"
@@ -131,6 +134,21 @@ struct SharedGpuGroupState final : CudaGroupState {
   SharedGpuGroupState(int ranks, int dev) : ranks(ranks), gpu(dev), barrier(ranks), created(ranks, 0) {}
   int device(int) const override { return gpu; }
   const char* transport_name() const override { return "shared-gpu"; }
+
+  // The GPU's hardware queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 unless set before CUDA starts) are
+  // handed to streams as they get work. With every queue taken by a stream that holds a waiting
+  // kernel, a launch on one more stream lands behind such a kernel and never starts if that
+  // kernel waits for it (measured: `epx-queue-probe ... busy`, docs/cuda.md).
+  void check_streams(int streams_per_rank) const override {
+    const char* set = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+    const int queues = set && std::atoi(set) > 0 ? std::min(std::atoi(set), 32) : 8;
+    require(ranks * streams_per_rank <= queues, "shared-gpu transport: ", ranks, " ranks with ", streams_per_rank,
+            " streams each can hold ", ranks * streams_per_rank, " streams busy at once, more than the GPU's ", queues,
+            " hardware queues (CUDA_DEVICE_MAX_CONNECTIONS", set ? "=" : " unset: ", set ? set : "8",
+            "); a rank's kernel could then wait behind a peer's waiting kernel until every wait times out. Set "
+            "CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA starts (epx's GPU tests and epx-bench --shared-gpu do), "
+            "or use fewer ranks");
+  }
 
   struct Pending {
     std::vector<char*> bases;

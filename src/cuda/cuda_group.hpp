@@ -38,6 +38,10 @@ struct CudaGroupState : GroupState {
   virtual const char* transport_name() const = 0;
   // Collective: every rank calls it once per Buffer, in the same order.
   virtual std::unique_ptr<SymmetricWindow> allocate(int rank, size_t bytes, std::chrono::milliseconds timeout) = 0;
+  // Throws where a buffer whose ranks each keep `streams_per_rank` streams busy at once could
+  // hang: on one GPU shared by every rank, more busy streams than hardware queues (docs/cuda.md).
+  // Called before any collective step, with the same count on every rank, so all ranks refuse.
+  virtual void check_streams(int /*streams_per_rank*/) const {}
 };
 
 // Throws unless the loaded NCCL is the one epx was compiled against (the device ABI changes

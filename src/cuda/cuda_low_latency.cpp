@@ -45,6 +45,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     // On a GPU of its own a call takes every SM for its few microseconds (as DeepEP's
     // low-latency kernels do): latency falls with the warps moving rows.
     blocks_ = std::string(state->transport_name()) == "shared-gpu" ? std::max(1, std::min(16, sms / (2 * ranks_))) : sms;
+    state->check_streams(1);  // each call runs on one stream (the caller's, or the buffer's own)
     kernels::preload_kernels();  // every kernel of the backend (docs/cuda.md: lazy loading)
 
     const int64_t m = c.max_tokens_per_rank, rows = 2 * slots_;  // one per (set, source, token)

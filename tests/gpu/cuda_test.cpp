@@ -237,6 +237,31 @@ TEST(CudaErrors, AMissingPeerTimesOutInsteadOfHanging) {
   EXPECT_THAT(errors[0], testing::HasSubstr("the group already failed"));
 }
 
+// On one GPU shared by every rank, buffers whose ranks could keep more streams busy than the GPU
+// has hardware queues are refused with a message, not left to hang (docs/cuda.md). The queue
+// count is read from CUDA_DEVICE_MAX_CONNECTIONS, so setting it here reaches the check only.
+TEST(CudaErrors, MoreBusyStreamsThanHardwareQueuesAreRefusedOnTheSharedGpu) {
+  const auto p = two_ranks(small_config(256, 32, 16, 4));
+  const char* was = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  const std::string before = was ? was : "";
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "3", 1);  // 2 ranks x at least 2 streams (call, receiver) do not fit
+  std::vector<std::string> errors(2);
+  on_shared_gpu(p, [&](int r, const Group& g, const DeviceArray&, const DeviceArray&) {
+    try {
+      Buffer b(g, p.cfg);
+    } catch (const Error& e) {
+      errors[r] = e.what();
+    }
+  });
+  if (was) setenv("CUDA_DEVICE_MAX_CONNECTIONS", before.c_str(), 1);
+  else unsetenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_THAT(errors[r], testing::HasSubstr("streams busy at once, more than the GPU's 3 hardware queues"))
+        << "rank " << r;
+    EXPECT_THAT(errors[r], testing::HasSubstr("Set CUDA_DEVICE_MAX_CONNECTIONS=32")) << "rank " << r;
+  }
+}
+
 // routing_map + probs on the GPU give what the equivalent top-k form gives (experts ascending).
 TEST(CudaInputs, DenseRoutingMapEqualsItsTopkForm) {
   const BufferConfig cfg = small_config(512, 64, 16, 4);
