@@ -47,6 +47,7 @@ bool write_json(const std::string& path, const std::vector<Record>& records) {
     if (!r.verify_error.empty()) f << ", \"verify_error\": " << quoted(r.verify_error);
     if (!r.transport.empty()) f << ", \"transport\": " << quoted(r.transport);
     if (!r.timing.empty()) f << ", \"timing\": " << quoted(r.timing);
+    if (r.kernel_us > 0) f << ", \"kernel_us\": " << number(r.kernel_us);
     if (!r.weights_at.empty()) f << ", \"weights_at\": " << quoted(r.weights_at);
     if (!r.ranks_as.empty()) f << ", \"ranks_as\": " << quoted(r.ranks_as);
     if (!r.engines.empty()) f << ", \"engines\": " << quoted(r.engines);

@@ -22,6 +22,7 @@ struct Record {
   double min_us = 0;
   double max_us = 0;
   int iters = 0;
+  double kernel_us = 0;  // CUDA low-latency ops, graph timing: median kernel time per call (CUPTI); 0: not measured
   double logical_gbps = 0;  // DeepEP accounting: bytes received per rank / time
   double wire_gbps = 0;     // bytes that crossed to another rank, per rank / time
   double link_fraction = 0; // wire_gbps / the peer-copy GB/s measured in the same run (0: not measured)
