@@ -496,25 +496,18 @@ __device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, cons
   const float* combine_weights = at_window<const float>(c.peers, rank, c.map.weights) + set * ranks * m * c.topk;
   const float* dispatch_weights = at_window<const float>(c.peers, rank, c.map.route_weights) + dset * ranks * m * c.topk;
   const bool wide = c.hidden % 8 == 0 && aligned16(y);
-  // Weights given to this combine (not to the dispatch): the whole block waits for them once. A
-  // source that sent its weights at combine while this rank gave them at dispatch is waited for
-  // by each warp that needs it.
-  const bool block_waits = sums.weighted && !sums.at_dispatch;
-  const bool weights_here = !block_waits || block_wait_weights(c, set, weights_from);
-  stamp(c, kCombine, kFirstChecked);
-  uint32_t weights_seen = 0;  // sources whose weights this warp saw arrive
   // The warp's unit: per slot k, the row of y holding it if its expert is here (else -1) and its
   // weight, looked up by lanes k and k + 32 in one load round, then read by every lane as the sum
-  // goes (not one dependent pair of loads per term).
+  // goes (not one dependent pair of loads per term). True when the unit has a term here.
   __shared__ int32_t term_rows[kWarps][kMaxTopk];
   __shared__ float term_weights[kWarps][kMaxTopk];
   const int warp = threadIdx.x / 32;
-  for (int64_t unit = weights_here ? first_warp() : ranks * m * spans; unit < ranks * m * spans; unit += warps_in_grid()) {
+  const int64_t units = ranks * m * spans;
+  auto look_up = [&](int64_t unit) {
     const int source = static_cast<int>(unit / (m * spans));
-    const int64_t t = unit / spans % m, h0 = unit % spans * kSendSpan, first = (source * m + t) * c.topk;
+    const int64_t t = unit / spans % m, first = (source * m + t) * c.topk;
     // Loaded together: past the source's count, or for a slot elsewhere, the values go unused.
     const int64_t tokens = ntok[source];
-    const bool sent_at_dispatch = weights_from[source] != 0;
     bool any = false;
     for (int64_t k = lane; k < c.topk; k += 32) {
       const int32_t e = routes[first + k], row = d.row_of[first + k];  // row_of: for local slots only
@@ -524,9 +517,25 @@ __device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, cons
       term_weights[warp][k] = w;
       any |= here;
     }
-    if (unit == first_warp()) stamp(c, kCombine, kFirstSent);
-    if (t >= tokens || __ballot_sync(kAll, any) == 0) continue;
-    if (sums.weighted && !sent_at_dispatch) {
+    return t < tokens && __ballot_sync(kAll, any) != 0;
+  };
+  // The first unit's terms are looked up before the weights are waited for (they come from this
+  // rank's dispatch, not from the sources), so that load round overlaps the weights' round trip.
+  int64_t unit = first_warp();
+  bool has_terms = unit < units && look_up(unit);
+  if (unit < units) stamp(c, kCombine, kFirstSent);
+  // Weights given to this combine (not to the dispatch): the whole block waits for them once. A
+  // source that sent its weights at combine while this rank gave them at dispatch is waited for
+  // by each warp that needs it.
+  const bool block_waits = sums.weighted && !sums.at_dispatch;
+  const bool weights_here = !block_waits || block_wait_weights(c, set, weights_from);
+  stamp(c, kCombine, kFirstChecked);
+  uint32_t weights_seen = 0;  // sources whose weights this warp saw arrive
+  for (; weights_here && unit < units; unit += warps_in_grid(), has_terms = unit < units && look_up(unit)) {
+    if (!has_terms) continue;
+    const int source = static_cast<int>(unit / (m * spans));
+    const int64_t t = unit / spans % m, h0 = unit % spans * kSendSpan, first = (source * m + t) * c.topk;
+    if (sums.weighted && weights_from[source] == 0) {  // the source's weights came with its combine
       if (!block_waits && !(weights_seen >> source & 1u) && !wait_weights(c, set, source, lane)) break;
       weights_seen |= 1u << source;
       for (int64_t k = lane; k < c.topk; k += 32) term_weights[warp][k] = combine_weights[first + k];
