@@ -94,7 +94,6 @@ WindowMap make_window_map(const BufferConfig& c, int ranks, const WireRow& wire,
                       env_choice("EPX_RETURN_PIECES", {"equal", "halving"}) == "halving", m.return_start);
   m.bcast_flag = take(4 * ranks * kMaxPieces);
   m.bcast_free = take(4 * ranks);
-  m.begun = take(4 * ranks);
   m.bcast_epoch_src = take(4);
   const int64_t placing = broadcast ? rows : 0;  // rows = R * max_tokens
   m.meta_expert = take(4 * placing * c.topk);
@@ -233,9 +232,6 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   send_blocks_override_ = static_cast<int>(env_integer("EPX_SEND_BLOCKS", 0, 1, blocks_ - 1));
   poison_outputs_ = std::getenv("EPX_POISON_OUTPUTS") != nullptr;
   broadcast_ = use_broadcast(config, ranks_);
-  // EPX_COMBINE_COPIES=first starts the copy-engine return of combine and dispatch_backward before
-  // their plan exchange, once every rank began the call (an experiment; unset: after the plan).
-  copies_first_ = env_choice("EPX_COMBINE_COPIES", {"after_plan", "first"}) == "first";
   // EPX_RECEIVER_START=early launches a copy-engine dispatch's receiver before the plan (an
   // experiment: no gain measured at one rank, docs/performance.md; unset: after the plan).
   early_receiver_ = std::string(state->transport_name()) != "shared-gpu" &&
@@ -898,8 +894,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
 }
 
 const HandleState& CudaBackend::start_handle_call(const Call& call, const Handle& handle, int64_t options,
-                                                  const std::function<void(const HandleState&)>& validate,
-                                                  const std::function<void(const HandleState&)>& before_plan) {
+                                                  const std::function<void(const HandleState&)>& validate) {
   std::string error;
   const HandleState* h = nullptr;
   try {
@@ -910,16 +905,9 @@ const HandleState& CudaBackend::start_handle_call(const Call& call, const Handle
   }
   const int64_t signature = signature_of({options, h ? static_cast<int64_t>(h->layout) : -1});
   if (!error.empty()) reject(call, 1, error, h ? h->tokens : 0, signature);
-  if (before_plan) before_plan(*h);
   exchange_plan(call, 0, h->tokens, signature, nullptr, 0);
   host_steps_.mark("plan posted");
   return *h;
-}
-
-std::function<void(const HandleState&)> CudaBackend::copies_first_prepare(
-    const std::function<void(const HandleState&, bool)>& prepare) const {
-  if (!copies_first_) return nullptr;
-  return [prepare](const HandleState& state) { prepare(state, true); };
 }
 
 CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle, const CombineOptions& opt) {
@@ -930,27 +918,19 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
   // each other's rows on different flags, so the plan check stops them first.
   const int64_t options = (opt.weighted ? 1 : 0) + (copy_combine_ ? 2 : 0);
   CombineResult out;
-  kernels::CombineArgs a{};
   std::vector<Tensor> staging;
-  bool by_copy = false;
-  // The output, the reducers' arguments and the copy-engine return (before or after the plan).
-  auto prepare = [&](const HandleState& state, bool before_plan) {
-    out.out = device_tensor(DType::bf16, {state.tokens, c.hidden});
-    a = kernels::CombineArgs{in.y.ptr<const uint16_t>(), in.y.strides[0], opt.weighted, nullptr, 0,
-                             in.shared_out.defined() ? in.shared_out.ptr<const uint16_t>() : nullptr,
-                             in.shared_out.defined() ? in.shared_out.strides[0] : 0, out.out.data<uint16_t>(), nullptr};
-    by_copy = start_copy_return(state, in.y, TensorView{}, a, staging, before_plan);
-  };
-  const HandleState* h = &start_handle_call(
-      call, handle, options,
-      [&](const HandleState& state) {
-        validate_combine(in, state, c, opt, DeviceKind::cuda);
-        check_device_tensor(in.y, "combine: y");
-      },
-      copies_first_prepare(prepare));
+  const HandleState* h = &start_handle_call(call, handle, options, [&](const HandleState& state) {
+    validate_combine(in, state, c, opt, DeviceKind::cuda);
+    check_device_tensor(in.y, "combine: y");
+  });
   timer_.mark(1, stream_);
   const DeviceHandle& dh = device_of(*h);
-  if (!copies_first_) prepare(*h, false);
+  // The output, the reducers' arguments and the copy-engine return.
+  out.out = device_tensor(DType::bf16, {h->tokens, c.hidden});
+  kernels::CombineArgs a{in.y.ptr<const uint16_t>(), in.y.strides[0], opt.weighted, nullptr, 0,
+                         in.shared_out.defined() ? in.shared_out.ptr<const uint16_t>() : nullptr,
+                         in.shared_out.defined() ? in.shared_out.strides[0] : 0, out.out.data<uint16_t>(), nullptr};
+  const bool by_copy = start_copy_return(*h, in.y, TensorView{}, a, staging);
   timer_.mark(2, stream_);
   kernels::combine(ctx(), by_copy ? 0 : send_blocks(false, h->layout), dh.recv, h->layout, h->tokens, dh.pos.send_pos,
                    dh.slot_expert, a);
@@ -974,14 +954,13 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
 
 // Copy-engine return (blocking calls, where the host knows where each source's rows start): the
 // copies of every other rank's rows (and slot values) go on the copy stream once the plans are
-// exchanged (every rank is in this call, so its previous reader of rev_rows is done) or, before
-// the plan, once every rank's begin kernel said so (before_plan: the same fact, sooner), and `a`
+// exchanged (every rank is in this call, so its previous reader of rev_rows is done), and `a`
 // turns to reducing only. Rank-major returns y's rows as they are. Expert-major first sums each
 // received token's rows into a partial in rank-major order (`staging`, freed stream-ordered with
 // the caller's tensors): the other ranks' partials, then their copies, then this rank's own while
 // the copies run. False: this call returns its rows with SM stores.
 bool CudaBackend::start_copy_return(const HandleState& h, const TensorView& rows, const TensorView& slot_values,
-                                    kernels::CombineArgs& a, std::vector<Tensor>& staging, bool before_plan) {
+                                    kernels::CombineArgs& a, std::vector<Tensor>& staging) {
   if (!copy_combine_ || h.recv.rank_offsets.empty()) return false;
   const int64_t own = h.recv.rank_offsets[rank_], own_rows = h.recv.rank_offsets[rank_ + 1] - own;
   TensorView from = rows, from_slots = slot_values;
@@ -1006,7 +985,6 @@ bool CudaBackend::start_copy_return(const HandleState& h, const TensorView& rows
   if (from_slots.defined()) a.own_slot_values = from_slots.ptr<const float>() + own * from_slots.strides[0];
   EPX_CUDA(cudaEventRecord(fork_, stream_));
   EPX_CUDA(cudaStreamWaitEvent(copy_stream_, fork_, 0));
-  if (before_plan) kernels::wait_peers_began(ctx(), copy_stream_);  // what the plan's wait would have said
   timer_.mark(4, copy_stream_);
   const kernels::ReturnRows r{static_cast<const char*>(from.data), from.strides[0] * 2,
                               from_slots.defined() ? static_cast<const char*>(from_slots.data) : nullptr,
@@ -1031,25 +1009,19 @@ DispatchBackwardResult CudaBackend::dispatch_backward(const DispatchBackwardInpu
   const bool with_weights = in.grad_recv_weights.defined();
   const int64_t options = (with_weights ? 1 : 0) + (copy_combine_ ? 2 : 0);  // the engine: see combine
   DispatchBackwardResult out;
-  kernels::CombineArgs a{};
   std::vector<Tensor> staging;
-  bool by_copy = false;
   const TensorView& gw = in.grad_recv_weights;
-  auto prepare = [&](const HandleState& state, bool before_plan) {  // as in combine
-    out.grad_x = device_tensor(DType::bf16, {state.tokens, c.hidden});
-    if (with_weights) out.grad_topk_weights = device_tensor(DType::f32, {state.tokens, c.topk});
-    a = kernels::CombineArgs{in.grad_recv_x.ptr<const uint16_t>(), in.grad_recv_x.strides[0], false,
-                             with_weights ? gw.ptr<const float>() : nullptr, with_weights ? gw.strides[0] : 0,
-                             nullptr, 0, out.grad_x.data<uint16_t>(),
-                             with_weights ? out.grad_topk_weights.data<float>() : nullptr};
-    by_copy = start_copy_return(state, in.grad_recv_x, gw, a, staging, before_plan);
-  };
-  const HandleState* h = &start_handle_call(
-      call, handle, options,
-      [&](const HandleState& state) { validate_dispatch_backward(in, state, c, DeviceKind::cuda); },
-      copies_first_prepare(prepare));
+  const HandleState* h = &start_handle_call(call, handle, options, [&](const HandleState& state) {
+    validate_dispatch_backward(in, state, c, DeviceKind::cuda);
+  });
   const DeviceHandle& dh = device_of(*h);
-  if (!copies_first_) prepare(*h, false);
+  out.grad_x = device_tensor(DType::bf16, {h->tokens, c.hidden});  // as in combine
+  if (with_weights) out.grad_topk_weights = device_tensor(DType::f32, {h->tokens, c.topk});
+  kernels::CombineArgs a{in.grad_recv_x.ptr<const uint16_t>(), in.grad_recv_x.strides[0], false,
+                         with_weights ? gw.ptr<const float>() : nullptr, with_weights ? gw.strides[0] : 0,
+                         nullptr, 0, out.grad_x.data<uint16_t>(),
+                         with_weights ? out.grad_topk_weights.data<float>() : nullptr};
+  const bool by_copy = start_copy_return(*h, in.grad_recv_x, gw, a, staging);
   kernels::combine(ctx(), by_copy ? 0 : send_blocks(false, h->layout), dh.recv, h->layout, h->tokens, dh.pos.send_pos,
                    dh.slot_expert, a);
   if (by_copy) EPX_CUDA(cudaStreamWaitEvent(stream_, copies_done_, 0));  // the inputs are read until then

@@ -59,19 +59,12 @@ class CudaBackend final : public Backend {
                      int64_t count_len, int64_t* expert_prefix = nullptr, int64_t* drop_capacity = nullptr,
                      const kernels::LayoutJob* layout = nullptr);
   // The start of a call on a dispatch's handle (combine and the backward passes): the handle and
-  // the inputs are checked (a rejection reaches every peer), `before_plan` (if any) runs, then the
-  // plan exchange, whose signature holds `options` and the handle's layout.
+  // the inputs are checked (a rejection reaches every peer), then the plan exchange, whose
+  // signature holds `options` and the handle's layout.
   const HandleState& start_handle_call(const Call& call, const Handle& handle, int64_t options,
-                                       const std::function<void(const HandleState&)>& validate,
-                                       const std::function<void(const HandleState&)>& before_plan = nullptr);
-  // start_handle_call's before_plan for combine and dispatch_backward: prepare(state, true) when
-  // the copies go first (EPX_COMBINE_COPIES=first), else none (the caller prepares after the plan).
-  std::function<void(const HandleState&)> copies_first_prepare(
-      const std::function<void(const HandleState&, bool)>& prepare) const;
-  // before_plan: the copies wait on the device for every rank to begin this call instead of
-  // following the plan exchange (EPX_COMBINE_COPIES=first).
+                                       const std::function<void(const HandleState&)>& validate);
   bool start_copy_return(const HandleState& h, const TensorView& rows, const TensorView& slot_values,
-                         kernels::CombineArgs& a, std::vector<Tensor>& staging, bool before_plan);
+                         kernels::CombineArgs& a, std::vector<Tensor>& staging);
   // Waits for the forward / reverse transfer of this call.
   void wait(int kind);
   // This rank's signal counters as read now, for a timeout's message.
@@ -135,7 +128,6 @@ class CudaBackend final : public Backend {
   cudaEvent_t fork_ = nullptr, join_ = nullptr, copies_done_ = nullptr;
   cudaEvent_t broadcast_begun_ = nullptr;  // copy-engine dispatch: the peers' regions are free
   bool broadcast_ = false;  // dispatch moves its rows by copy engine (kernels/broadcast.cu)
-  bool copies_first_ = false;  // EPX_COMBINE_COPIES=first: the copy-engine return goes before the plan exchange
   bool early_receiver_ = false;  // EPX_RECEIVER_START=early: a broadcast's receiver goes before the plan (dispatch())
   bool copy_combine_ = false;  // blocking combine and dispatch_backward return their rows by copy engine
   // EPX_OWN_ROWS=copies: a blocking rank-major bf16 copy-engine dispatch places this rank's own rows

@@ -79,8 +79,6 @@ struct WindowMap {
                             // rows of stream positions [return_start[p], return_start[p + 1]) are in rev_rows
   int32_t return_start[kMaxPieces + 1];  // the copy-engine return's pieces; entries past the last piece
                                          // are max_tokens
-  int64_t begun;            // uint32 [R]: the epoch of the last call rank d began (its begin kernel writes it):
-                            // d's earlier calls, and their reads of rev_rows / rev_slots, are over
   // Copy-engine dispatch (docs/performance.md): every source's whole input, copied here by its
   // copy engines in pieces of piece_tokens tokens, each piece flagged after it (copy-engine
   // combine cuts its rows by stream position the same way).

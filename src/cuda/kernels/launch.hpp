@@ -52,8 +52,6 @@ void canonicalize_routing(const Ctx& ctx, const RoutingInput& in, int64_t tokens
 
 // Starts a call on the device: the call number advances, the status is cleared.
 void begin_call(const Ctx& ctx);
-// On `stream`: waits until every rank began this call (its begin kernel's word here), with timeout.
-void wait_peers_began(const Ctx& ctx, cudaStream_t stream);
 // Posts this rank's plan (header + `count_len` int64 counts, or none) into every rank's plan slot
 // of this call's `phase` and signals it. The call number and the error fields of the header come
 // from the device (ctx.state, ctx.status).

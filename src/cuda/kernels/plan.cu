@@ -78,24 +78,10 @@ __global__ void canonicalize_kernel(Shape s, RoutingInput in, int64_t tokens, in
   }
 }
 
-// Thread 0: the call's number, a clean status, and at every rank the word that says this rank
-// began the call (every kernel of its earlier calls is over: they ran before this one, so the word
-// needs no fence; it orders no data, only when the peers' copies may start).
-__global__ void begin_call_kernel(PeerWindows w, WindowMap m, CallState* cs, DeviceStatus* st) {
+// Thread 0: the call's number and a clean status.
+__global__ void begin_call_kernel(CallState* cs, DeviceStatus* st) {
   cs->call += 1;
   *st = DeviceStatus{};
-  for (int d = 0; d < w.ranks; ++d)
-    cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(at_window<uint32_t>(w, d, m.begun)[w.rank])
-        .store(call_epoch(cs), cuda::memory_order_relaxed);
-}
-
-// One warp: lanes d < R wait until rank d began this call (so its earlier calls' reads of what
-// this call writes into its window are over); a timeout is reported, and what follows on the
-// stream runs anyway (the call has failed then: every rank learns it at its sync).
-__global__ void wait_began_kernel(PeerWindows w, WindowMap m, const CallState* cs, uint64_t timeout_ns, DeviceStatus* st) {
-  const int d = threadIdx.x;
-  warp_wait_lane_flags(d < w.ranks ? at_window<uint32_t>(w, w.rank, m.begun) + d : nullptr, d, call_epoch(cs), timeout_ns,
-                       st, kSignalReverse);
 }
 
 // One block: write header (+ counts) into every rank's plan slot for this rank, then signal.
@@ -226,11 +212,7 @@ void canonicalize_routing(const Ctx& ctx, const RoutingInput& in, int64_t tokens
                                                                         counts, ctx.status);
 }
 
-void begin_call(const Ctx& ctx) { begin_call_kernel<<<1, 1, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.state, ctx.status); }
-
-void wait_peers_began(const Ctx& ctx, cudaStream_t stream) {
-  wait_began_kernel<<<1, 32, 0, stream>>>(ctx.peers, ctx.map, ctx.state, ctx.timeout_ns, ctx.status);
-}
+void begin_call(const Ctx& ctx) { begin_call_kernel<<<1, 1, 0, ctx.stream>>>(ctx.state, ctx.status); }
 
 void post_plan(const Ctx& ctx, const PlanHeader& header, const int64_t* counts, int64_t count_len, int phase) {
   post_plan_kernel<<<1, 256, 0, ctx.stream>>>(ctx.peers, ctx.map, header, counts, counts ? count_len : 0, phase,
@@ -263,7 +245,7 @@ void publish_status(const DeviceStatus* status, DeviceStatus* host_status, cudaS
   publish_status_kernel<<<1, 1, 0, stream>>>(status, host_status);
 }
 
-void preload_plan_kernels() { preload(begin_call_kernel, wait_began_kernel, canonicalize_kernel, post_plan_kernel, wait_kernel, exchange_plan_kernel, drop_kernel,
+void preload_plan_kernels() { preload(begin_call_kernel, canonicalize_kernel, post_plan_kernel, wait_kernel, exchange_plan_kernel, drop_kernel,
           publish_status_kernel); }
 
 void preload_kernels() {
