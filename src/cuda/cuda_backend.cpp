@@ -233,7 +233,7 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   poison_outputs_ = std::getenv("EPX_POISON_OUTPUTS") != nullptr;
   broadcast_ = use_broadcast(config, ranks_);
   // EPX_RECEIVER_START=early launches a copy-engine dispatch's receiver before the plan (an
-  // experiment: no gain measured at one rank, docs/performance.md; unset: after the plan).
+  // experiment: no gain measured at one rank nor at two, docs/performance.md; unset: after the plan).
   early_receiver_ = std::string(state->transport_name()) != "shared-gpu" &&
                     env_choice("EPX_RECEIVER_START", {"after_plan", "early"}) == "early";
   copy_combine_ = use_copy_combine(ranks_);

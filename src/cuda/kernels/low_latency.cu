@@ -498,12 +498,12 @@ __device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, cons
   const bool wide = c.hidden % 8 == 0 && aligned16(y);
   // The warp's unit: per slot k, the row of y holding it if its expert is here (else -1) and its
   // weight, looked up by lanes k and k + 32 in one load round, then read by every lane as the sum
-  // goes (not one dependent pair of loads per term). True when the unit has a term here.
+  // goes (not one dependent pair of loads per term).
   __shared__ int32_t term_rows[kWarps][kMaxTopk];
   __shared__ float term_weights[kWarps][kMaxTopk];
   const int warp = threadIdx.x / 32;
   const int64_t units = ranks * m * spans;
-  auto look_up = [&](int64_t unit) {
+  auto look_up = [&](int64_t unit) {  // true when the unit has a term here
     const int source = static_cast<int>(unit / (m * spans));
     const int64_t t = unit / spans % m, first = (source * m + t) * c.topk;
     // Loaded together: past the source's count, or for a slot elsewhere, the values go unused.
