@@ -163,9 +163,10 @@ void carve_handle(DeviceHandle& h, Carver& c, int64_t tokens, const BufferConfig
   h.recv.slot_row = c.take<int64_t>(rows * k);
 }
 
-// The first `rows` rows of a tensor (same memory).
-Tensor first_rows(const Tensor& t, int64_t rows) {
+// Rows [first, first + rows) of a tensor (same memory).
+Tensor row_range(const Tensor& t, int64_t first, int64_t rows) {
   TensorView v = t.view();
+  v.data = static_cast<char*>(v.data) + first * v.strides[0] * dtype_size(v.dtype);
   v.shape[0] = rows;
   return Tensor(t.storage(), v);
 }
@@ -262,12 +263,11 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   if (broadcast_) EPX_CUDA(cudaEventCreateWithFlags(&broadcast_begun_, cudaEventDisableTiming));
   if (own_copies_) {
     EPX_CUDA(cudaStreamCreateWithFlags(&place_stream_, cudaStreamNonBlocking));
+    EPX_CUDA(cudaEventCreateWithFlags(&positions_ready_, cudaEventDisableTiming));
     EPX_CUDA(cudaEventCreateWithFlags(&outputs_ready_, cudaEventDisableTiming));
     EPX_CUDA(cudaEventCreateWithFlags(&own_placed_, cudaEventDisableTiming));
-    // The positions, then the rank offset at an 8-byte boundary (an even number of positions).
-    const size_t positions = (static_cast<size_t>(config.max_tokens_per_rank) * ranks_ + 1) / 2 * 2;
-    EPX_CUDA(cudaHostAlloc(&host_pos_, 4 * positions + 8, cudaHostAllocDefault));
-    host_offset_ = reinterpret_cast<int64_t*>(host_pos_ + positions);
+    EPX_CUDA(cudaHostAlloc(&host_pos_, 4 * static_cast<size_t>(config.max_tokens_per_rank) * ranks_,
+                           cudaHostAllocDefault));
   }
   EPX_CUDA(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
   EPX_CUDA(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
@@ -333,6 +333,7 @@ CudaBackend::~CudaBackend() {
   if (broadcast_begun_) cudaEventDestroy(broadcast_begun_);
   if (own_copies_) {
     cudaStreamDestroy(place_stream_);
+    cudaEventDestroy(positions_ready_);
     cudaEventDestroy(outputs_ready_);
     cudaEventDestroy(own_placed_);
     cudaFreeHost(host_pos_);
@@ -344,16 +345,41 @@ CudaBackend::~CudaBackend() {
 // position here), read back once the plan kernel has written the layout (fork_ is after it).
 // True when there are few enough runs for one copy call each and every row is inside the outputs
 // (a failed plan leaves the layout unwritten: the receiver, which sees the failure, then decides).
-bool CudaBackend::own_rows_by_copies(const int32_t* send_pos, const int64_t* rank_offsets, int64_t tokens,
-                                     int64_t capacity, std::vector<RowRun>& runs) {
-  constexpr size_t kMaxRuns = 32;  // a copy call costs the host a few us
-  EPX_CUDA(cudaStreamWaitEvent(place_stream_, fork_, 0));
+// EPX_OWN_ROWS=copies: this rank's own bf16 rows from x to rows anchor + pos of recv_x by the copy
+// engines, on place_stream_ once the outputs exist: one batched copy of the runs of consecutive
+// tokens with consecutive rows (a row per copy where x's rows are not packed). The positions come
+// to the host first (one read, once the positions kernels are done: no other rank is waited for).
+void CudaBackend::place_own_rows(const int32_t* send_pos, int64_t tokens, int64_t anchor, int64_t capacity,
+                                 const kernels::SendRows& rows, char* recv_x, int64_t row_bytes) {
+  EPX_CUDA(cudaStreamWaitEvent(place_stream_, positions_ready_, 0));
   EPX_CUDA(cudaMemcpyAsync(host_pos_, send_pos, static_cast<size_t>(4 * tokens * ranks_), cudaMemcpyDeviceToHost,
                            place_stream_));
-  EPX_CUDA(cudaMemcpyAsync(host_offset_, rank_offsets + rank_, sizeof(int64_t), cudaMemcpyDeviceToHost, place_stream_));
   EPX_CUDA(cudaStreamSynchronize(place_stream_));
   host_steps_.mark("own positions read");
-  return cut_row_runs(host_pos_, tokens, ranks_, rank_, *host_offset_, capacity, kMaxRuns, runs);
+  std::vector<RowRun> runs;
+  if (!cut_row_runs(host_pos_, tokens, ranks_, rank_, anchor, capacity, static_cast<size_t>(tokens), runs))
+    fail(ErrorCode::internal, "dispatch: an own row's place is outside the outputs (rank ", rank_, ")");
+  std::vector<void*> to;
+  std::vector<const void*> from;
+  std::vector<size_t> bytes;
+  const bool packed = rows.x_stride_bytes == row_bytes;
+  for (const RowRun& run : runs)
+    for (int64_t i = 0; i < (packed ? 1 : run.count); ++i) {
+      to.push_back(recv_x + (run.row + i) * row_bytes);
+      from.push_back(rows.x + (run.token + i) * rows.x_stride_bytes);
+      bytes.push_back(static_cast<size_t>((packed ? run.count : 1) * row_bytes));
+    }
+  EPX_CUDA(cudaStreamWaitEvent(place_stream_, outputs_ready_, 0));
+  if (!to.empty()) {
+    cudaMemcpyAttributes in_order{};  // x is read in stream order (after the positions)
+    in_order.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    size_t attribute_of_all = 0;
+    EPX_CUDA(cudaMemcpyBatchAsync(to.data(), from.data(), bytes.data(), to.size(), &in_order, &attribute_of_all, 1,
+                                  place_stream_));
+  }
+  EPX_CUDA(cudaEventRecord(own_placed_, place_stream_));
+  EPX_CUDA(cudaStreamWaitEvent(stream_, own_placed_, 0));
+  host_steps_.mark("own rows' copies enqueued");
 }
 
 int CudaBackend::send_blocks(bool dispatch, Layout layout) const {
@@ -654,6 +680,11 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     reject(call, c.capacity_factor > 0.0 ? 2 : 1, error, tokens, signature);
   }
   const bool lean = lean_dispatch();
+  // EPX_OWN_ROWS=copies: own rows by the copy engines (place_own_rows), from row own_anchor of the
+  // outputs on; the receiver places the other ranks' rows.
+  const bool own_by_copies = own_copies_ && lean && c.mode != CapacityMode::capacity &&
+                             opt.layout == Layout::rank_major && wire_.format == WireFormat::bf16;
+  const int64_t own_anchor = rank_ * c.max_tokens_per_rank;
   const char* bcast_from = rows.x;  // bf16: x itself
   int64_t bcast_stride = rows.x_stride_bytes, bcast_row_bytes = wire_.bytes();
   // Pieces [first, end) of the broadcast on the copy stream; after the last, copies_done_.
@@ -709,6 +740,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   timer_.mark(8, stream_);
   kernels::chunk_positions(x, tokens, dh->slot_expert, dh->pos);
   if (broadcast_) kernels::finalize_positions(x, tokens, dh->slot_expert, dh->pos);
+  if (own_by_copies) EPX_CUDA(cudaEventRecord(positions_ready_, stream_));
   timer_.mark(9, stream_);
   host_steps_.mark("positions launched");
   if (broadcast_ && lean) {
@@ -746,7 +778,6 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   const kernels::Ctx side = ctx(side_stream_);
   // The outputs (one allocation, on the side stream; the receiver writes every row, padding and
   // empty rows too) and the receiver, which waits on the device for the layout when it goes first.
-  bool own_by_copies = false;  // EPX_OWN_ROWS=copies and few runs: the copy engines place own rows
   auto launch_receiver = [&](bool wait_layout) {
     OutputBlock outputs(*this, side_stream_);
     if (wire_.format == WireFormat::bf16) outputs.add(&out.recv_x, DType::bf16, {capacity, c.hidden});
@@ -772,6 +803,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
                             reinterpret_cast<int32_t*>(ptr(out.recv_topk_idx)),
                             reinterpret_cast<float*>(ptr(out.recv_topk_weights))};
     ro.own_placed = own_by_copies;
+    if (own_by_copies) ro.own_anchor = own_anchor;
     timer_.mark(4, side_stream_);
     kernels::dispatch_receive(side, blocks_ - senders, dh->recv, ro, opt.layout, rows, mine, phase, wait_layout);
     host_steps_.mark("receiver launched");
@@ -808,23 +840,10 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     capacity = host_info_[2];
     host_steps_.mark("sizes read");
   }
-  // EPX_OWN_ROWS=copies: own rows (bf16: x's rows) by the copy engines on their own stream, while
-  // the receiver places the other ranks' rows; they need the positions on the host, one read.
-  std::vector<RowRun> runs;
-  own_by_copies = own_copies_ && lean && !early_receiver && !capacity_mode && opt.layout == Layout::rank_major &&
-                  wire_.format == WireFormat::bf16 && tokens > 0 &&
-                  own_rows_by_copies(dh->pos.send_pos, dh->recv.rank_offsets, tokens, capacity, runs);
   if (!early_receiver) launch_receiver(false);
-  if (own_by_copies) {
-    EPX_CUDA(cudaStreamWaitEvent(place_stream_, outputs_ready_, 0));
-    const int64_t row_bytes = 2 * c.hidden;
-    for (const RowRun& run : runs)
-      kernels::copy_rows(out.recv_x.data<char>() + run.row * row_bytes, row_bytes, rows.x + run.token * rows.x_stride_bytes,
-                         rows.x_stride_bytes, row_bytes, run.count, place_stream_);
-    EPX_CUDA(cudaEventRecord(own_placed_, place_stream_));
-    EPX_CUDA(cudaStreamWaitEvent(stream_, own_placed_, 0));
-    host_steps_.mark("own rows' copies enqueued");
-  }
+  // After the receiver's launch, so that the host's read of the positions does not delay it.
+  if (own_by_copies)
+    place_own_rows(dh->pos.send_pos, tokens, own_anchor, capacity, rows, out.recv_x.data<char>(), 2 * c.hidden);
   EPX_CUDA(cudaEventRecord(join_, side_stream_));
   EPX_CUDA(cudaStreamWaitEvent(stream_, join_, 0));
   if (broadcast_) EPX_CUDA(cudaStreamWaitEvent(stream_, copies_done_, 0));  // x is read until then
@@ -849,7 +868,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   // Blocking: the call's sync, then the sizes.
   EPX_CUDA(cudaMemcpyAsync(host_info_, dh->recv.info, 4 * sizeof(int64_t), cudaMemcpyDeviceToHost, stream_));
   EPX_CUDA(cudaMemcpyAsync(host_info_ + 4, dh->dropped, sizeof(int64_t), cudaMemcpyDeviceToHost, stream_));
-  const bool offsets_to_host = copy_combine_;  // combine copies by source
+  const bool offsets_to_host = copy_combine_ || own_by_copies;  // combine copies by source; recv_x's first row
   if (offsets_to_host)
     EPX_CUDA(cudaMemcpyAsync(host_info_ + 8, dh->recv.rank_offsets, (ranks_ + 1) * sizeof(int64_t),
                              cudaMemcpyDeviceToHost, stream_));
@@ -862,9 +881,10 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   h->recv.num_rows = host_info_[1];
   h->recv.capacity = host_info_[2];
   if (offsets_to_host) h->recv.rank_offsets.assign(host_info_ + 8, host_info_ + 8 + ranks_ + 1);
+  const int64_t x_first = own_by_copies ? own_anchor - host_info_[8 + rank_] : 0;  // recv_x's first row
   for (Tensor* t : {&out.recv_x, &out.recv_scales, &out.recv_global_scale, &out.recv_src, &out.recv_weights,
                     &out.recv_topk_idx, &out.recv_topk_weights})
-    if (t->defined()) *t = first_rows(*t, h->recv.capacity);
+    if (t->defined()) *t = row_range(*t, t == &out.recv_x ? x_first : 0, h->recv.capacity);
   out.handle = Handle(std::move(h));
   if (timer_.on()) {
     timer_.add("dispatch: routing+plan", 0, 1);

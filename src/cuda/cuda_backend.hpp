@@ -131,14 +131,13 @@ class CudaBackend final : public Backend {
   bool early_receiver_ = false;  // EPX_RECEIVER_START=early: a broadcast's receiver goes before the plan (dispatch())
   bool copy_combine_ = false;  // blocking combine and dispatch_backward return their rows by copy engine
   // EPX_OWN_ROWS=copies: a blocking rank-major bf16 copy-engine dispatch places this rank's own rows
-  // by copy engine, in runs read back from the positions (own_rows_by_copies(), dispatch()).
+  // by copy engine, in runs read back from the positions (place_own_rows(), dispatch()).
   bool own_copies_ = false;
   cudaStream_t place_stream_ = nullptr;
-  cudaEvent_t outputs_ready_ = nullptr, own_placed_ = nullptr;
-  int32_t* host_pos_ = nullptr;      // pinned: [max_tokens][R] positions, then host_offset_
-  int64_t* host_offset_ = nullptr;   // in host_pos_'s allocation, 8-byte aligned: this rank's rank offset
-  bool own_rows_by_copies(const int32_t* send_pos, const int64_t* rank_offsets, int64_t tokens, int64_t capacity,
-                          std::vector<RowRun>& runs);
+  cudaEvent_t positions_ready_ = nullptr, outputs_ready_ = nullptr, own_placed_ = nullptr;
+  int32_t* host_pos_ = nullptr;  // pinned: [max_tokens][R] positions
+  void place_own_rows(const int32_t* send_pos, int64_t tokens, int64_t anchor, int64_t capacity,
+                      const kernels::SendRows& rows, char* recv_x, int64_t row_bytes);
   std::shared_ptr<CUmemPoolHandle_st> pool_;  // outputs and handles; kept alive by every tensor from it
   // Dispatch output blocks whose tensors are gone, for the next dispatch: a pool allocation
   // costs tens of microseconds of host time (docs/performance.md).

@@ -389,6 +389,7 @@ __global__ void __launch_bounds__(kRecvWarps<kBroadcast> * 32) dispatch_receive_
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kRecvWarps<kBroadcast>;
   if (out.bulk) init_bulk_stage(lane);
   const bool ready = !wait_layout || layout_ready(cs, epoch, w.rank, timeout_ns, st);
+  if (kBroadcast && ready && out.own_anchor >= 0) out.x += (out.own_anchor - r.rank_offsets[w.rank]) * out.x_bytes;
   if (ready) fill_empty_rows(s, r, out, layout, warp, warps, lane);
   int64_t chunks = 0;
   for (int p = 0; p < w.ranks && ready; ++p) chunks = max(chunks, static_cast<int64_t>(r.chunks_from[p]));

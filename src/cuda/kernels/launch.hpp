@@ -173,6 +173,10 @@ struct RecvOutputs {
   float* topk_weights;
   bool bulk = false;  // set by dispatch_receive: rows' codes go by bulk copy (bulk_copy.cuh)
   bool own_placed = false;  // this rank's own rows (from x) are placed by copy engines: not by the receiver
+  // >= 0 (with own_placed): the copy engines put own row pos at x's row own_anchor + pos, which needs
+  // no other rank's count, so x's row i of the layout is row own_anchor - rank_offsets[rank] + i of
+  // the allocation (the host returns recv_x from there).
+  int64_t own_anchor = -1;
 };
 // `own`: this rank's input rows, which the receiver places itself (no sender copies them). With
 // own.broadcast every row's place comes from its source's Placing (this rank's: `mine`) and the
