@@ -340,11 +340,6 @@ CudaBackend::~CudaBackend() {
   }
 }
 
-// EPX_OWN_ROWS=copies: this rank's tokens that stay here, as runs of consecutive tokens with
-// consecutive output rows (a rank-major row is the rank's offset plus the token's stream
-// position here), read back once the plan kernel has written the layout (fork_ is after it).
-// True when there are few enough runs for one copy call each and every row is inside the outputs
-// (a failed plan leaves the layout unwritten: the receiver, which sees the failure, then decides).
 // EPX_OWN_ROWS=copies: this rank's own bf16 rows from x to rows anchor + pos of recv_x by the copy
 // engines, on place_stream_ once the outputs exist: one batched copy of the runs of consecutive
 // tokens with consecutive rows (a row per copy where x's rows are not packed). The positions come
