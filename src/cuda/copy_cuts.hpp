@@ -1,6 +1,6 @@
 // How the CUDA backend cuts its copy-engine transfers (docs/performance.md): the combine's
-// return into pieces by stream position, and a dispatch's own rows into runs that one copy call
-// each can move. Plain host code (no CUDA), so the CPU tests check it.
+// return into pieces by stream position, and a dispatch's own rows into runs, the entries of one
+// batched copy. Plain host code (no CUDA), so the CPU tests check it.
 #pragma once
 #include <cstddef>
 #include <cstdint>
