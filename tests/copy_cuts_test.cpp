@@ -58,7 +58,7 @@ TEST(CopyCuts, RunsSkipTheTokensThatGoElsewhere) {
   const std::vector<bool> here{true, true, false, true, true, true, false, false, true};
   const auto pos = positions_at(2, 1, here);
   std::vector<RowRun> runs;
-  ASSERT_TRUE(cut_row_runs(pos.data(), 9, 2, 1, 100, 1000, 32, runs));
+  ASSERT_TRUE(cut_row_runs(pos.data(), 9, 2, 1, -1, 100, 1000, 0, runs));
   ASSERT_EQ(runs.size(), 3u);
   EXPECT_EQ(runs[0].token, 0);
   EXPECT_EQ(runs[0].row, 100);
@@ -71,16 +71,49 @@ TEST(CopyCuts, RunsSkipTheTokensThatGoElsewhere) {
   EXPECT_EQ(runs[2].count, 1);
 }
 
-TEST(CopyCuts, TooManyRunsOrARowOutsideTheOutputsRefuse) {
+TEST(CopyCuts, RunsStopAtThePiecesBoundaries) {
+  const std::vector<bool> here(10, true);
+  const auto pos = positions_at(1, 0, here);
+  std::vector<RowRun> runs;
+  ASSERT_TRUE(cut_row_runs(pos.data(), 10, 1, 0, -1, 0, 10, 4, runs));
+  ASSERT_EQ(runs.size(), 3u);  // tokens 0..3, 4..7, 8..9: one run per piece of four
+  EXPECT_EQ(runs[1].token, 4);
+  EXPECT_EQ(runs[1].row, 4);
+  EXPECT_EQ(runs[1].count, 4);
+  EXPECT_EQ(runs[2].count, 2);
+}
+
+// A peer's positions as this rank reads them: its count's worth, then whatever an earlier call
+// left in the rest of the array, which must not be read.
+TEST(CopyCuts, APeersRunsEndAtItsCount) {
+  std::vector<bool> here(12, true);
+  here[2] = false;
+  auto pos = positions_at(2, 0, here);
+  pos[9 * 2] = 0;  // stale: tokens 9.. belong to an earlier call
+  pos[10 * 2] = 1;
+  std::vector<RowRun> runs;
+  ASSERT_TRUE(cut_row_runs(pos.data(), 12, 2, 0, 8, 50, 100, 0, runs));
+  ASSERT_EQ(runs.size(), 2u);
+  EXPECT_EQ(runs[1].token, 3);
+  EXPECT_EQ(runs[1].row, 52);
+  EXPECT_EQ(runs[1].count, 6);  // tokens 3..8: the count ends it
+}
+
+TEST(CopyCuts, PositionsOutOfOrderTooFewOrOutsideTheOutputsRefuse) {
   std::vector<bool> alternate(20);
   for (size_t t = 0; t < alternate.size(); t += 2) alternate[t] = true;  // ten runs of one
-  const auto pos = positions_at(1, 0, alternate);
+  auto pos = positions_at(1, 0, alternate);
   std::vector<RowRun> runs;
-  EXPECT_TRUE(cut_row_runs(pos.data(), 20, 1, 0, 0, 10, 10, runs));
-  EXPECT_FALSE(cut_row_runs(pos.data(), 20, 1, 0, 0, 10, 9, runs));   // ten runs, nine allowed
-  EXPECT_FALSE(cut_row_runs(pos.data(), 20, 1, 0, 1, 10, 10, runs));  // the last row would be 10
-  EXPECT_FALSE(cut_row_runs(pos.data(), 20, 1, 0, -1, 10, 10, runs));  // an unwritten offset
-  EXPECT_TRUE(cut_row_runs(pos.data(), 0, 1, 0, 0, 0, 1, runs));  // no tokens: nothing to copy
+  EXPECT_TRUE(cut_row_runs(pos.data(), 20, 1, 0, -1, 0, 10, 0, runs));
+  EXPECT_EQ(runs.size(), 10u);
+  EXPECT_FALSE(cut_row_runs(pos.data(), 20, 1, 0, 11, 0, 10, 0, runs));  // ten found, eleven expected
+  EXPECT_FALSE(cut_row_runs(pos.data(), 20, 1, 0, -1, 1, 10, 0, runs));  // the last row would be 10
+  EXPECT_FALSE(cut_row_runs(pos.data(), 20, 1, 0, -1, -1, 10, 0, runs));  // an unwritten offset
+  pos[4] = 3;  // token 4 says 3 where 2 is next
+  EXPECT_FALSE(cut_row_runs(pos.data(), 20, 1, 0, -1, 0, 10, 0, runs));
+  EXPECT_TRUE(cut_row_runs(pos.data(), 0, 1, 0, -1, 0, 0, 0, runs));  // no tokens: nothing to copy
+  EXPECT_TRUE(runs.empty());
+  EXPECT_TRUE(cut_row_runs(pos.data(), 20, 1, 0, 0, 0, 0, 0, runs));  // a count of zero: nothing read
   EXPECT_TRUE(runs.empty());
 }
 

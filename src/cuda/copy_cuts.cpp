@@ -14,22 +14,21 @@ void return_piece_starts(int64_t max_tokens, int64_t piece_tokens, bool halving,
   }
 }
 
-bool cut_row_runs(const int32_t* pos, int64_t tokens, int ranks, int rank, int64_t offset, int64_t capacity,
-                  size_t max_runs, std::vector<RowRun>& runs) {
+bool cut_row_runs(const int32_t* pos, int64_t tokens, int ranks, int rank, int64_t count, int64_t offset,
+                  int64_t capacity, int64_t piece_tokens, std::vector<RowRun>& runs) {
   runs.clear();
-  for (int64_t t = 0; t < tokens; ++t) {
+  int64_t found = 0;
+  for (int64_t t = 0; t < tokens && found != count; ++t) {
     const int32_t p = pos[t * ranks + rank];
     if (p < 0) continue;
     const int64_t row = offset + p;
-    if (row < 0 || row >= capacity) return false;
-    if (!runs.empty() && runs.back().token + runs.back().count == t && runs.back().row + runs.back().count == row)
-      ++runs.back().count;
-    else if (runs.size() == max_runs)
-      return false;
-    else
-      runs.push_back({t, row, 1});
+    if (p != found++ || row < 0 || row >= capacity) return false;
+    const bool joins = !runs.empty() && runs.back().token + runs.back().count == t &&
+                       (piece_tokens <= 0 || t % piece_tokens != 0);
+    if (joins) ++runs.back().count;
+    else runs.push_back({t, row, 1});
   }
-  return true;
+  return count < 0 || found == count;
 }
 
 }  // namespace epx::detail

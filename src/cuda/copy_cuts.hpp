@@ -20,10 +20,12 @@ struct RowRun {
   int64_t token, row, count;
 };
 
-// The tokens t < tokens with pos[t * ranks + rank] >= 0 (their stream position at `rank`) to
-// output rows offset + pos, as maximal runs. False (runs then unusable) when that takes more
-// than max_runs runs or a row falls outside [0, capacity).
-bool cut_row_runs(const int32_t* pos, int64_t tokens, int ranks, int rank, int64_t offset, int64_t capacity,
-                  size_t max_runs, std::vector<RowRun>& runs);
+// The first `count` tokens t < tokens with pos[t * ranks + rank] >= 0 (count < 0: all of them), their
+// stream positions at `rank`, to output rows offset + pos, as maximal runs, cut where a run would
+// cross a multiple of piece_tokens (> 0: the broadcast's pieces, which land one after another). The
+// positions must be 0, 1, 2, ... in token order, as a stream's are. False (runs then unusable) when
+// they are not, when fewer than count are found, or when a row falls outside [0, capacity).
+bool cut_row_runs(const int32_t* pos, int64_t tokens, int ranks, int rank, int64_t count, int64_t offset,
+                  int64_t capacity, int64_t piece_tokens, std::vector<RowRun>& runs);
 
 }  // namespace epx::detail

@@ -202,6 +202,29 @@ std::string input_error(int32_t code, int64_t a, int64_t b, int64_t c, const Buf
   return cat("error code ", code);
 }
 
+// Runs of rows by copy engine, one batched copy on `stream`: run r's rows from `from` (token t's
+// row at from + t * from_stride) to rows of `to` (row_bytes each). One entry per run where the
+// rows are packed, else one per row.
+void copy_row_runs(const std::vector<RowRun>& runs, const char* from, int64_t from_stride, char* to,
+                   int64_t row_bytes, cudaStream_t stream) {
+  std::vector<void*> dst;
+  std::vector<const void*> src;
+  std::vector<size_t> bytes;
+  const bool packed = from_stride == row_bytes;
+  for (const RowRun& run : runs)
+    for (int64_t i = 0; i < (packed ? 1 : run.count); ++i) {
+      dst.push_back(to + (run.row + i) * row_bytes);
+      src.push_back(from + (run.token + i) * from_stride);
+      bytes.push_back(static_cast<size_t>((packed ? run.count : 1) * row_bytes));
+    }
+  if (dst.empty()) return;
+  cudaMemcpyAttributes in_order{};  // the rows are read in stream order (after what made them)
+  in_order.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  size_t attribute_of_all = 0;
+  EPX_CUDA(cudaMemcpyBatchAsync(dst.data(), src.data(), bytes.data(), dst.size(), &in_order, &attribute_of_all, 1,
+                                stream));
+}
+
 }  // namespace
 
 std::unique_ptr<Backend> make_cuda_backend(const Group& group, const BufferConfig& config) {
@@ -239,8 +262,9 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
                     env_choice("EPX_RECEIVER_START", {"after_plan", "early"}) == "early";
   copy_combine_ = use_copy_combine(ranks_);
   own_copies_ = broadcast_ && env_choice("EPX_OWN_ROWS", {"receiver", "copies"}) == "copies";
-  // The call's stream, the receiver's side stream, the copy engines' and own rows' streams.
-  state->check_streams(2 + (broadcast_ || copy_combine_ ? 1 : 0) + (own_copies_ ? 1 : 0));
+  peer_copies_ = broadcast_ && env_choice("EPX_PEER_ROWS", {"receiver", "copies"}) == "copies";
+  // The call's stream, the receiver's side stream, the copy engines' and the placing copies' streams.
+  state->check_streams(2 + (broadcast_ || copy_combine_ ? 1 : 0) + (own_copies_ || peer_copies_ ? 1 : 0));
   map_ = make_window_map(config, ranks_, wire_, broadcast_);
   // Everything that may synchronize the device comes before the collective window allocation:
   // once a rank returns from it, peers may already wait inside a call, and on a GPU shared by
@@ -261,13 +285,18 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   EPX_CUDA(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
   if (broadcast_ || copy_combine_) EPX_CUDA(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
   if (broadcast_) EPX_CUDA(cudaEventCreateWithFlags(&broadcast_begun_, cudaEventDisableTiming));
-  if (own_copies_) {
+  if (own_copies_ || peer_copies_) {
     EPX_CUDA(cudaStreamCreateWithFlags(&place_stream_, cudaStreamNonBlocking));
     EPX_CUDA(cudaEventCreateWithFlags(&positions_ready_, cudaEventDisableTiming));
     EPX_CUDA(cudaEventCreateWithFlags(&outputs_ready_, cudaEventDisableTiming));
     EPX_CUDA(cudaEventCreateWithFlags(&own_placed_, cudaEventDisableTiming));
-    EPX_CUDA(cudaHostAlloc(&host_pos_, 4 * static_cast<size_t>(config.max_tokens_per_rank) * ranks_,
-                           cudaHostAllocDefault));
+    EPX_CUDA(cudaEventCreateWithFlags(&layout_ready_, cudaEventDisableTiming));
+    const size_t positions = static_cast<size_t>(config.max_tokens_per_rank) * ranks_;
+    EPX_CUDA(cudaHostAlloc(&host_pos_, 4 * positions, cudaHostAllocDefault));
+    if (peer_copies_) {
+      EPX_CUDA(cudaHostAlloc(&host_peer_pos_, 4 * positions * ranks_, cudaHostAllocDefault));
+      EPX_CUDA(cudaHostAlloc(&host_layout_, sizeof(int64_t) * (2 * ranks_ + 1), cudaHostAllocDefault));
+    }
   }
   EPX_CUDA(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
   EPX_CUDA(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
@@ -331,12 +360,15 @@ CudaBackend::~CudaBackend() {
   cudaStreamDestroy(side_stream_);
   if (copy_stream_) cudaStreamDestroy(copy_stream_);
   if (broadcast_begun_) cudaEventDestroy(broadcast_begun_);
-  if (own_copies_) {
+  if (place_stream_) {
     cudaStreamDestroy(place_stream_);
     cudaEventDestroy(positions_ready_);
     cudaEventDestroy(outputs_ready_);
     cudaEventDestroy(own_placed_);
+    cudaEventDestroy(layout_ready_);
     cudaFreeHost(host_pos_);
+    if (host_peer_pos_) cudaFreeHost(host_peer_pos_);
+    if (host_layout_) cudaFreeHost(host_layout_);
   }
 }
 
@@ -352,29 +384,73 @@ void CudaBackend::place_own_rows(const int32_t* send_pos, int64_t tokens, int64_
   EPX_CUDA(cudaStreamSynchronize(place_stream_));
   host_steps_.mark("own positions read");
   std::vector<RowRun> runs;
-  if (!cut_row_runs(host_pos_, tokens, ranks_, rank_, anchor, capacity, static_cast<size_t>(tokens), runs))
+  if (!cut_row_runs(host_pos_, tokens, ranks_, rank_, -1, anchor, capacity, 0, runs))
     fail(ErrorCode::internal, "dispatch: an own row's place is outside the outputs (rank ", rank_, ")");
-  std::vector<void*> to;
-  std::vector<const void*> from;
-  std::vector<size_t> bytes;
-  const bool packed = rows.x_stride_bytes == row_bytes;
-  for (const RowRun& run : runs)
-    for (int64_t i = 0; i < (packed ? 1 : run.count); ++i) {
-      to.push_back(recv_x + (run.row + i) * row_bytes);
-      from.push_back(rows.x + (run.token + i) * rows.x_stride_bytes);
-      bytes.push_back(static_cast<size_t>((packed ? run.count : 1) * row_bytes));
-    }
   EPX_CUDA(cudaStreamWaitEvent(place_stream_, outputs_ready_, 0));
-  if (!to.empty()) {
-    cudaMemcpyAttributes in_order{};  // x is read in stream order (after the positions)
-    in_order.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-    size_t attribute_of_all = 0;
-    EPX_CUDA(cudaMemcpyBatchAsync(to.data(), from.data(), bytes.data(), to.size(), &in_order, &attribute_of_all, 1,
-                                  place_stream_));
-  }
+  copy_row_runs(runs, rows.x, rows.x_stride_bytes, recv_x, row_bytes, place_stream_);
   EPX_CUDA(cudaEventRecord(own_placed_, place_stream_));
   EPX_CUDA(cudaStreamWaitEvent(stream_, own_placed_, 0));
   host_steps_.mark("own rows' copies enqueued");
+}
+
+// EPX_PEER_ROWS=copies: the other ranks' bf16 rows from this rank's bcast_rows to rows
+// rank_offsets[s] + pos of recv_x by the copy engines, on place_stream_ (shifted as the receiver
+// shifts them when own rows went from own_anchor >= 0: place_own_rows). The host reads
+// the layout and every source's positions (its placing data, once there), cuts each source's rows
+// into runs that stay within one piece of its broadcast, and for each piece enqueues a device wait
+// for it to land and then its runs in one batched copy. Then the sources are told their rows here
+// were read (the receiver, which places none of them, does not).
+void CudaBackend::place_peer_rows(const kernels::RecvArrays& layout, int64_t own_anchor, int64_t capacity,
+                                  char* recv_x, int64_t row_bytes) {
+  const kernels::Ctx place = ctx(place_stream_);
+  const int64_t max_tokens = config().max_tokens_per_rank;
+  const uint32_t peers = ((1u << ranks_) - 1) & ~(1u << rank_);
+  EPX_CUDA(cudaStreamWaitEvent(place_stream_, layout_ready_, 0));
+  kernels::wait_peer_flags(place, map_.meta_flag, 1, peers);
+  kernels::publish_status(place, host_status_);
+  int64_t* offsets = host_layout_;
+  auto* chunks = reinterpret_cast<int32_t*>(host_layout_ + ranks_ + 1);
+  EPX_CUDA(cudaMemcpyAsync(offsets, layout.rank_offsets, (ranks_ + 1) * sizeof(int64_t), cudaMemcpyDeviceToHost,
+                           place_stream_));
+  EPX_CUDA(cudaMemcpyAsync(chunks, layout.chunks_from, ranks_ * sizeof(int32_t), cudaMemcpyDeviceToHost, place_stream_));
+  const int64_t positions = max_tokens * ranks_;  // a source's part of meta_pos
+  EPX_CUDA(cudaMemcpyAsync(host_peer_pos_, window_->local() + map_.meta_pos, 4 * positions * ranks_,
+                           cudaMemcpyDeviceToHost, place_stream_));
+  EPX_CUDA(cudaStreamSynchronize(place_stream_));
+  host_steps_.mark("peer positions read");
+  // After a failed wait what was read is not this call's: nothing is placed, the call's sync raises.
+  DeviceStatus st;
+  std::memcpy(&st, host_status_, sizeof st);
+  std::vector<std::vector<RowRun>> runs(ranks_);
+  const int64_t shift = own_anchor >= 0 ? own_anchor - offsets[rank_] : 0;
+  bool cut = true;
+  for (int s = 0; s < ranks_ && st.code == kStatusOk; ++s) {
+    if (s == rank_) continue;
+    const int64_t tokens = std::min<int64_t>(int64_t{chunks[s]} * kChunkTokens, max_tokens);
+    cut = cut && cut_row_runs(host_peer_pos_ + s * positions, tokens, ranks_, rank_, offsets[s + 1] - offsets[s],
+                              offsets[s] + shift, capacity, map_.piece_tokens, runs[s]);
+  }
+  EPX_CUDA(cudaStreamWaitEvent(place_stream_, outputs_ready_, 0));
+  for (int64_t q = 0; q < kMaxPieces && cut && st.code == kStatusOk; ++q) {
+    uint32_t landing = 0;  // the sources with rows in piece q
+    for (int s = 0; s < ranks_; ++s)
+      for (const RowRun& run : runs[s])
+        if (run.token / map_.piece_tokens == q) landing |= 1u << s;
+    if (landing == 0) continue;
+    kernels::wait_peer_flags(place, map_.bcast_flag + q * sizeof(uint32_t), kMaxPieces, landing);
+    for (int s = 0; s < ranks_; ++s) {
+      std::vector<RowRun> piece;
+      for (const RowRun& run : runs[s])
+        if (run.token / map_.piece_tokens == q) piece.push_back(run);
+      const char* from = window_->local() + map_.bcast_rows + s * max_tokens * map_.bcast_stride;
+      copy_row_runs(piece, from, map_.bcast_stride, recv_x, row_bytes, place_stream_);
+    }
+  }
+  kernels::release_broadcast(place);  // also when nothing was copied: the sources' next broadcasts wait for it
+  EPX_CUDA(cudaEventRecord(own_placed_, place_stream_));
+  EPX_CUDA(cudaStreamWaitEvent(stream_, own_placed_, 0));
+  host_steps_.mark("peer rows' copies enqueued");
+  if (!cut) fail(ErrorCode::internal, "dispatch: the positions of rows sent to rank ", rank_, " do not fit its layout");
 }
 
 int CudaBackend::send_blocks(bool dispatch, Layout layout) const {
@@ -679,6 +755,10 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   // outputs on; the receiver places the other ranks' rows.
   const bool own_by_copies = own_copies_ && lean && c.mode != CapacityMode::capacity &&
                              opt.layout == Layout::rank_major && wire_.format == WireFormat::bf16;
+  // EPX_PEER_ROWS=copies: the other ranks' rows too (place_peer_rows), once the plan and their
+  // placing data are here; the receiver then writes only the rows' data.
+  const bool peer_by_copies = peer_copies_ && ranks_ > 1 && lean && c.mode != CapacityMode::capacity &&
+                              opt.layout == Layout::rank_major && wire_.format == WireFormat::bf16;
   const int64_t own_anchor = rank_ * c.max_tokens_per_rank;
   const char* bcast_from = rows.x;  // bf16: x itself
   int64_t bcast_stride = rows.x_stride_bytes, bcast_row_bytes = wire_.bytes();
@@ -790,7 +870,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     }
     outputs.allocate();
     host_steps_.mark("outputs allocated");
-    if (own_by_copies) EPX_CUDA(cudaEventRecord(outputs_ready_, side_stream_));
+    if (own_by_copies || peer_by_copies) EPX_CUDA(cudaEventRecord(outputs_ready_, side_stream_));
     auto ptr = [](const Tensor& t) { return t.defined() ? t.data<char>() : nullptr; };
     kernels::RecvOutputs ro{ptr(out.recv_x), ptr(out.recv_scales), ptr(out.recv_global_scale), wire_.x_bytes,
                             wire_.scale_bytes, wire_.global_bytes, out.recv_src.data<int32_t>(),
@@ -799,6 +879,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
                             reinterpret_cast<float*>(ptr(out.recv_topk_weights))};
     ro.own_placed = own_by_copies;
     if (own_by_copies) ro.own_anchor = own_anchor;
+    ro.peer_placed = peer_by_copies;
     timer_.mark(4, side_stream_);
     kernels::dispatch_receive(side, blocks_ - senders, dh->recv, ro, opt.layout, rows, mine, phase, wait_layout);
     host_steps_.mark("receiver launched");
@@ -811,6 +892,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   const bool early_receiver = broadcast_ && lean && !sizes_first && early_receiver_;
   if (early_receiver) launch_receiver(true);
   exchange_plan(call, phase, tokens, signature, dh->pos.totals, width, nullptr, nullptr, lean ? &layout : nullptr);
+  if (peer_by_copies) EPX_CUDA(cudaEventRecord(layout_ready_, stream_));  // lean: the plan kernel writes it
   host_steps_.mark("plan posted");
 
   // Senders start now on the call's stream; the receiver's layout, the output allocation (after
@@ -839,6 +921,8 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   // After the receiver's launch, so that the host's read of the positions does not delay it.
   if (own_by_copies)
     place_own_rows(dh->pos.send_pos, tokens, own_anchor, capacity, rows, out.recv_x.data<char>(), 2 * c.hidden);
+  if (peer_by_copies)  // after the own rows' copies, which need no other rank
+    place_peer_rows(dh->recv, own_by_copies ? own_anchor : -1, capacity, out.recv_x.data<char>(), 2 * c.hidden);
   EPX_CUDA(cudaEventRecord(join_, side_stream_));
   EPX_CUDA(cudaStreamWaitEvent(stream_, join_, 0));
   if (broadcast_) EPX_CUDA(cudaStreamWaitEvent(stream_, copies_done_, 0));  // x is read until then

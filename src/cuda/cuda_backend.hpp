@@ -133,11 +133,19 @@ class CudaBackend final : public Backend {
   // EPX_OWN_ROWS=copies: a blocking rank-major bf16 copy-engine dispatch places this rank's own rows
   // by copy engine, in runs read back from the positions (place_own_rows(), dispatch()).
   bool own_copies_ = false;
-  cudaStream_t place_stream_ = nullptr;
+  // EPX_PEER_ROWS=copies: the same dispatch places the other ranks' rows by copy engine too, from
+  // bcast_rows, piece by piece, in runs read back from their placing data (place_peer_rows()).
+  bool peer_copies_ = false;
+  cudaStream_t place_stream_ = nullptr;  // own and peer rows' copies
   cudaEvent_t positions_ready_ = nullptr, outputs_ready_ = nullptr, own_placed_ = nullptr;
+  cudaEvent_t layout_ready_ = nullptr;  // peer rows: the plan kernel has written the layout
   int32_t* host_pos_ = nullptr;  // pinned: [max_tokens][R] positions
+  int32_t* host_peer_pos_ = nullptr;  // pinned: [R][max_tokens][R] the sources' positions (meta_pos)
+  int64_t* host_layout_ = nullptr;    // pinned: rank_offsets [R+1], then chunks_from [R] (int32)
   void place_own_rows(const int32_t* send_pos, int64_t tokens, int64_t anchor, int64_t capacity,
                       const kernels::SendRows& rows, char* recv_x, int64_t row_bytes);
+  void place_peer_rows(const kernels::RecvArrays& layout, int64_t own_anchor, int64_t capacity, char* recv_x,
+                       int64_t row_bytes);
   std::shared_ptr<CUmemPoolHandle_st> pool_;  // outputs and handles; kept alive by every tensor from it
   // Dispatch output blocks whose tensors are gone, for the next dispatch: a pool allocation
   // costs tens of microseconds of host time (docs/performance.md).

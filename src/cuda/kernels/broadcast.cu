@@ -120,6 +120,13 @@ __global__ void push_placing_kernel(PeerWindows w, WindowMap m, Shape s, Placing
   if (d < w.ranks && d != w.rank) set_flag(at_window<uint32_t>(w, d, m.meta_flag) + w.rank, call_epoch(cs));
 }
 
+__global__ void wait_peer_flags_kernel(PeerWindows w, int64_t flags, int64_t stride, uint32_t peers, CallState* cs,
+                                       uint64_t timeout_ns, DeviceStatus* st) {
+  const int d = threadIdx.x;
+  uint32_t* flag = d < w.ranks && (peers >> d & 1u) ? at_window<uint32_t>(w, w.rank, flags) + d * stride : nullptr;
+  warp_wait_lane_flags(flag, d, call_epoch(cs), timeout_ns, st, kSignalForward);
+}
+
 __global__ void broadcast_release_kernel(PeerWindows w, WindowMap m, const CallState* cs) {
   release_broadcast_rows(w, m, call_epoch(cs), threadIdx.x);
 }
@@ -171,8 +178,14 @@ void release_broadcast(const Ctx& ctx) {
   broadcast_release_kernel<<<1, 32, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.state);
 }
 
+void wait_peer_flags(const Ctx& ctx, int64_t flags, int64_t stride, uint32_t peers) {
+  wait_peer_flags_kernel<<<1, 32, 0, ctx.stream>>>(ctx.peers, flags, stride, peers, ctx.state, ctx.timeout_ns, ctx.status);
+  EPX_CUDA(cudaGetLastError());
+}
+
 void preload_broadcast_kernels() {
-  preload(broadcast_begin_kernel, encode_rows_kernel, finalize_positions_kernel, push_placing_kernel, broadcast_release_kernel);
+  preload(broadcast_begin_kernel, encode_rows_kernel, finalize_positions_kernel, push_placing_kernel,
+          broadcast_release_kernel, wait_peer_flags_kernel);
 }
 
 }  // namespace epx::detail::kernels

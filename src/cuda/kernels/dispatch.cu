@@ -185,8 +185,9 @@ __device__ void slot_of(const RowSlots& rs, const Shape& s, int64_t k, int32_t& 
   }
 }
 
-// Rank-major, one warp: received row `pos` of `source`'s stream to output row i. Every load
-// is issued before the row is copied and every store after, so their latencies overlap the copy.
+// Rank-major, one warp: received row `pos` of `source`'s stream to output row i (its codes only
+// when payload is not null: else copy engines place them). Every load is issued before the row
+// is copied and every store after, so their latencies overlap the copy.
 __device__ void receive_row_rank_major(const Shape& s, const RecvArrays& r, const RecvOutputs& out, const SendRows* own,
                                        const char* payload, int32_t token, const RowSlots& slots, int source,
                                        int64_t pos, int lane) {
@@ -202,7 +203,7 @@ __device__ void receive_row_rank_major(const Shape& s, const RecvArrays& r, cons
     if (k < s.topk) slot_of(slots, s, k, l[b], weight[b], index);
   }
   const bool kept = i < r.info[2];
-  if (kept && !(own && out.own_placed)) place_row(own, payload, token, out, &i, 1, lane);
+  if (kept && payload) place_row(own, payload, token, out, &i, 1, lane);
   if (lane == 0) {
     r.src_rank[i] = source;
     r.src_token[i] = token;
@@ -348,9 +349,12 @@ __device__ bool receive_broadcast(const PeerWindows& w, const WindowMap& m, cons
   // Own tokens' bf16 rows come from x; every other row (and own quantized rows, which encode_rows
   // wrote before this kernel) from bcast_rows.
   const bool from_x = source == w.rank && own.wire == WireFormat::bf16;
-  const char* payload = at_window<const char>(w, w.rank, m.bcast_rows + (source * s.max_tokens + t) * m.bcast_stride);
+  // Rows the copy engines place (rank-major only) have no payload for the receiver.
+  const bool placed = source == w.rank ? out.own_placed : out.peer_placed;
+  const char* payload =
+      placed ? nullptr : at_window<const char>(w, w.rank, m.bcast_rows + (source * s.max_tokens + t) * m.bcast_stride);
   const int64_t q = t / m.piece_tokens;
-  if (source != w.rank && !(seen.pieces >> q & 1u)) {
+  if (source != w.rank && !placed && !(seen.pieces >> q & 1u)) {
     uint32_t* piece = at_window<uint32_t>(w, w.rank, m.bcast_flag) + source * kMaxPieces + q;
     if (!warp_wait_flags(piece, 0, 1, source, epoch, timeout_ns, st, kSignalForward, lane)) return false;
     seen.pieces |= 1u << q;
@@ -411,8 +415,8 @@ __global__ void __launch_bounds__(kRecvWarps<kBroadcast> * 32) dispatch_receive_
   if (out.bulk) finish_bulk_copies(lane);
   if constexpr (!kBroadcast) return;
   // The last block to finish tells every source that its broadcast rows here are read (also in
-  // a failed call: the sources' next broadcasts wait for it).
-  if (!last_block(&cs->recv_blocks_done) || threadIdx.x >= 32) return;
+  // a failed call: the sources' next broadcasts wait for it); the host does when copies read them.
+  if (out.peer_placed || !last_block(&cs->recv_blocks_done) || threadIdx.x >= 32) return;
   __threadfence_system();
   release_broadcast_rows(w, m, epoch, lane);
 }

@@ -120,8 +120,12 @@ void encode_rows(const Ctx& ctx, const SendRows& rows, int64_t tokens);
 void broadcast_rows(const Ctx& ctx, cudaStream_t copies, const char* x, int64_t x_stride_bytes, int64_t row_bytes,
                     int64_t tokens, int64_t first_piece, int64_t end_piece);
 // Tells every rank that this rank read their broadcasts of this call (a dispatch whose receiver
-// does not run: its input was rejected on the host).
+// does not run: its input was rejected on the host; or whose rows the copy engines placed).
 void release_broadcast(const Ctx& ctx);
+// One warp on ctx.stream: waits (with timeout) until this call's epoch is in the uint32 flag at
+// window offset flags + d * stride (d's placing data or piece of rows) for every rank d in `peers`
+// (a bit per rank), so that copies enqueued behind it on the stream read what the flags cover.
+void wait_peer_flags(const Ctx& ctx, int64_t flags, int64_t stride, uint32_t peers);
 
 // combine_backward's forward transfer: every bf16 row once to every rank holding one of its
 // slots (at its dispatch stream position send_pos), then signals kSignalForward.
@@ -177,6 +181,10 @@ struct RecvOutputs {
   // no other rank's count, so x's row i of the layout is row own_anchor - rank_offsets[rank] + i of
   // the allocation (the host returns recv_x from there).
   int64_t own_anchor = -1;
+  // Rank-major copy-engine dispatch: the other ranks' rows are placed by copy engines from
+  // bcast_rows too, so the receiver writes only the rows' data and no piece's flag is waited for;
+  // the host tells the sources their rows were read once those copies are done.
+  bool peer_placed = false;
 };
 // `own`: this rank's input rows, which the receiver places itself (no sender copies them). With
 // own.broadcast every row's place comes from its source's Placing (this rank's: `mine`) and the
