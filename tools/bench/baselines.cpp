@@ -51,9 +51,9 @@ Record record(const Options& o, const char* op, const std::vector<double>& times
   return r;
 }
 
-// GPU0 -> GPU1 and GPU1 -> GPU0 at once, 256 MiB each way, copy engines; GB/s per direction.
-Record peer_copy(const Options& o) {
-  const size_t bytes = size_t{256} << 20;
+// GPU0 -> GPU1 and GPU1 -> GPU0 at once, `bytes` each way, copy engines, in `pieces` copies each
+// followed by a 4-byte copy (as a copy-engine dispatch flags its pieces); GB/s per direction.
+Record peer_copy(const Options& o, const char* name, size_t bytes, int pieces) {
   void* buf[2][2] = {};
   cudaStream_t stream[2];
   cudaEvent_t start[2], stop[2];
@@ -62,7 +62,7 @@ Record peer_copy(const Options& o) {
     cudaDeviceEnablePeerAccess(1 - d, 0);
     cudaGetLastError();  // already enabled is fine
     BENCH_CHECK(cudaMalloc(&buf[d][0], bytes));
-    BENCH_CHECK(cudaMalloc(&buf[d][1], bytes));
+    BENCH_CHECK(cudaMalloc(&buf[d][1], bytes + 16));  // + a piece's flag
     BENCH_CHECK(cudaStreamCreateWithFlags(&stream[d], cudaStreamNonBlocking));
     BENCH_CHECK(cudaEventCreate(&start[d]));
     BENCH_CHECK(cudaEventCreate(&stop[d]));
@@ -72,7 +72,13 @@ Record peer_copy(const Options& o) {
     for (int d = 0; d < 2; ++d) {
       BENCH_CHECK(cudaSetDevice(d));
       BENCH_CHECK(cudaEventRecord(start[d], stream[d]));
-      BENCH_CHECK(cudaMemcpyPeerAsync(buf[1 - d][1], 1 - d, buf[d][0], d, bytes, stream[d]));
+      const size_t piece = (bytes / pieces + 15) / 16 * 16;
+      for (size_t at = 0; at < bytes; at += piece) {
+        const auto* from = static_cast<const char*>(buf[d][0]);
+        auto* to = static_cast<char*>(buf[1 - d][1]);
+        BENCH_CHECK(cudaMemcpyPeerAsync(to + at, 1 - d, from + at, d, std::min(piece, bytes - at), stream[d]));
+        if (pieces > 1) BENCH_CHECK(cudaMemcpyPeerAsync(to + bytes, 1 - d, from + at, d, 4, stream[d]));
+      }
       BENCH_CHECK(cudaEventRecord(stop[d], stream[d]));
     }
     double slowest = 0;
@@ -92,7 +98,7 @@ Record peer_copy(const Options& o) {
     cudaEventDestroy(start[d]);
     cudaEventDestroy(stop[d]);
   }
-  return record(o, "peer_copy", times, static_cast<double>(bytes), static_cast<double>(bytes), 2);
+  return record(o, name, times, static_cast<double>(bytes), static_cast<double>(bytes), 2);
 }
 
 // ncclSend/ncclRecv of bytes_to[s][d] between every pair (self included), one comm per GPU.
@@ -203,7 +209,9 @@ std::vector<Record> measure_baselines(const Options& o, const std::vector<std::v
   if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 1 || o.backend != "cuda") return out;
   try {
     if (gpus >= 2) {
-      out.push_back(peer_copy(o));
+      out.push_back(peer_copy(o, "peer_copy", size_t{256} << 20, 1));
+      // A bf16 dispatch's rows of one rank, as the copy-engine dispatch sends them (four pieces).
+      out.push_back(peer_copy(o, "peer_copy_rows", static_cast<size_t>(o.tokens) * o.hidden * 2, 4));
       out.push_back(nccl_alltoall(o, bytes_to));
     }
     for (Record& r : local_copies(o, bytes_to)) out.push_back(std::move(r));

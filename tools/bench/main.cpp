@@ -97,7 +97,7 @@ std::vector<RankOutputs> run_config(const Options& o, const Ranks& ranks, const 
 
 // Reference points measured beside epx (baselines.hpp): nothing of epx's to verify.
 bool is_baseline(const std::string& op) {
-  return op == "peer_copy" || op == "nccl_alltoall" || op == "local_copy" || op == "local_read" ||
+  return op == "peer_copy" || op == "peer_copy_rows" || op == "nccl_alltoall" || op == "local_copy" || op == "local_read" ||
          op == "local_write";
 }
 
