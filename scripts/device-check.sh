@@ -4,8 +4,8 @@
 # sanitizer serializes kernels, so ranks waiting on each other could not progress), epx-bench.
 # Logs and JSON go to $OUT; a short summary is printed last.
 #   usage: [EPX_GIT_COMMIT=$(git rev-parse --short=12 HEAD)] [GTEST_FILTER=...] [GTEST_REPEAT=n] [BENCH_ARGS=...] [SANITIZE_TOOLS=...] \
-#          [AB_ENV="VAR=value ...[;VAR=value ...]"] bash scripts/device-check.sh [tests|sanitize|bench|ab|interleave|procs|sweep|engines|ll|holdback|profile|chain|queues|syncs|calls|stores|all]...
-#          (default: all but ab, interleave, procs, sweep, engines, profile, holdback, chain, queues, syncs, calls, stores)
+#          [AB_ENV="VAR=value ...[;VAR=value ...]"] bash scripts/device-check.sh [tests|sanitize|bench|ab|interleave|procs|sweep|engines|ll|holdback|profile|chain|queues|syncs|calls|stores|copies|all]...
+#          (default: all but ab, interleave, procs, sweep, engines, profile, holdback, chain, queues, syncs, calls, stores, copies)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
@@ -36,7 +36,7 @@ fi
 note "built against NCCL in $NCCL_DIR"
 
 # Steps that run only when named ("all" leaves them out).
-optional_steps="ab interleave procs sweep engines profile holdback chain queues syncs calls stores"
+optional_steps="ab interleave procs sweep engines profile holdback chain queues syncs calls stores copies"
 want() { [[ ( " $steps " == *" all "* && " $optional_steps " != *" $1 "* ) || " $steps " == *" $1 "* ]]; }
 gpus=$(nvidia-smi -L | wc -l)
 
@@ -205,6 +205,13 @@ if want queues; then
   done
   cat "$OUT/queues.log"
   note "queue probe: $(wc -l < "$OUT/queues.log") lines"
+fi
+if want copies; then
+  # What a copy costs beyond its bytes, per call on the host and per copy on the device (copies.log).
+  timeout 120 ./build-gpu/epx-copy-probe > "$OUT/copies.log" 2>&1
+  rc=$?
+  cat "$OUT/copies.log"
+  note "copy probe rc=$rc"
 fi
 if want syncs; then
   # Which host calls wait for kernels already running, with lazy and eager module loading, and

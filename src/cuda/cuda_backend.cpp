@@ -202,6 +202,10 @@ std::string input_error(int32_t code, int64_t a, int64_t b, int64_t c, const Buf
   return cat("error code ", code);
 }
 
+// The placing graphs' copies: own rows' runs (~17 at EP2 with top-8 of 256), and each piece's runs
+// of all sources (~5 at EP2); more go by copy calls. Every slot costs a launch ~0.25 us.
+constexpr int kOwnRunSlots = 32, kPeerRunSlots = 8;
+
 // Runs of rows by copy engine, one batched copy on `stream`: run r's rows from `from` (token t's
 // row at from + t * from_stride) to rows of `to` (row_bytes each). One entry per run where the
 // rows are packed, else one per row.
@@ -313,6 +317,12 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   EPX_CUDA(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
   // The pool goes when the buffer and every tensor allocated from it are gone.
   pool_ = std::shared_ptr<CUmemPoolHandle_st>(pool, [](cudaMemPool_t p) { cudaMemPoolDestroy(p); });
+  // The placing copies' graphs: outputs come from the pool; own rows from x (most often plain
+  // cudaMalloc memory), peer rows from the window (mapped, as pools are).
+  if (env_choice("EPX_PLACE_COPIES", {"graph", "calls"}) == "graph") {
+    if (own_copies_) own_graph_ = std::make_unique<PlacementGraph>(1, kOwnRunSlots, pool, false);
+    if (peer_copies_) peer_graph_ = std::make_unique<PlacementGraph>(peer_pieces(), kPeerRunSlots, pool, true);
+  }
   EPX_CUDA(cudaDeviceSynchronize());
   window_ = state->allocate(rank_, static_cast<size_t>(map_.total), timeout_);
 }
@@ -372,10 +382,44 @@ CudaBackend::~CudaBackend() {
   }
 }
 
+// Runs of rows into `to` (row_bytes each) by the copy engines, on place_stream_, stage by stage: each
+// job's runs from `from` (token t's row at from + t * from_stride) in its stage, behind that stage's
+// gate when gates[stage] names ranks (it waits for their flag at window offset gate_flags + stage * 4
+// + d * gate_stride * 4). Through the buffer's PlacementGraph, or by copy calls for what a stage
+// cannot hold and for everything with EPX_PLACE_COPIES=calls (placement_graph.hpp says why not).
+void CudaBackend::place_runs(PlacementGraph* graph, const std::vector<RunJob>& jobs, const std::vector<uint32_t>& gates,
+                             int64_t gate_flags, int64_t gate_stride, char* to, int64_t row_bytes) {
+  const kernels::Ctx place = ctx(place_stream_);
+  const int stages = static_cast<int>(std::max<size_t>(1, gates.size()));
+  const int64_t flag_bytes = sizeof(uint32_t);
+  std::vector<RunJob> left;  // by copy calls
+  for (int q = 0; q < stages; ++q) {
+    const uint32_t peers = q < static_cast<int>(gates.size()) ? gates[q] : 0u;
+    if (graph && peers) graph->gate(q, gate_flags + q * flag_bytes, gate_stride, peers);
+    if (!graph && peers) kernels::wait_peer_flags(place, gate_flags + q * flag_bytes, gate_stride, peers);
+    for (const RunJob& job : jobs) {
+      if (job.stage != q) continue;
+      if (!graph) {
+        copy_row_runs(job.runs, job.from, job.from_stride, to, row_bytes, place_stream_);
+        continue;
+      }
+      RunJob rest{job.stage, job.from, job.from_stride, {}};
+      for (const RowRun& run : job.runs)
+        if (!graph->add(q, to + run.row * row_bytes, row_bytes, job.from + run.token * job.from_stride, job.from_stride,
+                        row_bytes, run.count))
+          rest.runs.push_back(run);
+      if (!rest.runs.empty()) left.push_back(std::move(rest));
+    }
+  }
+  if (graph) graph->launch(place);
+  for (const RunJob& job : left)  // after the whole graph, so after every gate
+    copy_row_runs(job.runs, job.from, job.from_stride, to, row_bytes, place_stream_);
+}
+
 // EPX_OWN_ROWS=copies: this rank's own bf16 rows from x to rows anchor + pos of recv_x by the copy
-// engines, on place_stream_ once the outputs exist: one batched copy of the runs of consecutive
-// tokens with consecutive rows (a row per copy where x's rows are not packed). The positions come
-// to the host first (one read, once the positions kernels are done: no other rank is waited for).
+// engines, on place_stream_ once the outputs exist, in runs of consecutive tokens with consecutive
+// rows. The positions come to the host first (one read, once the positions kernels are done: no
+// other rank is waited for).
 void CudaBackend::place_own_rows(const int32_t* send_pos, int64_t tokens, int64_t anchor, int64_t capacity,
                                  const kernels::SendRows& rows, char* recv_x, int64_t row_bytes) {
   EPX_CUDA(cudaStreamWaitEvent(place_stream_, positions_ready_, 0));
@@ -383,11 +427,11 @@ void CudaBackend::place_own_rows(const int32_t* send_pos, int64_t tokens, int64_
                            place_stream_));
   EPX_CUDA(cudaStreamSynchronize(place_stream_));
   host_steps_.mark("own positions read");
-  std::vector<RowRun> runs;
-  if (!cut_row_runs(host_pos_, tokens, ranks_, rank_, -1, anchor, capacity, 0, runs))
+  RunJob own{0, rows.x, rows.x_stride_bytes, {}};
+  if (!cut_row_runs(host_pos_, tokens, ranks_, rank_, -1, anchor, capacity, 0, own.runs))
     fail(ErrorCode::internal, "dispatch: an own row's place is outside the outputs (rank ", rank_, ")");
   EPX_CUDA(cudaStreamWaitEvent(place_stream_, outputs_ready_, 0));
-  copy_row_runs(runs, rows.x, rows.x_stride_bytes, recv_x, row_bytes, place_stream_);
+  place_runs(own_graph_.get(), {own}, {}, 0, 0, recv_x, row_bytes);
   EPX_CUDA(cudaEventRecord(own_placed_, place_stream_));
   EPX_CUDA(cudaStreamWaitEvent(stream_, own_placed_, 0));
   host_steps_.mark("own rows' copies enqueued");
@@ -395,11 +439,11 @@ void CudaBackend::place_own_rows(const int32_t* send_pos, int64_t tokens, int64_
 
 // EPX_PEER_ROWS=copies: the other ranks' bf16 rows from this rank's bcast_rows to rows
 // rank_offsets[s] + pos of recv_x by the copy engines, on place_stream_ (shifted as the receiver
-// shifts them when own rows went from own_anchor >= 0: place_own_rows). The host reads
-// the layout and every source's positions (its placing data, once there), cuts each source's rows
-// into runs that stay within one piece of its broadcast, and for each piece enqueues a device wait
-// for it to land and then its runs in one batched copy. Then the sources are told their rows here
-// were read (the receiver, which places none of them, does not).
+// shifts them when own rows went from own_anchor >= 0: place_own_rows). The host reads the layout
+// and every source's positions (its placing data, once there), cuts each source's rows into runs
+// that stay within one piece of its broadcast, and places each piece's runs behind a device wait for
+// that piece (place_runs). Then the sources are told their rows here were read (the receiver, which
+// places none of them, does not).
 void CudaBackend::place_peer_rows(const kernels::RecvArrays& layout, int64_t own_anchor, int64_t capacity,
                                   char* recv_x, int64_t row_bytes) {
   const kernels::Ctx place = ctx(place_stream_);
@@ -421,31 +465,28 @@ void CudaBackend::place_peer_rows(const kernels::RecvArrays& layout, int64_t own
   // After a failed wait what was read is not this call's: nothing is placed, the call's sync raises.
   DeviceStatus st;
   std::memcpy(&st, host_status_, sizeof st);
-  std::vector<std::vector<RowRun>> runs(ranks_);
   const int64_t shift = own_anchor >= 0 ? own_anchor - offsets[rank_] : 0;
+  std::vector<RunJob> jobs;  // a job per (source, piece)
+  std::vector<uint32_t> landing(static_cast<size_t>(peer_pieces()), 0u);  // per piece: the sources with rows in it
   bool cut = true;
-  for (int s = 0; s < ranks_ && st.code == kStatusOk; ++s) {
+  for (int s = 0; s < ranks_ && st.code == kStatusOk && cut; ++s) {
     if (s == rank_) continue;
     const int64_t tokens = std::min<int64_t>(int64_t{chunks[s]} * kChunkTokens, max_tokens);
-    cut = cut && cut_row_runs(host_peer_pos_ + s * positions, tokens, ranks_, rank_, offsets[s + 1] - offsets[s],
-                              offsets[s] + shift, capacity, map_.piece_tokens, runs[s]);
-  }
-  EPX_CUDA(cudaStreamWaitEvent(place_stream_, outputs_ready_, 0));
-  for (int64_t q = 0; q < kMaxPieces && cut && st.code == kStatusOk; ++q) {
-    uint32_t landing = 0;  // the sources with rows in piece q
-    for (int s = 0; s < ranks_; ++s)
-      for (const RowRun& run : runs[s])
-        if (run.token / map_.piece_tokens == q) landing |= 1u << s;
-    if (landing == 0) continue;
-    kernels::wait_peer_flags(place, map_.bcast_flag + q * sizeof(uint32_t), kMaxPieces, landing);
-    for (int s = 0; s < ranks_; ++s) {
-      std::vector<RowRun> piece;
-      for (const RowRun& run : runs[s])
-        if (run.token / map_.piece_tokens == q) piece.push_back(run);
-      const char* from = window_->local() + map_.bcast_rows + s * max_tokens * map_.bcast_stride;
-      copy_row_runs(piece, from, map_.bcast_stride, recv_x, row_bytes, place_stream_);
+    std::vector<RowRun> runs;
+    cut = cut_row_runs(host_peer_pos_ + s * positions, tokens, ranks_, rank_, offsets[s + 1] - offsets[s],
+                       offsets[s] + shift, capacity, map_.piece_tokens, runs);
+    const char* from = window_->local() + map_.bcast_rows + s * max_tokens * map_.bcast_stride;
+    for (const RowRun& run : runs) {
+      const int q = static_cast<int>(run.token / map_.piece_tokens);
+      if (jobs.empty() || jobs.back().stage != q || jobs.back().from != from)
+        jobs.push_back(RunJob{q, from, map_.bcast_stride, {}});
+      jobs.back().runs.push_back(run);
+      landing[static_cast<size_t>(q)] |= 1u << s;
     }
   }
+  EPX_CUDA(cudaStreamWaitEvent(place_stream_, outputs_ready_, 0));
+  if (cut && st.code == kStatusOk)
+    place_runs(peer_graph_.get(), jobs, landing, map_.bcast_flag, kMaxPieces, recv_x, row_bytes);
   kernels::release_broadcast(place);  // also when nothing was copied: the sources' next broadcasts wait for it
   EPX_CUDA(cudaEventRecord(own_placed_, place_stream_));
   EPX_CUDA(cudaStreamWaitEvent(stream_, own_placed_, 0));

@@ -16,6 +16,7 @@
 #include "cuda/host_steps.hpp"
 #include "cuda/kernels/launch.hpp"
 #include "cuda/phase_timer.hpp"
+#include "cuda/placement_graph.hpp"
 
 namespace epx::detail {
 
@@ -142,6 +143,20 @@ class CudaBackend final : public Backend {
   int32_t* host_pos_ = nullptr;  // pinned: [max_tokens][R] positions
   int32_t* host_peer_pos_ = nullptr;  // pinned: [R][max_tokens][R] the sources' positions (meta_pos)
   int64_t* host_layout_ = nullptr;    // pinned: rank_offsets [R+1], then chunks_from [R] (int32)
+  // The placing copies as graphs updated per call (placement_graph.hpp), unless
+  // EPX_PLACE_COPIES=calls (copy calls, for A/B runs): own rows (one stage), peer rows (a stage per piece).
+  std::unique_ptr<PlacementGraph> own_graph_, peer_graph_;
+  int peer_pieces() const {
+    return static_cast<int>((config().max_tokens_per_rank + map_.piece_tokens - 1) / map_.piece_tokens);
+  }
+  struct RunJob {  // runs of one source's rows, all in one stage
+    int stage;
+    const char* from;
+    int64_t from_stride;
+    std::vector<RowRun> runs;
+  };
+  void place_runs(PlacementGraph* graph, const std::vector<RunJob>& jobs, const std::vector<uint32_t>& gates,
+                  int64_t gate_flags, int64_t gate_stride, char* to, int64_t row_bytes);
   void place_own_rows(const int32_t* send_pos, int64_t tokens, int64_t anchor, int64_t capacity,
                       const kernels::SendRows& rows, char* recv_x, int64_t row_bytes);
   void place_peer_rows(const kernels::RecvArrays& layout, int64_t own_anchor, int64_t capacity, char* recv_x,

@@ -126,6 +126,11 @@ void release_broadcast(const Ctx& ctx);
 // window offset flags + d * stride (d's placing data or piece of rows) for every rank d in `peers`
 // (a bit per rank), so that copies enqueued behind it on the stream read what the flags cover.
 void wait_peer_flags(const Ctx& ctx, int64_t flags, int64_t stride, uint32_t peers);
+// The same as a kernel node of `graph` after `after[0..count)`, and its arguments for the next launch
+// of `exec` (PlacementGraph).
+cudaGraphNode_t add_wait_peer_flags_node(cudaGraph_t graph, const cudaGraphNode_t* after, size_t count);
+void set_wait_peer_flags_node(cudaGraphExec_t exec, cudaGraphNode_t node, const Ctx& ctx, int64_t flags,
+                              int64_t stride, uint32_t peers);
 
 // combine_backward's forward transfer: every bf16 row once to every rank holding one of its
 // slots (at its dispatch stream position send_pos), then signals kSignalForward.
