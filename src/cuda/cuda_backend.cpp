@@ -265,6 +265,7 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   early_receiver_ = std::string(state->transport_name()) != "shared-gpu" &&
                     env_choice("EPX_RECEIVER_START", {"after_plan", "early"}) == "early";
   copy_combine_ = use_copy_combine(ranks_);
+  broadcast_graphs_ = broadcast_ && env_choice("EPX_BCAST_COPIES", {"calls", "graph"}) == "graph";
   own_copies_ = broadcast_ && env_choice("EPX_OWN_ROWS", {"receiver", "copies"}) == "copies";
   peer_copies_ = broadcast_ && env_choice("EPX_PEER_ROWS", {"receiver", "copies"}) == "copies";
   // The call's stream, the receiver's side stream, the copy engines' and the placing copies' streams.
@@ -317,6 +318,9 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   EPX_CUDA(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
   // The pool goes when the buffer and every tensor allocated from it are gone.
   pool_ = std::shared_ptr<CUmemPoolHandle_st>(pool, [](cudaMemPool_t p) { cudaMemPoolDestroy(p); });
+  if (broadcast_graphs_ && ranks_ > 1)  // rows from plain memory, from mapped memory
+    for (int mapped = 0; mapped < 2; ++mapped)
+      broadcast_graph_[mapped] = std::make_unique<BroadcastGraph>(peer_pieces(), ranks_ - 1, mapped == 1, pool);
   // The placing copies' graphs: outputs come from the pool; own rows from x (most often plain
   // cudaMalloc memory), peer rows from the window (mapped, as pools are).
   if (env_choice("EPX_PLACE_COPIES", {"graph", "calls"}) == "graph") {
@@ -492,6 +496,23 @@ void CudaBackend::place_peer_rows(const kernels::RecvArrays& layout, int64_t own
   EPX_CUDA(cudaStreamWaitEvent(stream_, own_placed_, 0));
   host_steps_.mark("peer rows' copies enqueued");
   if (!cut) fail(ErrorCode::internal, "dispatch: the positions of rows sent to rank ", rank_, " do not fit its layout");
+}
+
+// EPX_BCAST_COPIES=graph: the broadcast through the BroadcastGraph of from's memory kind (the kind
+// that served last is tried first). False: by copy calls (also while the caller captures the call
+// into a graph of its own).
+bool CudaBackend::broadcast_by_graph(const char* from, int64_t stride, int64_t row_bytes, int64_t tokens) {
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;  // a caller's graph: no graphs made or launched
+  EPX_CUDA(cudaStreamIsCapturing(copy_stream_, &capturing));
+  if (!broadcast_graph_[0] || stride != row_bytes || capturing != cudaStreamCaptureStatusNone) return false;
+  for (int i = 0; i < 2; ++i) {
+    const int mapped = i == 0 ? broadcast_kind_ : 1 - broadcast_kind_;
+    if (broadcast_graph_[mapped]->launch(ctx(), from, stride, row_bytes, tokens, copy_stream_)) {
+      broadcast_kind_ = mapped;
+      return true;
+    }
+  }
+  return false;
 }
 
 int CudaBackend::send_blocks(bool dispatch, Layout layout) const {
@@ -810,6 +831,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     timer_.mark(7, copy_stream_);
     EPX_CUDA(cudaEventRecord(copies_done_, copy_stream_));
   };
+  bool broadcast_graphed = false;
   if (broadcast_) {  // the copy engines start on the rows now; they need no plan
     rows.broadcast = true;
     EPX_CUDA(cudaEventRecord(fork_, stream_));
@@ -826,8 +848,15 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     EPX_CUDA(cudaEventRecord(broadcast_begun_, copy_stream_));
     // Lean: two pieces keep the copy engines busy (~100 us at V3, more than the host takes to
     // launch the routing, which the receiver waits for); the other pieces follow the routing.
-    broadcast_pieces(0, lean ? 2 : kMaxPieces);
-    host_steps_.mark("broadcast enqueued");
+    // With EPX_BCAST_COPIES=graph all pieces go at once, in one launch.
+    broadcast_graphed = broadcast_by_graph(bcast_from, bcast_stride, bcast_row_bytes, tokens);
+    if (broadcast_graphed) {
+      timer_.mark(7, copy_stream_);
+      EPX_CUDA(cudaEventRecord(copies_done_, copy_stream_));
+    } else {
+      broadcast_pieces(0, lean ? 2 : kMaxPieces);
+    }
+    host_steps_.mark(broadcast_graphed ? "broadcast graph launched" : "broadcast enqueued");
   }
 
   // The handle's arrays, sized for this call, zeroed (the chunk counts are sums).
@@ -859,7 +888,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   if (own_by_copies) EPX_CUDA(cudaEventRecord(positions_ready_, stream_));
   timer_.mark(9, stream_);
   host_steps_.mark("positions launched");
-  if (broadcast_ && lean) {
+  if (broadcast_ && lean && !broadcast_graphed) {
     broadcast_pieces(2, kMaxPieces);
     host_steps_.mark("broadcast's other pieces enqueued");
   }
