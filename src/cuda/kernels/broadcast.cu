@@ -183,20 +183,36 @@ void wait_peer_flags(const Ctx& ctx, int64_t flags, int64_t stride, uint32_t pee
   EPX_CUDA(cudaGetLastError());
 }
 
-// The same wait as a node of a graph (placement_graph.hpp); its arguments are set per launch.
-cudaGraphNode_t add_wait_peer_flags_node(cudaGraph_t graph, const cudaGraphNode_t* after, size_t count) {
+namespace {
+
+// The wait kernel's arguments as a graph node takes them (kernelParams points into this object).
+struct WaitNodeArgs {
+  WaitNodeArgs() = default;
+  WaitNodeArgs(const WaitNodeArgs&) = delete;
+  WaitNodeArgs& operator=(const WaitNodeArgs&) = delete;
   PeerWindows w{};
   int64_t flags = 0, stride = 0;
   uint32_t peers = 0;
   CallState* cs = nullptr;
   uint64_t timeout_ns = 0;
   DeviceStatus* st = nullptr;
-  void* args[] = {&w, &flags, &stride, &peers, &cs, &timeout_ns, &st};
-  cudaKernelNodeParams p{};
-  p.func = reinterpret_cast<void*>(wait_peer_flags_kernel);
-  p.gridDim = dim3(1);
-  p.blockDim = dim3(32);
-  p.kernelParams = args;
+  void* args[7] = {&w, &flags, &stride, &peers, &cs, &timeout_ns, &st};
+  cudaKernelNodeParams params() {
+    cudaKernelNodeParams p{};
+    p.func = reinterpret_cast<void*>(wait_peer_flags_kernel);
+    p.gridDim = dim3(1);
+    p.blockDim = dim3(32);
+    p.kernelParams = args;
+    return p;
+  }
+};
+
+}  // namespace
+
+// The same wait as a node of a graph (placement_graph.hpp); its arguments are set per launch.
+cudaGraphNode_t add_wait_peer_flags_node(cudaGraph_t graph, const cudaGraphNode_t* after, size_t count) {
+  WaitNodeArgs a;
+  const cudaKernelNodeParams p = a.params();
   cudaGraphNode_t node = nullptr;
   EPX_CUDA(cudaGraphAddKernelNode(&node, graph, after, count, &p));
   return node;
@@ -204,16 +220,15 @@ cudaGraphNode_t add_wait_peer_flags_node(cudaGraph_t graph, const cudaGraphNode_
 
 void set_wait_peer_flags_node(cudaGraphExec_t exec, cudaGraphNode_t node, const Ctx& ctx, int64_t flags,
                               int64_t stride, uint32_t peers) {
-  PeerWindows w = ctx.peers;
-  CallState* cs = ctx.state;
-  uint64_t timeout_ns = ctx.timeout_ns;
-  DeviceStatus* st = ctx.status;
-  void* args[] = {&w, &flags, &stride, &peers, &cs, &timeout_ns, &st};
-  cudaKernelNodeParams p{};
-  p.func = reinterpret_cast<void*>(wait_peer_flags_kernel);
-  p.gridDim = dim3(1);
-  p.blockDim = dim3(32);
-  p.kernelParams = args;
+  WaitNodeArgs a;
+  a.w = ctx.peers;
+  a.flags = flags;
+  a.stride = stride;
+  a.peers = peers;
+  a.cs = ctx.state;
+  a.timeout_ns = ctx.timeout_ns;
+  a.st = ctx.status;
+  const cudaKernelNodeParams p = a.params();
   EPX_CUDA(cudaGraphExecKernelNodeSetParams(exec, node, &p));
 }
 
