@@ -265,7 +265,6 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   early_receiver_ = std::string(state->transport_name()) != "shared-gpu" &&
                     env_choice("EPX_RECEIVER_START", {"after_plan", "early"}) == "early";
   copy_combine_ = use_copy_combine(ranks_);
-  broadcast_graphs_ = broadcast_ && env_choice("EPX_BCAST_COPIES", {"calls", "graph"}) == "graph";
   own_copies_ = broadcast_ && env_choice("EPX_OWN_ROWS", {"receiver", "copies"}) == "copies";
   peer_copies_ = broadcast_ && env_choice("EPX_PEER_ROWS", {"receiver", "copies"}) == "copies";
   // The call's stream, the receiver's side stream, the copy engines' and the placing copies' streams.
@@ -318,9 +317,18 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   EPX_CUDA(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
   // The pool goes when the buffer and every tensor allocated from it are gone.
   pool_ = std::shared_ptr<CUmemPoolHandle_st>(pool, [](cudaMemPool_t p) { cudaMemPoolDestroy(p); });
-  if (broadcast_graphs_ && ranks_ > 1)  // rows from plain memory, from mapped memory
-    for (int mapped = 0; mapped < 2; ++mapped)
-      broadcast_graph_[mapped] = std::make_unique<BroadcastGraph>(peer_pieces(), ranks_ - 1, mapped == 1, pool);
+  if (env_choice("EPX_PIECE_COPIES", {"calls", "graph"}) == "graph" && ranks_ > 1) {
+    int return_pieces = 0;
+    while (return_pieces < kMaxPieces && map_.return_start[return_pieces] < config.max_tokens_per_rank) ++return_pieces;
+    for (int mapped = 0; mapped < 2; ++mapped) {  // rows from plain memory, from mapped memory
+      if (broadcast_)  // the epoch from this rank's window
+        broadcast_graphs_.of_kind[mapped] =
+            std::make_unique<PieceGraph>(peer_pieces() * (ranks_ - 1), mapped == 1, true, pool);
+      if (copy_combine_)  // the epoch from the call state
+        return_graphs_.of_kind[mapped] =
+            std::make_unique<PieceGraph>(return_pieces * (ranks_ - 1), mapped == 1, false, pool);
+    }
+  }
   // The placing copies' graphs: outputs come from the pool; own rows from x (most often plain
   // cudaMalloc memory), peer rows from the window (mapped, as pools are).
   if (env_choice("EPX_PLACE_COPIES", {"graph", "calls"}) == "graph") {
@@ -498,17 +506,17 @@ void CudaBackend::place_peer_rows(const kernels::RecvArrays& layout, int64_t own
   if (!cut) fail(ErrorCode::internal, "dispatch: the positions of rows sent to rank ", rank_, " do not fit its layout");
 }
 
-// EPX_BCAST_COPIES=graph: the broadcast through the BroadcastGraph of from's memory kind (the kind
-// that served last is tried first). False: by copy calls (also while the caller captures the call
-// into a graph of its own).
-bool CudaBackend::broadcast_by_graph(const char* from, int64_t stride, int64_t row_bytes, int64_t tokens) {
-  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;  // a caller's graph: no graphs made or launched
-  EPX_CUDA(cudaStreamIsCapturing(copy_stream_, &capturing));
-  if (!broadcast_graph_[0] || stride != row_bytes || capturing != cudaStreamCaptureStatusNone) return false;
+// EPX_PIECE_COPIES=graph: the pieces through the graph of their rows' memory kind (the kind that
+// served last is tried first). False: by copy calls (also while the caller captures the call into a
+// graph of its own).
+bool CudaBackend::by_graph(PieceGraphs& graphs, const std::vector<kernels::FlaggedPiece>& pieces, cudaStream_t stream) {
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;  // a caller's graph: none launched
+  EPX_CUDA(cudaStreamIsCapturing(stream, &capturing));
+  if (!graphs.of_kind[0] || capturing != cudaStreamCaptureStatusNone) return false;
   for (int i = 0; i < 2; ++i) {
-    const int mapped = i == 0 ? broadcast_kind_ : 1 - broadcast_kind_;
-    if (broadcast_graph_[mapped]->launch(ctx(), from, stride, row_bytes, tokens, copy_stream_)) {
-      broadcast_kind_ = mapped;
+    const int mapped = i == 0 ? graphs.last : 1 - graphs.last;
+    if (graphs.of_kind[mapped]->launch(pieces, stream)) {
+      graphs.last = mapped;
       return true;
     }
   }
@@ -826,7 +834,8 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   int64_t bcast_stride = rows.x_stride_bytes, bcast_row_bytes = wire_.bytes();
   // Pieces [first, end) of the broadcast on the copy stream; after the last, copies_done_.
   auto broadcast_pieces = [&](int64_t first, int64_t end) {
-    kernels::broadcast_rows(ctx(), copy_stream_, bcast_from, bcast_stride, bcast_row_bytes, tokens, first, end);
+    kernels::copy_pieces(
+        kernels::broadcast_pieces(ctx(), bcast_from, bcast_stride, bcast_row_bytes, tokens, first, end), copy_stream_);
     if (end < kMaxPieces) return;
     timer_.mark(7, copy_stream_);
     EPX_CUDA(cudaEventRecord(copies_done_, copy_stream_));
@@ -848,8 +857,12 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     EPX_CUDA(cudaEventRecord(broadcast_begun_, copy_stream_));
     // Lean: two pieces keep the copy engines busy (~100 us at V3, more than the host takes to
     // launch the routing, which the receiver waits for); the other pieces follow the routing.
-    // With EPX_BCAST_COPIES=graph all pieces go at once, in one launch.
-    broadcast_graphed = broadcast_by_graph(bcast_from, bcast_stride, bcast_row_bytes, tokens);
+    // With EPX_PIECE_COPIES=graph all pieces go at once, in one launch.
+    broadcast_graphed = broadcast_graphs_.of_kind[0] &&
+                        by_graph(broadcast_graphs_,
+                                 kernels::broadcast_pieces(ctx(), bcast_from, bcast_stride, bcast_row_bytes, tokens, 0,
+                                                           kMaxPieces),
+                                 copy_stream_);
     if (broadcast_graphed) {
       timer_.mark(7, copy_stream_);
       EPX_CUDA(cudaEventRecord(copies_done_, copy_stream_));
@@ -1158,8 +1171,9 @@ bool CudaBackend::start_copy_return(const HandleState& h, const TensorView& rows
   const kernels::ReturnRows r{static_cast<const char*>(from.data), from.strides[0] * 2,
                               from_slots.defined() ? static_cast<const char*>(from_slots.data) : nullptr,
                               from_slots.defined() ? from_slots.strides[0] * 4 : 0};
-  kernels::return_rows(ctx(), copy_stream_, r, h.recv.rank_offsets,
-                       reinterpret_cast<const char*>(call_state_) + offsetof(CallState, call));
+  const auto pieces = kernels::return_pieces(ctx(), r, h.recv.rank_offsets,
+                                             reinterpret_cast<const char*>(call_state_) + offsetof(CallState, call));
+  if (!by_graph(return_graphs_, pieces, copy_stream_)) kernels::copy_pieces(pieces, copy_stream_);
   timer_.mark(5, copy_stream_);
   EPX_CUDA(cudaEventRecord(copies_done_, copy_stream_));
   if (h.layout == Layout::expert_major) {  // this rank's own partials, while the copies run

@@ -11,7 +11,7 @@
 #include "core/backend.hpp"
 #include "core/handle.hpp"
 #include "core/wire.hpp"
-#include "cuda/broadcast_graph.hpp"
+#include "cuda/piece_graph.hpp"
 #include "cuda/copy_cuts.hpp"
 #include "cuda/cuda_group.hpp"
 #include "cuda/host_steps.hpp"
@@ -129,12 +129,14 @@ class CudaBackend final : public Backend {
   cudaStream_t copy_stream_ = nullptr;  // copy-engine dispatch and combine (made only for them)
   cudaEvent_t fork_ = nullptr, join_ = nullptr, copies_done_ = nullptr;
   cudaEvent_t broadcast_begun_ = nullptr;  // copy-engine dispatch: the peers' regions are free
-  // EPX_BCAST_COPIES=graph: the broadcast's copies as a graph (broadcast_graph.hpp), one per memory
-  // kind of the rows (plain, mapped).
-  bool broadcast_graphs_ = false;
-  std::unique_ptr<BroadcastGraph> broadcast_graph_[2];
-  int broadcast_kind_ = 0;
-  bool broadcast_by_graph(const char* from, int64_t stride, int64_t row_bytes, int64_t tokens);
+  // EPX_PIECE_COPIES=graph: the broadcast's and the combine's return pieces as graphs
+  // (piece_graph.hpp), one per memory kind of the rows (plain, mapped).
+  struct PieceGraphs {
+    std::unique_ptr<PieceGraph> of_kind[2];
+    int last = 0;  // the kind that served last
+  };
+  PieceGraphs broadcast_graphs_, return_graphs_;
+  bool by_graph(PieceGraphs& graphs, const std::vector<kernels::FlaggedPiece>& pieces, cudaStream_t stream);
   bool broadcast_ = false;  // dispatch moves its rows by copy engine (kernels/broadcast.cu)
   bool early_receiver_ = false;  // EPX_RECEIVER_START=early: a broadcast's receiver goes before the plan (dispatch())
   bool copy_combine_ = false;  // blocking combine and dispatch_backward return their rows by copy engine

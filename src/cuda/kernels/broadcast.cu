@@ -145,21 +145,27 @@ void encode_rows(const Ctx& ctx, const SendRows& rows, int64_t tokens) {
   EPX_CUDA(cudaGetLastError());
 }
 
-void broadcast_rows(const Ctx& ctx, cudaStream_t copies, const char* x, int64_t x_stride_bytes, int64_t row_bytes,
-                    int64_t tokens, int64_t first_piece, int64_t end_piece) {
+std::vector<FlaggedPiece> broadcast_pieces(const Ctx& ctx, const char* x, int64_t x_stride_bytes, int64_t row_bytes,
+                                           int64_t tokens, int64_t first_piece, int64_t end_piece) {
   const PeerWindows& w = ctx.peers;
   const WindowMap& m = ctx.map;
   const char* epoch = w.base[w.rank] + m.bcast_epoch_src;
+  std::vector<FlaggedPiece> pieces;
   for (int64_t piece = first_piece, first = first_piece * m.piece_tokens; first < tokens && piece < end_piece;
        first += m.piece_tokens, ++piece)
     for (int k = 1; k < w.ranks; ++k) {
       const int d = (w.rank + k) % w.ranks;
       const int64_t rows = std::min(m.piece_tokens, tokens - first);
       char* dst = w.base[d] + m.bcast_rows + (w.rank * ctx.shape.max_tokens + first) * m.bcast_stride;
-      copy_rows(dst, m.bcast_stride, x + first * x_stride_bytes, x_stride_bytes, row_bytes, rows, copies);
       char* flag = w.base[d] + m.bcast_flag + (w.rank * kMaxPieces + piece) * sizeof(uint32_t);
-      EPX_CUDA(cudaMemcpyAsync(flag, epoch, sizeof(uint32_t), cudaMemcpyDefault, copies));
+      FlaggedPiece p{};
+      p.part[0] = {dst, m.bcast_stride, x + first * x_stride_bytes, x_stride_bytes, row_bytes, rows};
+      p.parts = 1;
+      p.flag = flag;
+      p.epoch = epoch;
+      pieces.push_back(p);
     }
+  return pieces;
 }
 
 void finalize_positions(const Ctx& ctx, int64_t tokens, const int32_t* slot_expert, const ChunkPositions& p) {

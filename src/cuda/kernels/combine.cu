@@ -4,7 +4,7 @@
 // rank order (then the shared expert) as soon as its chunk is back from every rank. Sums follow
 // docs/semantics.md, so results equal the CPU backend's bit for bit.
 // Copy-engine return (a.by_copy): the expert ranks' copy engines bring y's rows, or expert-major
-// the partials reduce_partials_kernel summed into a rank-major buffer first (return_rows,
+// the partials reduce_partials_kernel summed into a rank-major buffer first (return_pieces,
 // copy_return.cpp), and every block reduces, waiting per piece. The rows arrive as y holds them, -0
 // included, where the returning warps write bf16(0 + y): the same sums, since a sum from +0 never
 // tells -0 from +0.

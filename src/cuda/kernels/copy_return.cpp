@@ -21,11 +21,22 @@ void copy_rows(char* dst, int64_t dst_stride, const char* src, int64_t src_strid
                                static_cast<size_t>(row_bytes), static_cast<size_t>(n), cudaMemcpyDefault, copies));
 }
 
-void return_rows(const Ctx& ctx, cudaStream_t copies, const ReturnRows& rows, const std::vector<int64_t>& rank_offsets,
-                 const void* epoch) {
+void copy_pieces(const std::vector<FlaggedPiece>& pieces, cudaStream_t copies) {
+  for (const FlaggedPiece& p : pieces) {
+    for (int i = 0; i < p.parts; ++i) {
+      const FlaggedPiece::Part& c = p.part[i];
+      copy_rows(c.dst, c.dst_stride, c.src, c.src_stride, c.row_bytes, c.rows, copies);
+    }
+    EPX_CUDA(cudaMemcpyAsync(p.flag, p.epoch, sizeof(uint32_t), cudaMemcpyDefault, copies));
+  }
+}
+
+std::vector<FlaggedPiece> return_pieces(const Ctx& ctx, const ReturnRows& rows, const std::vector<int64_t>& rank_offsets,
+                                        const void* epoch) {
   const PeerWindows& w = ctx.peers;
   const WindowMap& m = ctx.map;
   const int64_t row_bytes = 2 * ctx.shape.hidden, slot_bytes = 4 * ctx.shape.topk;
+  std::vector<FlaggedPiece> pieces;
   for (int k = 1; k < w.ranks; ++k) {
     const int d = (w.rank + k) % w.ranks;
     const int64_t count = rank_offsets[d + 1] - rank_offsets[d];
@@ -33,15 +44,19 @@ void return_rows(const Ctx& ctx, cudaStream_t copies, const ReturnRows& rows, co
       const int64_t first = m.return_start[piece];
       const int64_t n = std::min<int64_t>(m.return_start[piece + 1], count) - first, row = rank_offsets[d] + first;
       const int64_t at = w.rank * ctx.shape.max_tokens + first;  // the first row's place at d
-      copy_rows(w.base[d] + m.rev_rows + at * row_bytes, row_bytes, rows.y + row * rows.y_stride_bytes,
-                rows.y_stride_bytes, row_bytes, n, copies);
+      FlaggedPiece p{};
+      p.part[0] = {w.base[d] + m.rev_rows + at * row_bytes, row_bytes, rows.y + row * rows.y_stride_bytes,
+                   rows.y_stride_bytes, row_bytes, n};
+      p.parts = 1;
       if (rows.slot_values)
-        copy_rows(w.base[d] + m.rev_slots + at * slot_bytes, slot_bytes, rows.slot_values + row * rows.slot_stride_bytes,
-                  rows.slot_stride_bytes, slot_bytes, n, copies);
-      char* flag = w.base[d] + m.rev_piece_flag + (w.rank * kMaxPieces + piece) * sizeof(uint32_t);
-      EPX_CUDA(cudaMemcpyAsync(flag, epoch, sizeof(uint32_t), cudaMemcpyDefault, copies));
+        p.part[p.parts++] = {w.base[d] + m.rev_slots + at * slot_bytes, slot_bytes,
+                             rows.slot_values + row * rows.slot_stride_bytes, rows.slot_stride_bytes, slot_bytes, n};
+      p.flag = w.base[d] + m.rev_piece_flag + (w.rank * kMaxPieces + piece) * sizeof(uint32_t);
+      p.epoch = static_cast<const char*>(epoch);
+      pieces.push_back(p);
     }
   }
+  return pieces;
 }
 
 }  // namespace epx::detail::kernels

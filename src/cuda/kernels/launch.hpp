@@ -109,16 +109,34 @@ struct SendRows {
 };
 
 // Copy-engine dispatch, on stream `copies`: begin_broadcast waits until every rank has read this
-// rank's previous broadcast; broadcast_rows (after it) copies rows [0, tokens) of x (row_bytes
-// each) into every other rank's bcast_rows, piece by piece, each piece flagged in bcast_flag:
-// pieces [first_piece, end_piece) of them, so a dispatch can enqueue the first pieces, launch its
-// routing and then enqueue the rest (one stream keeps them in order).
+// rank's previous broadcast; then rows [0, tokens) of x go into every other rank's bcast_rows,
+// piece by piece, each piece flagged in bcast_flag (broadcast_pieces: a dispatch can enqueue the
+// first pieces, launch its routing and then enqueue the rest; one stream keeps them in order).
 void begin_broadcast(const Ctx& ctx, cudaStream_t copies);
 // Copy-engine dispatch of a quantized wire, on ctx.stream after begin_broadcast: this rank's wire
-// rows [0, tokens) into its own part of bcast_rows (broadcast_rows then sends them from there).
+// rows [0, tokens) into its own part of bcast_rows (the broadcast then sends them from there).
 void encode_rows(const Ctx& ctx, const SendRows& rows, int64_t tokens);
-void broadcast_rows(const Ctx& ctx, cudaStream_t copies, const char* x, int64_t x_stride_bytes, int64_t row_bytes,
-                    int64_t tokens, int64_t first_piece, int64_t end_piece);
+// One piece of a copy-engine transfer to a peer's window: its parts (rows of row_bytes from src to
+// dst, each its stride apart: a piece's rows, then its slot values if any), then the call's epoch
+// (the 4 bytes at `epoch`) into the piece's flag there, which says the parts have landed.
+struct FlaggedPiece {
+  struct Part {
+    char* dst;
+    int64_t dst_stride;
+    const char* src;
+    int64_t src_stride, row_bytes, rows;
+  };
+  Part part[2];
+  int parts;
+  char* flag;
+  const char* epoch;
+};
+// A broadcast's pieces [first_piece, end_piece) of rows [0, tokens) of x (row_bytes each), in the
+// order they go: piece by piece, each to every other rank (after begin_broadcast).
+std::vector<FlaggedPiece> broadcast_pieces(const Ctx& ctx, const char* x, int64_t x_stride_bytes, int64_t row_bytes,
+                                           int64_t tokens, int64_t first_piece, int64_t end_piece);
+// By copy calls on stream `copies`, in order (the engine queue keeps each flag after its parts).
+void copy_pieces(const std::vector<FlaggedPiece>& pieces, cudaStream_t copies);
 // Tells every rank that this rank read their broadcasts of this call (a dispatch whose receiver
 // does not run: its input was rejected on the host; or whose rows the copy engines placed).
 void release_broadcast(const Ctx& ctx);
@@ -229,18 +247,13 @@ void combine(const Ctx& ctx, int send_blocks, const RecvArrays& r, Layout layout
 // Copy-engine return of the expert-major layout: the partials of received rows (rank-major order
 // i = first + j + (j >= gap_at ? gap : 0) for j < count) summed as the SM path returns them
 // (docs/semantics.md), into rows [i] (bf16 [M, H]) and, when a.slot_values is given, slots [i]
-// (f32 [M, K]); return_rows then moves them as a rank-major y.
+// (f32 [M, K]); return_pieces then move them as a rank-major y.
 struct PartialRows {
   uint16_t* rows;
   float* slots;  // or null
   int64_t first, count, gap_at, gap;
 };
 void reduce_partials(const Ctx& ctx, const RecvArrays& r, const CombineArgs& a, const PartialRows& p);
-// Copy-engine return (combine, dispatch_backward), on stream `copies`: y's rows of each other rank
-// (rows [rank_offsets[d], rank_offsets[d+1]) of y, in its stream order) into that rank's rev_rows,
-// and their K slot values (f32, when slot_values is given) into its rev_slots, in pieces of
-// piece_tokens rows, each followed by a 4-byte copy of the call's epoch (read from `epoch`, the
-// low half of CallState::call) into the piece's flag there. rank_offsets: the host's copy.
 // n rows of row_bytes from src to dst (each its stride apart) by copy engine on stream `copies`:
 // one plain copy when both are packed, else a 2D copy.
 void copy_rows(char* dst, int64_t dst_stride, const char* src, int64_t src_stride, int64_t row_bytes, int64_t n,
@@ -251,8 +264,13 @@ struct ReturnRows {
   const char* slot_values;  // or null
   int64_t slot_stride_bytes;
 };
-void return_rows(const Ctx& ctx, cudaStream_t copies, const ReturnRows& rows, const std::vector<int64_t>& rank_offsets,
-                 const void* epoch);
+// Copy-engine return (combine, dispatch_backward): y's rows of each other rank (rows
+// [rank_offsets[d], rank_offsets[d+1]) of y, in its stream order) to that rank's rev_rows, and their
+// K slot values (f32, when slot_values is given) to its rev_slots, in the return's pieces, each
+// flagged with the call's epoch (read from `epoch`, the low half of CallState::call), in the order
+// they go. rank_offsets: the host's copy.
+std::vector<FlaggedPiece> return_pieces(const Ctx& ctx, const ReturnRows& rows, const std::vector<int64_t>& rank_offsets,
+                                        const void* epoch);
 // Source side of combine_backward: per-slot values returned by the expert ranks into slot_out [T*K].
 void gather_slot_values(const Ctx& ctx, int64_t tokens, const int32_t* send_pos, const int32_t* slot_expert,
                         float* slot_out);
