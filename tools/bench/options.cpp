@@ -4,6 +4,7 @@
 #include "epx/cuda.hpp"
 #endif
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
@@ -26,8 +27,8 @@ const char* kUsage = R"(epx-bench: dispatch and combine of one MoE layer over N 
   --ops LIST              comma list of dispatch,combine,dispatch_backward,combine_backward,
                           ll_dispatch,ll_combine (default: the first four; with --preset ll all six)
   --sms N                 SM budget for GPU kernels (recorded; host ignores it)
-  --shared-gpu            CUDA, low-latency ops: all ranks on GPU 0 over the tests' shared-GPU
-                          transport (records say "transport": "shared-gpu"; a test transport's times)
+  --shared-gpu            CUDA: all ranks on GPU 0 over the tests' shared-GPU transport (records say
+                          "transport": "shared-gpu"; a test transport's times, real host steps)
   --ll-eager              time low-latency calls one by one with events (host launch included)
                           instead of as CUDA-graph replays of 10 calls
   --processes             CUDA, high-throughput ops: one process per rank (one per GPU), as jobs
@@ -164,8 +165,13 @@ Options parse_options(int argc, char** argv) {
   }
   if (o.shared_gpu) {
     if (o.backend != "cuda") usage_error("--shared-gpu needs --backend cuda");
-    for (const std::string& op : o.ops)
-      if (op != "ll_dispatch" && op != "ll_combine") usage_error("--shared-gpu runs only ll_dispatch and ll_combine, not " + op);
+    // High-throughput ops: every rank's blocks (the SM budget, 24 unless --sms) must be resident on
+    // GPU 0 at once, as the tests' shared-GPU runs keep them (an H200 has 132 SMs).
+    const bool any_ht = std::any_of(o.ops.begin(), o.ops.end(),
+                                    [](const std::string& op) { return op != "ll_dispatch" && op != "ll_combine"; });
+    if (any_ht && o.ranks * (o.sms > 0 ? o.sms : 24) > 128)
+      usage_error("--shared-gpu with high-throughput ops needs ranks x SM budget <= 128 (every rank's blocks on GPU 0 "
+                  "at once); lower --ranks or --sms");
   }
   if (o.processes) {
     if (o.backend != "cuda" || o.shared_gpu) usage_error("--processes needs --backend cuda, one GPU per rank");
