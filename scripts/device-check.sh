@@ -60,7 +60,7 @@ if want tests; then
   done
   # The experiments that are off by default (docs/benchmarks.md), on, with copy engines forced, so
   # their paths stay tested (KNOB_ENV="" skips this pass).
-  knobs=${KNOB_ENV-EPX_RECEIVER_START=early EPX_RETURN_PIECES=halving EPX_OWN_ROWS=copies EPX_PEER_ROWS=copies EPX_PIECE_COPIES=graph}
+  knobs=${KNOB_ENV-EPX_RECEIVER_START=early EPX_RETURN_PIECES=halving EPX_OWN_ROWS=copies EPX_PEER_ROWS=copies EPX_PIECE_COPIES=graph EPX_PIECE_SPLIT=2}
   if [ -n "$knobs" ]; then
     read -ra knob_vars <<< "$knobs"
     env "${knob_vars[@]}" EPX_DISPATCH_ENGINE=copy EPX_COMBINE_ENGINE=copy EPX_TIMEOUT_MS=${EPX_TIMEOUT_MS:-10000} timeout 300 \

@@ -318,15 +318,16 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   // The pool goes when the buffer and every tensor allocated from it are gone.
   pool_ = std::shared_ptr<CUmemPoolHandle_st>(pool, [](cudaMemPool_t p) { cudaMemPoolDestroy(p); });
   if (env_choice("EPX_PIECE_COPIES", {"calls", "graph"}) == "graph" && ranks_ > 1) {
+    const int split = static_cast<int>(env_integer("EPX_PIECE_SPLIT", 1, 1, 4));
     int return_pieces = 0;
     while (return_pieces < kMaxPieces && map_.return_start[return_pieces] < config.max_tokens_per_rank) ++return_pieces;
     for (int mapped = 0; mapped < 2; ++mapped) {  // rows from plain memory, from mapped memory
       if (broadcast_)  // the epoch from this rank's window
         broadcast_graphs_.of_kind[mapped] =
-            std::make_unique<PieceGraph>(peer_pieces() * (ranks_ - 1), mapped == 1, true, pool);
+            std::make_unique<PieceGraph>(peer_pieces() * (ranks_ - 1), split, mapped == 1, true, pool);
       if (copy_combine_)  // the epoch from the call state
         return_graphs_.of_kind[mapped] =
-            std::make_unique<PieceGraph>(return_pieces * (ranks_ - 1), mapped == 1, false, pool);
+            std::make_unique<PieceGraph>(return_pieces * (ranks_ - 1), split, mapped == 1, false, pool);
     }
   }
   // The placing copies' graphs: outputs come from the pool; own rows from x (most often plain

@@ -1,5 +1,7 @@
 #include "cuda/piece_graph.hpp"
 
+#include <algorithm>
+
 #include "cuda/cuda_check.hpp"
 
 namespace epx::detail {
@@ -18,7 +20,7 @@ bool set_copy(cudaGraphExec_t exec, cudaGraphNode_t node, char* dst, const char*
 
 }  // namespace
 
-PieceGraph::PieceGraph(int pieces, bool rows_mapped, bool epoch_mapped, cudaMemPool_t pool) {
+PieceGraph::PieceGraph(int pieces, int split, bool rows_mapped, bool epoch_mapped, cudaMemPool_t pool) {
   cudaStream_t stream = nullptr;
   EPX_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   EPX_CUDA(cudaMallocFromPoolAsync(reinterpret_cast<void**>(&pool_scratch_), 2 * kPlaceholder, pool, stream));
@@ -31,10 +33,15 @@ PieceGraph::PieceGraph(int pieces, bool rows_mapped, bool epoch_mapped, cudaMemP
   cudaGraphNode_t last = nullptr;
   for (int n = 0; n < pieces; ++n) {
     Node node;
-    EPX_CUDA(cudaGraphAddMemcpyNode1D(&node.rows, graph_, last ? &last : nullptr, last ? 1 : 0, mapped_dst,
-                                      rows_mapped ? mapped_src : scratch_, kPlaceholder, cudaMemcpyDeviceToDevice));
-    EPX_CUDA(cudaGraphAddMemcpyNode1D(&node.flag, graph_, &node.rows, 1, mapped_dst, epoch_mapped ? mapped_src : scratch_,
-                                      sizeof(uint32_t), cudaMemcpyDeviceToDevice));
+    for (int i = 0; i < split; ++i) {  // side by side, each after the previous piece's flag
+      cudaGraphNode_t rows = nullptr;
+      EPX_CUDA(cudaGraphAddMemcpyNode1D(&rows, graph_, last ? &last : nullptr, last ? 1 : 0, mapped_dst,
+                                        rows_mapped ? mapped_src : scratch_, kPlaceholder, cudaMemcpyDeviceToDevice));
+      node.rows.push_back(rows);
+      node.rows_on.push_back(true);
+    }
+    EPX_CUDA(cudaGraphAddMemcpyNode1D(&node.flag, graph_, node.rows.data(), node.rows.size(), mapped_dst,
+                                      epoch_mapped ? mapped_src : scratch_, sizeof(uint32_t), cudaMemcpyDeviceToDevice));
     last = node.flag;
     nodes_.push_back(node);
   }
@@ -53,23 +60,34 @@ bool PieceGraph::launch(const std::vector<kernels::FlaggedPiece>& pieces, cudaSt
   for (const kernels::FlaggedPiece& p : pieces)
     if (p.parts != 1 || p.part[0].dst_stride != p.part[0].row_bytes || p.part[0].src_stride != p.part[0].row_bytes)
       return false;
+  // A node is enabled or disabled only when that changes (each call costs the host).
+  auto enable = [&](cudaGraphNode_t node, bool on, bool& is_on) {
+    if (on != is_on) EPX_CUDA(cudaGraphNodeSetEnabled(exec_, node, on ? 1 : 0));
+    is_on = on;
+  };
   for (size_t n = 0; n < nodes_.size(); ++n) {
     Node& node = nodes_[n];
     const bool used = n < pieces.size();
-    if (used) {
-      const kernels::FlaggedPiece::Part& c = pieces[n].part[0];
-      if (!set_copy(exec_, node.rows, c.dst, c.src, static_cast<size_t>(c.rows * c.row_bytes))) return false;
-      if (node.flag_dst != pieces[n].flag || node.flag_src != pieces[n].epoch) {
-        if (!set_copy(exec_, node.flag, pieces[n].flag, pieces[n].epoch, sizeof(uint32_t))) return false;
-        node.flag_dst = pieces[n].flag;
-        node.flag_src = pieces[n].epoch;
+    const int64_t rows = used ? pieces[n].part[0].rows : 0, split = static_cast<int64_t>(node.rows.size());
+    const int64_t per_copy = (rows + split - 1) / split;  // the piece's rows cut in `split` copies
+    for (int64_t i = 0; i < split; ++i) {
+      const int64_t first = i * per_copy, count = std::min(rows, first + per_copy) - first;
+      bool on = node.rows_on[i];
+      if (count > 0) {
+        const kernels::FlaggedPiece::Part& c = pieces[n].part[0];
+        if (!set_copy(exec_, node.rows[i], c.dst + first * c.row_bytes, c.src + first * c.row_bytes,
+                      static_cast<size_t>(count * c.row_bytes)))
+          return false;
       }
+      enable(node.rows[i], count > 0, on);  // a piece of fewer rows than copies leaves some idle
+      node.rows_on[i] = on;
     }
-    if (used != node.enabled) {  // the chain's unused end: neither copied nor flagged
-      EPX_CUDA(cudaGraphNodeSetEnabled(exec_, node.rows, used ? 1 : 0));
-      EPX_CUDA(cudaGraphNodeSetEnabled(exec_, node.flag, used ? 1 : 0));
-      node.enabled = used;
+    if (used && (node.flag_dst != pieces[n].flag || node.flag_src != pieces[n].epoch)) {
+      if (!set_copy(exec_, node.flag, pieces[n].flag, pieces[n].epoch, sizeof(uint32_t))) return false;
+      node.flag_dst = pieces[n].flag;
+      node.flag_src = pieces[n].epoch;
     }
+    enable(node.flag, used, node.flag_on);  // the chain's unused end: neither copied nor flagged
   }
   EPX_CUDA(cudaGraphLaunch(exec_, stream));
   return true;

@@ -1,7 +1,7 @@
 // A copy-engine transfer's flagged pieces (kernels::FlaggedPiece: a dispatch's broadcast, a
 // combine's return) as one CUDA graph made with the buffer and updated for each call: their ~8 copy
 // calls cost the host ~35-40 us (docs/performance.md, "Copies cost per call"), a node's update ~1
-// us. The nodes form one chain in the calls' order (each piece's rows, then its flag), so each flag
+// us. The pieces form one chain in the calls' order (each piece's rows, then its flag), so each flag
 // still follows its rows. Off unless EPX_PIECE_COPIES=graph (not yet measured at two ranks).
 #pragma once
 #include <cuda_runtime.h>
@@ -21,7 +21,9 @@ class PieceGraph {
   // memory (this rank's window) when epoch_mapped, else from plain memory. Made with the buffer,
   // before its window (an instantiation made while a peer's kernel spins can wait for it on a shared
   // GPU, docs/cuda.md): the nodes get their addresses at their launches.
-  PieceGraph(int pieces, bool rows_mapped, bool epoch_mapped, cudaMemPool_t pool);
+  // Each piece's rows go as `split` copies side by side (EPX_PIECE_SPLIT: the copy engines may take
+  // them in parallel), its flag after all of them.
+  PieceGraph(int pieces, int split, bool rows_mapped, bool epoch_mapped, cudaMemPool_t pool);
   ~PieceGraph();
   PieceGraph(const PieceGraph&) = delete;
   PieceGraph& operator=(const PieceGraph&) = delete;
@@ -34,8 +36,10 @@ class PieceGraph {
 
  private:
   struct Node {  // one piece
-    cudaGraphNode_t rows = nullptr, flag = nullptr;
-    bool enabled = true;
+    std::vector<cudaGraphNode_t> rows;  // its copies
+    std::vector<bool> rows_on;          // enabled in exec_
+    cudaGraphNode_t flag = nullptr;
+    bool flag_on = true;
     char* flag_dst = nullptr;  // the flag copy's operands as set (the same call after call)
     const char* flag_src = nullptr;
   };
