@@ -321,20 +321,22 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
     const int split = static_cast<int>(env_integer("EPX_PIECE_SPLIT", 1, 1, 4));
     int return_pieces = 0;
     while (return_pieces < kMaxPieces && map_.return_start[return_pieces] < config.max_tokens_per_rank) ++return_pieces;
+    const bool window = state->window_mapped();
     for (int mapped = 0; mapped < 2; ++mapped) {  // rows from plain memory, from mapped memory
       if (broadcast_)  // the epoch from this rank's window
         broadcast_graphs_.of_kind[mapped] =
-            std::make_unique<PieceGraph>(peer_pieces() * (ranks_ - 1), split, mapped == 1, true, pool);
-      if (copy_combine_)  // the epoch from the call state
+            std::make_unique<PieceGraph>(peer_pieces() * (ranks_ - 1), split, mapped == 1, window, window, pool);
+      if (copy_combine_)  // the epoch from the call state (cudaMalloc)
         return_graphs_.of_kind[mapped] =
-            std::make_unique<PieceGraph>(return_pieces * (ranks_ - 1), split, mapped == 1, false, pool);
+            std::make_unique<PieceGraph>(return_pieces * (ranks_ - 1), split, mapped == 1, false, window, pool);
     }
   }
   // The placing copies' graphs: outputs come from the pool; own rows from x (most often plain
-  // cudaMalloc memory), peer rows from the window (mapped, as pools are).
+  // cudaMalloc memory), peer rows from the window.
   if (env_choice("EPX_PLACE_COPIES", {"graph", "calls"}) == "graph") {
     if (own_copies_) own_graph_ = std::make_unique<PlacementGraph>(1, kOwnRunSlots, pool, false);
-    if (peer_copies_) peer_graph_ = std::make_unique<PlacementGraph>(peer_pieces(), kPeerRunSlots, pool, true);
+    if (peer_copies_)  // from this rank's window
+      peer_graph_ = std::make_unique<PlacementGraph>(peer_pieces(), kPeerRunSlots, pool, state->window_mapped());
   }
   EPX_CUDA(cudaDeviceSynchronize());
   window_ = state->allocate(rank_, static_cast<size_t>(map_.total), timeout_);

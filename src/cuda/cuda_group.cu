@@ -101,6 +101,7 @@ struct NcclGroupState final : CudaGroupState {
   }
   int device(int rank) const override { return devices[rank]; }
   const char* transport_name() const override { return "nccl"; }
+  bool window_mapped() const override { return true; }  // ncclMemAlloc: cuMem
   std::unique_ptr<SymmetricWindow> allocate(int rank, size_t bytes, std::chrono::milliseconds) override {
     return std::make_unique<NcclWindow>(comms[rank], devices[rank], bytes);
   }
@@ -134,6 +135,7 @@ struct SharedGpuGroupState final : CudaGroupState {
   SharedGpuGroupState(int ranks, int dev) : ranks(ranks), gpu(dev), barrier(ranks), created(ranks, 0) {}
   int device(int) const override { return gpu; }
   const char* transport_name() const override { return "shared-gpu"; }
+  bool window_mapped() const override { return false; }  // one cudaMalloc for every rank's window
 
   // The GPU's hardware queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 unless set before CUDA starts) are
   // handed to streams as they get work. With every queue taken by a stream that holds a waiting

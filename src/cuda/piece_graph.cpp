@@ -20,28 +20,30 @@ bool set_copy(cudaGraphExec_t exec, cudaGraphNode_t node, char* dst, const char*
 
 }  // namespace
 
-PieceGraph::PieceGraph(int pieces, int split, bool rows_mapped, bool epoch_mapped, cudaMemPool_t pool) {
+PieceGraph::PieceGraph(int pieces, int split, bool rows_mapped, bool epoch_mapped, bool window_mapped,
+                       cudaMemPool_t pool) {
   cudaStream_t stream = nullptr;
   EPX_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   EPX_CUDA(cudaMallocFromPoolAsync(reinterpret_cast<void**>(&pool_scratch_), 2 * kPlaceholder, pool, stream));
   EPX_CUDA(cudaStreamSynchronize(stream));
   EPX_CUDA(cudaStreamDestroy(stream));
-  EPX_CUDA(cudaMalloc(&scratch_, kPlaceholder));
-  char* mapped_dst = pool_scratch_;
-  const char* mapped_src = pool_scratch_ + kPlaceholder;
+  EPX_CUDA(cudaMalloc(&scratch_, 2 * kPlaceholder));
+  auto dst_of = [&](bool mapped) { return mapped ? pool_scratch_ : scratch_; };
+  auto src_of = [&](bool mapped) -> const char* { return (mapped ? pool_scratch_ : scratch_) + kPlaceholder; };
+  char* const window = dst_of(window_mapped);
   EPX_CUDA(cudaGraphCreate(&graph_, 0));
   cudaGraphNode_t last = nullptr;
   for (int n = 0; n < pieces; ++n) {
     Node node;
     for (int i = 0; i < split; ++i) {  // side by side, each after the previous piece's flag
       cudaGraphNode_t rows = nullptr;
-      EPX_CUDA(cudaGraphAddMemcpyNode1D(&rows, graph_, last ? &last : nullptr, last ? 1 : 0, mapped_dst,
-                                        rows_mapped ? mapped_src : scratch_, kPlaceholder, cudaMemcpyDeviceToDevice));
+      EPX_CUDA(cudaGraphAddMemcpyNode1D(&rows, graph_, last ? &last : nullptr, last ? 1 : 0, window,
+                                        src_of(rows_mapped), kPlaceholder, cudaMemcpyDeviceToDevice));
       node.rows.push_back(rows);
       node.rows_on.push_back(true);
     }
-    EPX_CUDA(cudaGraphAddMemcpyNode1D(&node.flag, graph_, node.rows.data(), node.rows.size(), mapped_dst,
-                                      epoch_mapped ? mapped_src : scratch_, sizeof(uint32_t), cudaMemcpyDeviceToDevice));
+    EPX_CUDA(cudaGraphAddMemcpyNode1D(&node.flag, graph_, node.rows.data(), node.rows.size(), window,
+                                      src_of(epoch_mapped), sizeof(uint32_t), cudaMemcpyDeviceToDevice));
     last = node.flag;
     nodes_.push_back(node);
   }

@@ -16,14 +16,14 @@ namespace epx::detail {
 class PieceGraph {
  public:
   // Room for `pieces` pieces of one part each. A node's update may not change the kind of its memory
-  // (placement_graph.hpp): the rows come from plain (cudaMalloc) memory, or mapped memory (pools,
-  // cuMem windows) when rows_mapped, and go to a peer's window (mapped); the epoch comes from mapped
-  // memory (this rank's window) when epoch_mapped, else from plain memory. Made with the buffer,
-  // before its window (an instantiation made while a peer's kernel spins can wait for it on a shared
-  // GPU, docs/cuda.md): the nodes get their addresses at their launches.
+  // (placement_graph.hpp), plain (cudaMalloc) or mapped (pools, cuMem): the rows come from mapped
+  // memory when rows_mapped, the epoch when epoch_mapped, and both go to peers' windows, mapped
+  // when window_mapped (NCCL's; the shared GPU's are plain). Made with the buffer, before its window
+  // (an instantiation made while a peer's kernel spins can wait for it on a shared GPU,
+  // docs/cuda.md): the nodes get their addresses at their launches.
   // Each piece's rows go as `split` copies side by side (EPX_PIECE_SPLIT: the copy engines may take
   // them in parallel), its flag after all of them.
-  PieceGraph(int pieces, int split, bool rows_mapped, bool epoch_mapped, cudaMemPool_t pool);
+  PieceGraph(int pieces, int split, bool rows_mapped, bool epoch_mapped, bool window_mapped, cudaMemPool_t pool);
   ~PieceGraph();
   PieceGraph(const PieceGraph&) = delete;
   PieceGraph& operator=(const PieceGraph&) = delete;
@@ -43,8 +43,8 @@ class PieceGraph {
     char* flag_dst = nullptr;  // the flag copy's operands as set (the same call after call)
     const char* flag_src = nullptr;
   };
-  char* scratch_ = nullptr;       // plain placeholder source
-  char* pool_scratch_ = nullptr;  // mapped placeholder destination and source
+  char* scratch_ = nullptr;       // plain placeholders: destination, then source
+  char* pool_scratch_ = nullptr;  // mapped placeholders: destination, then source
   cudaGraph_t graph_ = nullptr;
   cudaGraphExec_t exec_ = nullptr;
   std::vector<Node> nodes_;  // the chain's order

@@ -11,7 +11,7 @@ constexpr size_t kPlaceholder = 16;
 
 }  // namespace
 
-PlacementGraph::PlacementGraph(int stages, int slots, cudaMemPool_t pool, bool src_from_pool)
+PlacementGraph::PlacementGraph(int stages, int slots, cudaMemPool_t pool, bool src_mapped)
     : slots_(slots), enabled_(static_cast<size_t>(stages) * slots, false), pending_(stages), gates_(stages),
       gates_set_(stages) {
   // The placeholder copy's memory decides which memory the nodes may copy later (below).
@@ -22,7 +22,7 @@ PlacementGraph::PlacementGraph(int stages, int slots, cudaMemPool_t pool, bool s
   EPX_CUDA(cudaStreamSynchronize(stream));
   EPX_CUDA(cudaStreamDestroy(stream));
   char* dst = pool_scratch_;
-  const char* src = src_from_pool ? pool_scratch_ + kPlaceholder : scratch_;
+  const char* src = src_mapped ? pool_scratch_ + kPlaceholder : scratch_;
   EPX_CUDA(cudaGraphCreate(&graph_, 0));
   // Every stage has its gate, waiting or not: behind a kernel node, disabled copy nodes cost the
   // launch ~0.25 us each; as roots or behind an empty node ~1.2 us (measured, 32 of them: 9 / 40 us).

@@ -23,10 +23,10 @@ class PlacementGraph {
  public:
   // A node of an instantiated graph may be given only memory of the kinds its copy had at
   // instantiation, plain (cudaMalloc) or mapped (pools, cuMem: NCCL's windows), per operand
-  // (measured, docs/performance.md): the placeholder copies from `pool` memory to `pool` memory
-  // (src_from_pool) or from cudaMalloc memory to `pool` memory. A copy of other kinds goes by a copy
-  // call after the graph.
-  PlacementGraph(int stages, int slots, cudaMemPool_t pool, bool src_from_pool);
+  // (measured, docs/performance.md): the placeholder copies to `pool` memory (the outputs) from
+  // mapped memory (src_mapped) or plain memory. A copy of other kinds goes by a copy call after the
+  // graph.
+  PlacementGraph(int stages, int slots, cudaMemPool_t pool, bool src_mapped);
   ~PlacementGraph();
   PlacementGraph(const PlacementGraph&) = delete;
   PlacementGraph& operator=(const PlacementGraph&) = delete;
