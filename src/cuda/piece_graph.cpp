@@ -6,31 +6,10 @@
 
 namespace epx::detail {
 
-namespace {
-
-constexpr size_t kPlaceholder = 16;  // bytes of the placeholder copies
-
-// A node's update; false when the memory is of another kind than its placeholder's.
-bool set_copy(cudaGraphExec_t exec, cudaGraphNode_t node, char* dst, const char* src, size_t bytes) {
-  const cudaError_t e = cudaGraphExecMemcpyNodeSetParams1D(exec, node, dst, src, bytes, cudaMemcpyDeviceToDevice);
-  if (e != cudaErrorInvalidValue) EPX_CUDA(e);
-  (void)cudaGetLastError();
-  return e == cudaSuccess;
-}
-
-}  // namespace
-
 PieceGraph::PieceGraph(int pieces, int split, bool rows_mapped, bool epoch_mapped, bool window_mapped,
-                       cudaMemPool_t pool) {
-  cudaStream_t stream = nullptr;
-  EPX_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  EPX_CUDA(cudaMallocFromPoolAsync(reinterpret_cast<void**>(&pool_scratch_), 2 * kPlaceholder, pool, stream));
-  EPX_CUDA(cudaStreamSynchronize(stream));
-  EPX_CUDA(cudaStreamDestroy(stream));
-  EPX_CUDA(cudaMalloc(&scratch_, 2 * kPlaceholder));
-  auto dst_of = [&](bool mapped) { return mapped ? pool_scratch_ : scratch_; };
-  auto src_of = [&](bool mapped) -> const char* { return (mapped ? pool_scratch_ : scratch_) + kPlaceholder; };
-  char* const window = dst_of(window_mapped);
+                       cudaMemPool_t pool)
+    : placeholders_(pool) {
+  char* const window = placeholders_.dst(window_mapped);
   EPX_CUDA(cudaGraphCreate(&graph_, 0));
   cudaGraphNode_t last = nullptr;
   for (int n = 0; n < pieces; ++n) {
@@ -38,12 +17,13 @@ PieceGraph::PieceGraph(int pieces, int split, bool rows_mapped, bool epoch_mappe
     for (int i = 0; i < split; ++i) {  // side by side, each after the previous piece's flag
       cudaGraphNode_t rows = nullptr;
       EPX_CUDA(cudaGraphAddMemcpyNode1D(&rows, graph_, last ? &last : nullptr, last ? 1 : 0, window,
-                                        src_of(rows_mapped), kPlaceholder, cudaMemcpyDeviceToDevice));
+                                        placeholders_.src(rows_mapped), GraphPlaceholders::kBytes,
+                                        cudaMemcpyDeviceToDevice));
       node.rows.push_back(rows);
       node.rows_on.push_back(true);
     }
     EPX_CUDA(cudaGraphAddMemcpyNode1D(&node.flag, graph_, node.rows.data(), node.rows.size(), window,
-                                      src_of(epoch_mapped), sizeof(uint32_t), cudaMemcpyDeviceToDevice));
+                                      placeholders_.src(epoch_mapped), sizeof(uint32_t), cudaMemcpyDeviceToDevice));
     last = node.flag;
     nodes_.push_back(node);
   }
@@ -53,8 +33,6 @@ PieceGraph::PieceGraph(int pieces, int split, bool rows_mapped, bool epoch_mappe
 PieceGraph::~PieceGraph() {
   if (exec_) cudaGraphExecDestroy(exec_);
   if (graph_) cudaGraphDestroy(graph_);
-  if (scratch_) cudaFree(scratch_);
-  if (pool_scratch_) cudaFreeAsync(pool_scratch_, cudaStreamPerThread);
 }
 
 bool PieceGraph::launch(const std::vector<kernels::FlaggedPiece>& pieces, cudaStream_t stream) {
@@ -77,7 +55,7 @@ bool PieceGraph::launch(const std::vector<kernels::FlaggedPiece>& pieces, cudaSt
       bool on = node.rows_on[i];
       if (count > 0) {
         const kernels::FlaggedPiece::Part& c = pieces[n].part[0];
-        if (!set_copy(exec_, node.rows[i], c.dst + first * c.row_bytes, c.src + first * c.row_bytes,
+        if (!update_copy_node(exec_, node.rows[i], c.dst + first * c.row_bytes, c.src + first * c.row_bytes,
                       static_cast<size_t>(count * c.row_bytes)))
           return false;
       }
@@ -85,7 +63,7 @@ bool PieceGraph::launch(const std::vector<kernels::FlaggedPiece>& pieces, cudaSt
       node.rows_on[i] = on;
     }
     if (used && (node.flag_dst != pieces[n].flag || node.flag_src != pieces[n].epoch)) {
-      if (!set_copy(exec_, node.flag, pieces[n].flag, pieces[n].epoch, sizeof(uint32_t))) return false;
+      if (!update_copy_node(exec_, node.flag, pieces[n].flag, pieces[n].epoch, sizeof(uint32_t))) return false;
       node.flag_dst = pieces[n].flag;
       node.flag_src = pieces[n].epoch;
     }

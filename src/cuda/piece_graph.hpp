@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cuda/kernels/launch.hpp"
+#include "cuda/placement_graph.hpp"
 
 namespace epx::detail {
 
@@ -43,8 +44,7 @@ class PieceGraph {
     char* flag_dst = nullptr;  // the flag copy's operands as set (the same call after call)
     const char* flag_src = nullptr;
   };
-  char* scratch_ = nullptr;       // plain placeholders: destination, then source
-  char* pool_scratch_ = nullptr;  // mapped placeholders: destination, then source
+  GraphPlaceholders placeholders_;
   cudaGraph_t graph_ = nullptr;
   cudaGraphExec_t exec_ = nullptr;
   std::vector<Node> nodes_;  // the chain's order

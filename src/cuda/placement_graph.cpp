@@ -4,25 +4,34 @@
 
 namespace epx::detail {
 
-namespace {
-
-// 16 bytes of scratch onto the next 16: a copy node's placeholder.
-constexpr size_t kPlaceholder = 16;
-
-}  // namespace
-
-PlacementGraph::PlacementGraph(int stages, int slots, cudaMemPool_t pool, bool src_mapped)
-    : slots_(slots), enabled_(static_cast<size_t>(stages) * slots, false), pending_(stages), gates_(stages),
-      gates_set_(stages) {
-  // The placeholder copy's memory decides which memory the nodes may copy later (below).
-  EPX_CUDA(cudaMalloc(&scratch_, kPlaceholder));
+GraphPlaceholders::GraphPlaceholders(cudaMemPool_t pool) {
+  EPX_CUDA(cudaMalloc(&plain_, 2 * kBytes));
   cudaStream_t stream = nullptr;
   EPX_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  EPX_CUDA(cudaMallocFromPoolAsync(reinterpret_cast<void**>(&pool_scratch_), 2 * kPlaceholder, pool, stream));
+  EPX_CUDA(cudaMallocFromPoolAsync(reinterpret_cast<void**>(&mapped_), 2 * kBytes, pool, stream));
   EPX_CUDA(cudaStreamSynchronize(stream));
   EPX_CUDA(cudaStreamDestroy(stream));
-  char* dst = pool_scratch_;
-  const char* src = src_mapped ? pool_scratch_ + kPlaceholder : scratch_;
+}
+
+GraphPlaceholders::~GraphPlaceholders() {
+  if (plain_) cudaFree(plain_);
+  if (mapped_) cudaFreeAsync(mapped_, cudaStreamPerThread);
+}
+
+bool update_copy_node(cudaGraphExec_t exec, cudaGraphNode_t node, char* dst, const char* src, size_t bytes) {
+  const cudaError_t e = cudaGraphExecMemcpyNodeSetParams1D(exec, node, dst, src, bytes, cudaMemcpyDeviceToDevice);
+  if (e != cudaErrorInvalidValue) EPX_CUDA(e);
+  (void)cudaGetLastError();  // a refusal is not sticky, but leaves the last error set
+  return e == cudaSuccess;
+}
+
+PlacementGraph::PlacementGraph(int stages, int slots, cudaMemPool_t pool, bool src_mapped)
+    : slots_(slots), placeholders_(pool), enabled_(static_cast<size_t>(stages) * slots, false), pending_(stages),
+      gates_(stages), gates_set_(stages) {
+  // The placeholder copy's memory decides which memory the nodes may copy later: to the outputs
+  // (pool memory), from plain or mapped memory.
+  char* dst = placeholders_.dst(true);
+  const char* src = placeholders_.src(src_mapped);
   EPX_CUDA(cudaGraphCreate(&graph_, 0));
   // Every stage has its gate, waiting or not: behind a kernel node, disabled copy nodes cost the
   // launch ~0.25 us each; as roots or behind an empty node ~1.2 us (measured, 32 of them: 9 / 40 us).
@@ -33,7 +42,7 @@ PlacementGraph::PlacementGraph(int stages, int slots, cudaMemPool_t pool, bool s
     gate_nodes_.push_back(previous_gate);
     for (int i = 0; i < slots; ++i) {
       cudaGraphNode_t copy = nullptr;
-      EPX_CUDA(cudaGraphAddMemcpyNode1D(&copy, graph_, &previous_gate, 1, dst, src, kPlaceholder,
+      EPX_CUDA(cudaGraphAddMemcpyNode1D(&copy, graph_, &previous_gate, 1, dst, src, GraphPlaceholders::kBytes,
                                         cudaMemcpyDeviceToDevice));
       copy_nodes_.push_back(copy);
     }
@@ -45,8 +54,6 @@ PlacementGraph::PlacementGraph(int stages, int slots, cudaMemPool_t pool, bool s
 PlacementGraph::~PlacementGraph() {
   if (exec_) cudaGraphExecDestroy(exec_);
   if (graph_) cudaGraphDestroy(graph_);
-  if (scratch_) cudaFree(scratch_);
-  if (pool_scratch_) cudaFreeAsync(pool_scratch_, cudaStreamPerThread);
 }
 
 bool PlacementGraph::add(int stage, char* dst, int64_t dst_pitch, const char* src, int64_t src_pitch,
@@ -71,14 +78,9 @@ void PlacementGraph::launch(const kernels::Ctx& ctx) {
       bool used = i < pending_[stage].size();
       if (used) {
         const Copy& c = pending_[stage][i];
-        const cudaError_t e = cudaGraphExecMemcpyNodeSetParams1D(exec_, copy_nodes_[k], c.dst, c.src, c.bytes,
-                                                                 cudaMemcpyDeviceToDevice);  // the placeholder's kinds
-        if (e == cudaErrorInvalidValue) {
-          (void)cudaGetLastError();
+        if (!update_copy_node(exec_, copy_nodes_[k], c.dst, c.src, c.bytes)) {
           refused.push_back(c);
           used = false;
-        } else {
-          EPX_CUDA(e);
         }
       }
       if (used != enabled_[k]) EPX_CUDA(cudaGraphNodeSetEnabled(exec_, copy_nodes_[k], used ? 1 : 0));

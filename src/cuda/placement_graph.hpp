@@ -19,6 +19,28 @@
 
 namespace epx::detail {
 
+// Placeholder memory for a graph's copy nodes, 16 bytes to copy to and 16 to copy from of each kind:
+// plain (cudaMalloc) and mapped (from `pool`). A node made with memory of a kind takes only memory
+// of that kind later (below).
+class GraphPlaceholders {
+ public:
+  explicit GraphPlaceholders(cudaMemPool_t pool);
+  ~GraphPlaceholders();
+  GraphPlaceholders(const GraphPlaceholders&) = delete;
+  GraphPlaceholders& operator=(const GraphPlaceholders&) = delete;
+  char* dst(bool mapped) const { return mapped ? mapped_ : plain_; }
+  const char* src(bool mapped) const { return (mapped ? mapped_ : plain_) + kBytes; }
+  static constexpr size_t kBytes = 16;
+
+ private:
+  char* plain_ = nullptr;
+  char* mapped_ = nullptr;
+};
+
+// Gives a 1D copy node of `exec` new operands for its next launches (device to device, the kind of
+// every placeholder). False, the node unchanged: memory of another kind than its placeholder's.
+bool update_copy_node(cudaGraphExec_t exec, cudaGraphNode_t node, char* dst, const char* src, size_t bytes);
+
 class PlacementGraph {
  public:
   // A node of an instantiated graph may be given only memory of the kinds its copy had at
@@ -49,8 +71,7 @@ class PlacementGraph {
     bool set = false;  // its node's arguments are these (none set before the first launch)
   };
   int slots_;
-  char* scratch_ = nullptr;       // the placeholder copy's plain source
-  char* pool_scratch_ = nullptr;  // its destination (and mapped source)
+  GraphPlaceholders placeholders_;
   cudaGraph_t graph_ = nullptr;
   cudaGraphExec_t exec_ = nullptr;
   std::vector<cudaGraphNode_t> gate_nodes_, copy_nodes_;  // copy_nodes_[stage * slots + i]
