@@ -426,7 +426,10 @@ void CudaBackend::place_runs(PlacementGraph* graph, const std::vector<RunJob>& j
       if (!rest.runs.empty()) left.push_back(std::move(rest));
     }
   }
-  if (graph) graph->launch(place);
+  const size_t refused = graph ? graph->launch(place) : 0;
+  // EPX_PROFILE=host tells which way the copies went (a refusal is correct, only slower).
+  if (graph) host_steps_.mark(refused || !left.empty() ? "placing graph launched, some copies by calls"
+                                                       : "placing graph launched");
   for (const RunJob& job : left)  // after the whole graph, so after every gate
     copy_row_runs(job.runs, job.from, job.from_stride, to, row_bytes, place_stream_);
 }

@@ -70,7 +70,7 @@ void PlacementGraph::gate(int stage, int64_t flags, int64_t stride, uint32_t pee
   gates_.at(static_cast<size_t>(stage)) = Gate{flags, stride, peers, true};
 }
 
-void PlacementGraph::launch(const kernels::Ctx& ctx) {
+size_t PlacementGraph::launch(const kernels::Ctx& ctx) {
   std::vector<Copy> refused;  // memory of another kind than the placeholder's: by copy calls after the graph
   for (size_t stage = 0; stage < pending_.size(); ++stage) {
     for (size_t i = 0; i < static_cast<size_t>(slots_); ++i) {
@@ -99,6 +99,7 @@ void PlacementGraph::launch(const kernels::Ctx& ctx) {
   EPX_CUDA(cudaGraphLaunch(exec_, ctx.stream));
   for (const Copy& c : refused)  // after the whole graph, so after every gate
     EPX_CUDA(cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDeviceToDevice, ctx.stream));
+  return refused.size();
 }
 
 }  // namespace epx::detail

@@ -61,8 +61,9 @@ class PlacementGraph {
   // rank d in `peers`, a bit per rank (0: it waits for nothing).
   void gate(int stage, int64_t flags, int64_t stride, uint32_t peers);
   // Runs on ctx.stream the copies added and the gates set since the last launch (gates not set
-  // wait for nothing).
-  void launch(const kernels::Ctx& ctx);
+  // wait for nothing). Returns how many of the copies went by copy calls instead (their memory's
+  // kind, above).
+  size_t launch(const kernels::Ctx& ctx);
 
  private:
   struct Gate {
