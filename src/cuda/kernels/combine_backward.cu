@@ -108,18 +108,17 @@ __device__ float scale_and_dot(const uint16_t* g, const uint16_t* y, uint16_t* o
 
 // The same rows and dots as scale_and_dot for every slot in `todo` (lanes whose slot has a row
 // here; lane b gives its slot's y row, grad_y row and weight), through the warp's stage: a ring of
-// kRing entries, each a 2 KiB slice of g and the same slice of one slot's y, loaded by cp.async in
-// (slot, slice) order, so kRing x 4 KiB per warp stay in flight without registers (scale_and_dot
-// keeps 4 KiB in registers; this form measured 4-6% faster, docs/performance.md). Each lane loads
-// and reads only its own vectors (no barrier). A slot's slices are consumed in order, so each
-// lane's dot takes its vectors in the same order as scale_and_dot's. Rows 16-byte aligned,
-// hidden % 8 == 0.
+// kRing entries (CpAsyncRing), each a 2 KiB slice of g and the same slice of one slot's y, loaded
+// by cp.async in (slot, slice) order, so kRing x 4 KiB per warp stay in flight without registers
+// (scale_and_dot keeps 4 KiB in registers; this form measured 4-6% faster, docs/performance.md). A
+// slot's slices are consumed in order, so each lane's dot takes its vectors in the same order as
+// scale_and_dot's. Rows 16-byte aligned, hidden % 8 == 0.
 // Returns lane b's slot's dot to lane b.
 constexpr int kRing = 3;
 static_assert(kRing * 2 * kSlotBytes <= kBulkStageBytes, "the ring fits the warp's stage");
 __device__ float scale_and_dot_staged(const uint16_t* g, unsigned todo, const uint16_t* my_y, uint16_t* my_out,
                                       float my_w, int64_t hidden, int lane) {
-  char* const ring = warp_bulk_stage().buf;
+  char* const ring_base = warp_bulk_stage().buf;
   const int count = __popc(todo);
   // Lane j holds the j-th slot's rows and weight (slots in lane order).
   const int from = lane < count ? static_cast<int>(__fns(todo, 0, lane + 1)) : 0;
@@ -129,44 +128,40 @@ __device__ float scale_and_dot_staged(const uint16_t* g, unsigned todo, const ui
   const int row_bytes = static_cast<int>(hidden * 2), slice_bytes = static_cast<int>(kSlotBytes);
   const int slices = (row_bytes + slice_bytes - 1) / slice_bytes;
   const int items = count * slices;
-  int issued = 0, issue_slot = 0, issue_slice = 0;
-  // This lane's vectors of the next (slot, slice) into ring entry `e`, one commit group (empty
-  // once every item is issued, so that the oldest pending group is always kRing back).
-  auto issue = [&](int e) {
-    if (issued < items) {
-      const int at = issue_slice * slice_bytes + lane * 16;
-      const char* y = shfl_ptr(y_row, issue_slot) + at;
-      const char* gs = reinterpret_cast<const char*>(g) + at;
-      char* dst = ring + e * 2 * slice_bytes + lane * 16;
+  int issue_slot = 0, issue_slice = 0;
+  // This lane's vectors of the next (slot, slice) into an entry: g's slice, then y's.
+  auto load = [&](char* entry) {
+    const int at = issue_slice * slice_bytes + lane * 16;
+    const char* y = shfl_ptr(y_row, issue_slot) + at;
+    const char* gs = reinterpret_cast<const char*>(g) + at;
+    char* dst = entry + lane * 16;
 #pragma unroll
-      for (int u = 0; u < kSumUnroll; ++u) {
-        if (u * 32 * 16 < row_bytes - at) {
-          cp_async16(dst + u * 32 * 16, gs + u * 32 * 16);
-          cp_async16(dst + slice_bytes + u * 32 * 16, y + u * 32 * 16);
-        }
+    for (int u = 0; u < kSumUnroll; ++u) {
+      if (u * 32 * 16 < row_bytes - at) {
+        cp_async16(dst + u * 32 * 16, gs + u * 32 * 16);
+        cp_async16(dst + slice_bytes + u * 32 * 16, y + u * 32 * 16);
       }
-      ++issued;
-      if (++issue_slice == slices) issue_slice = 0, ++issue_slot;
     }
-    cp_async_commit();
+    if (++issue_slice == slices) issue_slice = 0, ++issue_slot;
   };
-  for (int e = 0; e < kRing; ++e) issue(e);
+  CpAsyncRing<kRing> ring(ring_base, 2 * slice_bytes, items);
+  ring.fill(load);
   float dot = 0.0f, mine = 0.0f;
-  int e = 0, slot = 0, slice = 0;
+  int slot = 0, slice = 0;
   for (int item = 0; item < items; ++item) {
-    cp_async_wait<kRing - 1>();  // this item's group, the oldest of kRing
+    const char* entry = ring.oldest();
     const float w = __shfl_sync(0xffffffffu, w_row, slot);
     char* out = const_cast<char*>(shfl_ptr(out_row, slot)) + slice * slice_bytes;
     const int vectors = min(slice_bytes, row_bytes - slice * slice_bytes) / 16;
-    const int4* gs = reinterpret_cast<const int4*>(ring + e * 2 * slice_bytes);
-    const int4* ys = reinterpret_cast<const int4*>(ring + e * 2 * slice_bytes + slice_bytes);
+    const int4* gs = reinterpret_cast<const int4*>(entry);
+    const int4* ys = reinterpret_cast<const int4*>(entry + slice_bytes);
 #pragma unroll
     for (int u = 0; u < kSumUnroll; ++u) {
       const int v = u * 32 + lane;
       if (v >= vectors) continue;
       reinterpret_cast<int4*>(out)[v] = scale_and_dot_vector(gs[v], ys[v], w, dot);
     }
-    issue(e);  // the item kRing ahead, into the entry just read (by this lane only)
+    ring.refill(load);  // the item kRing ahead, into the entry just read (by this lane only)
     if (++slice == slices) {  // the slot's last slice: its dot is complete
       for (int o = 16; o >= 1; o /= 2) dot = __fadd_rn(dot, __shfl_xor_sync(0xffffffffu, dot, o));
       if (lane == static_cast<int>(__fns(todo, 0, slot + 1))) mine = dot;  // the slot's own lane
@@ -174,7 +169,6 @@ __device__ float scale_and_dot_staged(const uint16_t* g, unsigned todo, const ui
       slice = 0;
       ++slot;
     }
-    e = e + 1 == kRing ? 0 : e + 1;
   }
   return mine;
 }

@@ -1,10 +1,9 @@
 // Weighted row sums whose terms come through the warp's stage in shared memory (bulk_copy.cuh),
-// used as a ring of kStageSlots 2 KiB slots: every lane keeps its 16-byte vectors of the next
-// kStageSlots (slice, term) loads in flight with cp.async (the load/store unit's asynchronous
-// copy, one commit group per load), waits for the oldest, adds it, and refills that slot with the
-// load kStageSlots ahead. A lane reads only the vectors it loaded, so the lanes need no barrier;
-// 14 KiB per warp stay in flight without registers. The bulk-copy (TMA) engine was the first
-// form: it moved ~50 GB/s per SM where plain loads move ~100 (docs/performance.md).
+// used as a ring of kStageSlots 2 KiB slots (CpAsyncRing): every lane keeps its 16-byte vectors of
+// the next kStageSlots (slice, term) loads in flight with cp.async, adds the oldest once in, and
+// refills its slot with the load kStageSlots ahead; 14 KiB per warp stay in flight without
+// registers. The bulk-copy (TMA) engine was the first form: it moved ~50 GB/s per SM where plain
+// loads move ~100 (docs/performance.md).
 #pragma once
 #include "cuda/kernels/bulk_copy.cuh"
 #include "cuda/kernels/cp_async.cuh"
@@ -34,35 +33,30 @@ __device__ void sum_rows_staged(int n, Term term, bool weighted, uint16_t* out, 
   const int slot_bytes = static_cast<int>(kSlotBytes);
   const int slices = (row_bytes + slot_bytes - 1) / slot_bytes;
   const int items = slices * count;  // loads, slice by slice, each slice's terms in order
-  int issued = 0, issue_slice = 0, issue_term = 0;
-  // This lane's vectors of the next load into `slot`, as one commit group (an empty one when
-  // every load is issued, so that the oldest pending group is always kStageSlots back).
-  auto issue = [&](int slot) {
-    if (issued < items) {
-      const int at = issue_slice * slot_bytes + lane * 16;  // this lane's first vector in the row
-      const char* src = shfl_ptr(row, issue_term) + at;
-      char* dst = stage + slot * slot_bytes + lane * 16;
-      const int left = row_bytes - at;  // bytes of the row from there on
+  int issue_slice = 0, issue_term = 0;
+  // This lane's vectors of the next load (slice by slice, each slice's terms in order).
+  auto load = [&](char* slot) {
+    const int at = issue_slice * slot_bytes + lane * 16;  // this lane's first vector in the row
+    const char* src = shfl_ptr(row, issue_term) + at;
+    char* dst = slot + lane * 16;
+    const int left = row_bytes - at;  // bytes of the row from there on
 #pragma unroll
-      for (int u = 0; u < kSumUnroll; ++u)
-        if (u * 32 * 16 < left) cp_async16(dst + u * 32 * 16, src + u * 32 * 16);
-      ++issued;
-      if (++issue_term == count) issue_term = 0, ++issue_slice;
-    }
-    cp_async_commit();
+    for (int u = 0; u < kSumUnroll; ++u)
+      if (u * 32 * 16 < left) cp_async16(dst + u * 32 * 16, src + u * 32 * 16);
+    if (++issue_term == count) issue_term = 0, ++issue_slice;
   };
-  for (int slot = 0; slot < kStageSlots; ++slot) issue(slot);
+  CpAsyncRing<kStageSlots> ring(stage, slot_bytes, items);
+  ring.fill(load);
   float acc[kSumUnroll][8] = {};
-  int slot = 0, term_at = 0, slice_at = 0;
+  int term_at = 0, slice_at = 0;
   for (int item = 0; item < items; ++item) {
-    cp_async_wait<kStageSlots - 1>();  // this item's group, the oldest of kStageSlots
     const float w = __shfl_sync(0xffffffffu, weight, term_at);
-    const int4* in = reinterpret_cast<const int4*>(stage + slot * slot_bytes);
+    const int4* in = reinterpret_cast<const int4*>(ring.oldest());
     // The lane's whole slot, branch-free: past a short last slice the sums are of stale bytes
     // and are never stored.
 #pragma unroll
     for (int u = 0; u < kSumUnroll; ++u) fma_bf16x8(acc[u], in[u * 32 + lane], w);
-    issue(slot);  // the load kStageSlots ahead, into the slot just read (by this lane only)
+    ring.refill(load);  // the load kStageSlots ahead, into the slot just read (by this lane only)
     if (++term_at == count) {  // the slice's last term: its sums are complete
       const int vectors = min(slot_bytes, row_bytes - slice_at * slot_bytes) / 16;
       int4* to = reinterpret_cast<int4*>(out + slice_at * (slot_bytes / 2));
@@ -75,7 +69,6 @@ __device__ void sum_rows_staged(int n, Term term, bool weighted, uint16_t* out, 
       term_at = 0;
       ++slice_at;
     }
-    slot = slot + 1 == kStageSlots ? 0 : slot + 1;
   }
   if (count == 0)  // no term: the sum from 0
     for (int v = lane; v < row_bytes / 16; v += 32) reinterpret_cast<int4*>(out)[v] = int4{0, 0, 0, 0};
