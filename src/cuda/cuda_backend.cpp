@@ -855,6 +855,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     kernels::begin_broadcast(ctx(), copy_stream_);
     if (c.wire != WireFormat::bf16) {  // quantized (or given fp8) rows wait in this rank's window
       kernels::encode_rows(ctx(copy_stream_), rows, tokens);
+      timer_.mark(11, copy_stream_);
       bcast_from = window_->local() + map_.bcast_rows + rank_ * c.max_tokens_per_rank * map_.bcast_stride;
       bcast_stride = bcast_row_bytes = map_.bcast_stride;
     }
@@ -1067,6 +1068,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     timer_.add("dispatch: all", 0, 5);
     if (broadcast_) {
       timer_.add("dispatch: broadcast copies", 6, 7);
+      if (c.wire != WireFormat::bf16) timer_.add("dispatch: broadcast's encode", 6, 11);
       timer_.add("dispatch: broadcast to received", 6, 5);
     }
     host_steps_.mark("returned");
