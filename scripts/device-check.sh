@@ -59,16 +59,19 @@ if want tests; then
     note "gpu tests, $engine engines, rc=$rc: $(grep -E '^\[  PASSED' "$OUT/gpu_tests_$engine.log") failed: ${failed:-none}"
   done
   # The experiments that are off by default (docs/benchmarks.md), on, with copy engines forced, so
-  # their paths stay tested (KNOB_ENV="" skips this pass).
-  knobs=${KNOB_ENV-EPX_RECEIVER_START=early EPX_RETURN_PIECES=halving EPX_OWN_ROWS=copies EPX_PEER_ROWS=copies EPX_PIECE_COPIES=graph EPX_PIECE_SPLIT=2}
-  if [ -n "$knobs" ]; then
-    read -ra knob_vars <<< "$knobs"
+  # their paths stay tested: a pass per ';'-separated set (KNOB_ENV="" skips them). The second set
+  # takes the paths the first one's graphs replace (EPX_ENCODE=pieces goes without the piece graphs).
+  knob_sets=${KNOB_ENV-EPX_RECEIVER_START=early EPX_RETURN_PIECES=halving EPX_OWN_ROWS=copies EPX_PEER_ROWS=copies EPX_PIECE_COPIES=graph EPX_PIECE_SPLIT=2;EPX_ENCODE=pieces EPX_OWN_ROWS=copies EPX_PEER_ROWS=copies EPX_PLACE_COPIES=calls}
+  IFS=';' read -ra knob_list <<< "$knob_sets"
+  for i in "${!knob_list[@]}"; do
+    read -ra knob_vars <<< "${knob_list[$i]}"
+    [ ${#knob_vars[@]} -eq 0 ] && continue
     env "${knob_vars[@]}" EPX_DISPATCH_ENGINE=copy EPX_COMBINE_ENGINE=copy EPX_TIMEOUT_MS=${EPX_TIMEOUT_MS:-10000} timeout 300 \
-      ./build-gpu/tests/epx_gpu_tests --gtest_filter="${ENGINE_FILTER:-*Cuda*:-*LowLatency*}" > "$OUT/gpu_tests_knobs.log" 2>&1
+      ./build-gpu/tests/epx_gpu_tests --gtest_filter="${ENGINE_FILTER:-*Cuda*:-*LowLatency*}" > "$OUT/gpu_tests_knobs$i.log" 2>&1
     rc=$?
-    failed=$(grep -E '^\[  FAILED  \] .*\(' "$OUT/gpu_tests_knobs.log" | sed -E 's/^\[  FAILED  \] ([^ ,]*).*/\1/' | sort -u | tr '\n' ' ')
-    note "gpu tests, copy engines with $knobs, rc=$rc: $(grep -E '^\[  PASSED' "$OUT/gpu_tests_knobs.log") failed: ${failed:-none}"
-  fi
+    failed=$(grep -E '^\[  FAILED  \] .*\(' "$OUT/gpu_tests_knobs$i.log" | sed -E 's/^\[  FAILED  \] ([^ ,]*).*/\1/' | sort -u | tr '\n' ' ')
+    note "gpu tests, copy engines with ${knob_list[$i]}, rc=$rc: $(grep -E '^\[  PASSED' "$OUT/gpu_tests_knobs$i.log") failed: ${failed:-none}"
+  done
 fi
 if want sanitize; then
   # Each tool twice: the default engines (SM at one rank), then the copy-engine path forced (at one
@@ -277,6 +280,7 @@ if want profile; then
     [partials]="--wire bf16 --layout expert_major --ops combine"
     [reducers]="--wire bf16 --layout rank_major --ops combine"
     [expand]="--wire bf16 --layout expert_major --ops combine_backward"
+    [encode]="--wire fp8 --layout rank_major --ops dispatch"
     [ll_dispatch]="--preset ll --wire fp8 --ops ll_dispatch"
     [ll_combine]="--preset ll --wire fp8 --ops ll_combine"
   )
@@ -287,6 +291,7 @@ if want profile; then
       partials) prof partials 'reduce_partials_kernel' EPX_DISPATCH_ENGINE=copy EPX_COMBINE_ENGINE=copy ;;
       reducers) prof reducers '^combine_kernel$' EPX_DISPATCH_ENGINE=copy EPX_COMBINE_ENGINE=copy ;;
       expand) prof expand 'expand_grad_kernel' ;;
+      encode) prof encode 'encode_rows_kernel' EPX_DISPATCH_ENGINE=copy ;;
       ll_dispatch) prof ll_dispatch '^dispatch_kernel$' EPX_TIMEOUT_MS=60000 ;;
       ll_combine) prof ll_combine '^combine_kernel$' EPX_TIMEOUT_MS=60000 ;;
       *) echo "unknown profile $name" ;;

@@ -6,7 +6,7 @@
 # two runs of one binary the medians move by up to ~20 us, so only what holds in every round is a
 # result. Run it after scripts/device-check.sh has built build-gpu (e.g. its `tests` step).
 #   usage: SOURCE_VARIANTS=$'label=command[\nlabel=command...]' (one variant a line)
-#          [AB_ARGS="epx-bench arguments"] [AB_RUNS=3] bash scripts/source-ab.sh
+#          [AB_ARGS="epx-bench arguments"] [AB_RUNS=3] [AB_GREP="lines to keep", e.g. with EPX_PROFILE=1] bash scripts/source-ab.sh
 # e.g.   SOURCE_VARIANTS=$'group2=sed -i "s/kScaleGroup = 4;/kScaleGroup = 2;/" src/cuda/kernels/combine_backward.cu\nold=patch -R -p1 < my.patch'
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +35,7 @@ gpus=$(nvidia-smi -L | wc -l)
 for i in $(seq "${AB_RUNS:-3}"); do
   for label in "${labels[@]}"; do
     timeout 120 "$bins/$label" --backend cuda --ranks "$gpus" ${AB_ARGS:---wire bf16 --ops dispatch} 2>&1 |
-      grep -E '^(dispatch|combine|ll_)' | sed "s/^/[$label] run $i: /" >> "$OUT/source-ab.log"
+      grep -E "${AB_GREP:-^(dispatch|combine|ll_)}" | sed "s/^/[$label] run $i: /" >> "$OUT/source-ab.log"
   done
 done
 # Grouped by op, dtype, layout, then variant, runs in order.

@@ -267,6 +267,9 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   copy_combine_ = use_copy_combine(ranks_);
   own_copies_ = broadcast_ && env_choice("EPX_OWN_ROWS", {"receiver", "copies"}) == "copies";
   peer_copies_ = broadcast_ && env_choice("EPX_PEER_ROWS", {"receiver", "copies"}) == "copies";
+  // An experiment, off until measured at two ranks (docs/performance.md, "The fp8 encode").
+  piece_encode_ = broadcast_ && wire_.format != WireFormat::bf16 &&
+                  env_choice("EPX_ENCODE", {"whole", "pieces"}) == "pieces";
   // The call's stream, the receiver's side stream, the copy engines' and the placing copies' streams.
   state->check_streams(2 + (broadcast_ || copy_combine_ ? 1 : 0) + (own_copies_ || peer_copies_ ? 1 : 0));
   map_ = make_window_map(config, ranks_, wire_, broadcast_);
@@ -838,10 +841,19 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   const int64_t own_anchor = rank_ * c.max_tokens_per_rank;
   const char* bcast_from = rows.x;  // bf16: x itself
   int64_t bcast_stride = rows.x_stride_bytes, bcast_row_bytes = wire_.bytes();
-  // Pieces [first, end) of the broadcast on the copy stream; after the last, copies_done_.
+  // The rows' pieces sent as they are encoded (EPX_ENCODE=pieces; not through the broadcast's
+  // graph, which sends every piece at once).
+  const bool encode_by_piece = broadcast_ && piece_encode_ && !broadcast_graphs_.of_kind[0];
+  // Pieces [first, end) of the broadcast on the copy stream, each behind a wait for its rows when
+  // they are encoded by piece; after the last, copies_done_.
   auto broadcast_pieces = [&](int64_t first, int64_t end) {
-    kernels::copy_pieces(
-        kernels::broadcast_pieces(ctx(), bcast_from, bcast_stride, bcast_row_bytes, tokens, first, end), copy_stream_);
+    for (int64_t q = first; q < end; q = encode_by_piece ? q + 1 : end) {
+      const int64_t q_end = encode_by_piece ? q + 1 : end;
+      if (encode_by_piece && q * map_.piece_tokens < tokens)  // this rank's own flag of piece q
+        kernels::wait_peer_flags(ctx(copy_stream_), map_.bcast_flag + q * sizeof(uint32_t), kMaxPieces, 1u << rank_);
+      kernels::copy_pieces(
+          kernels::broadcast_pieces(ctx(), bcast_from, bcast_stride, bcast_row_bytes, tokens, q, q_end), copy_stream_);
+    }
     if (end < kMaxPieces) return;
     timer_.mark(7, copy_stream_);
     EPX_CUDA(cudaEventRecord(copies_done_, copy_stream_));
@@ -854,14 +866,22 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     timer_.mark(6, copy_stream_);
     kernels::begin_broadcast(ctx(), copy_stream_);
     if (c.wire != WireFormat::bf16) {  // quantized (or given fp8) rows wait in this rank's window
-      kernels::encode_rows(ctx(copy_stream_), rows, tokens);
-      timer_.mark(11, copy_stream_);
+      if (!encode_by_piece) {
+        kernels::encode_rows(ctx(copy_stream_), rows, tokens, false);
+        timer_.mark(11, copy_stream_);
+      }
       bcast_from = window_->local() + map_.bcast_rows + rank_ * c.max_tokens_per_rank * map_.bcast_stride;
       bcast_stride = bcast_row_bytes = map_.bcast_stride;
     }
     // The placing data and the receivers wait for this: the peers read this rank's previous
-    // broadcast, and its own encoded rows are in place.
+    // broadcast, and its own encoded rows are in place (encoded by piece: on the side stream, which
+    // places and receives after them).
     EPX_CUDA(cudaEventRecord(broadcast_begun_, copy_stream_));
+    if (encode_by_piece) {
+      EPX_CUDA(cudaStreamWaitEvent(side_stream_, broadcast_begun_, 0));
+      kernels::encode_rows(ctx(side_stream_), rows, tokens, true);
+      timer_.mark(11, side_stream_);
+    }
     // Lean: two pieces keep the copy engines busy (~100 us at V3, more than the host takes to
     // launch the routing, which the receiver waits for); the other pieces follow the routing.
     // With EPX_PIECE_COPIES=graph all pieces go at once, in one launch.

@@ -140,6 +140,9 @@ class CudaBackend final : public Backend {
   bool broadcast_ = false;  // dispatch moves its rows by copy engine (kernels/broadcast.cu)
   bool early_receiver_ = false;  // EPX_RECEIVER_START=early: a broadcast's receiver goes before the plan (dispatch())
   bool copy_combine_ = false;  // blocking combine and dispatch_backward return their rows by copy engine
+  // EPX_ENCODE=pieces: a quantized copy-engine dispatch encodes its rows on the side stream, and
+  // each piece's copies wait on the device for that piece's rows only (encode_rows' piece flags).
+  bool piece_encode_ = false;
   // EPX_OWN_ROWS=copies: a blocking rank-major bf16 copy-engine dispatch places this rank's own rows
   // by copy engine, in runs read back from the positions (place_own_rows(), dispatch()).
   bool own_copies_ = false;

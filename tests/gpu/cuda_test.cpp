@@ -117,6 +117,9 @@ INSTANTIATE_TEST_SUITE_P(
         GpuCase{S, 8, 1024, 64, 64, 8, W::nvfp4, L::rank_major, 1, U, 0.0},
         GpuCase{S, 8, 2048, 96, 288, 8, W::fp8_ue8m0, L::expert_major, 16, U, 0.0},
         GpuCase{S, 3, 512, 40, 9, 3, W::bf16, L::expert_major, 4, U, 0.0, CapacityMode::blocking, 0.7},
+        // fp8 by copy engines at two ranks: rows of 640 channels (the encode's last 512-channel
+        // step partly past the row), 200 tokens (the last broadcast piece short)
+        GpuCase{S, 2, 640, 200, 32, 8, W::fp8_ue8m0, L::rank_major, 1, K, 0.0},
         // Rank-major bf16, where copy engines may place the rows (EPX_OWN_ROWS, EPX_PEER_ROWS): four
         // pieces, the last one short; rows of 2008 bytes, not 16-byte multiples (a copy per row)
         GpuCase{S, 2, 2048, 300, 32, 8, W::bf16, L::rank_major, 1, U, 0.0},

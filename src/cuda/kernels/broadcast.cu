@@ -45,14 +45,35 @@ __global__ void broadcast_begin_kernel(PeerWindows w, WindowMap m, CallState* cs
 
 // Warp per token: this rank's wire rows (quantized from bf16 x, or fp8 codes and scales as given)
 // into its own part of bcast_rows, from where the copy engines send them and its receivers read
-// its own tokens.
-__global__ void encode_rows_kernel(PeerWindows w, WindowMap m, Shape s, SendRows rows, int64_t tokens) {
+// its own tokens. With flag_pieces, a warp counts the rows it wrote of each piece once it moves
+// past the piece (a warp's tokens only grow), and the warp that completes a piece raises this
+// rank's own flag of it (encode_rows).
+__global__ void encode_rows_kernel(PeerWindows w, WindowMap m, Shape s, SendRows rows, int64_t tokens, CallState* cs,
+                                   bool flag_pieces) {
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  int64_t piece = -1;
+  uint32_t written = 0;  // rows of `piece` this warp wrote
+  auto count_piece = [&]() {
+    __syncwarp();  // the lanes' stores, then lane 0's fence covers them
+    if (lane != 0 || written == 0) return;
+    __threadfence();
+    const uint32_t rows_in_piece = static_cast<uint32_t>(min(m.piece_tokens, tokens - piece * m.piece_tokens));
+    if (atomicAdd(&cs->encoded_rows[piece], written) + written != rows_in_piece) return;
+    cs->encoded_rows[piece] = 0;  // every row is counted: zero for the next call
+    set_flag(at_window<uint32_t>(w, w.rank, m.bcast_flag) + w.rank * kMaxPieces + piece, call_epoch(cs));
+  };
   for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32; t < tokens; t += warps) {
+    if (flag_pieces && t / m.piece_tokens != piece) {
+      count_piece();
+      piece = t / m.piece_tokens;
+      written = 0;
+    }
     char* dst = at_window<char>(w, w.rank, m.bcast_rows + (w.rank * s.max_tokens + t) * m.bcast_stride);
     encode_wire_row(rows, t, s.hidden, &dst, 1, lane);
+    ++written;
   }
+  if (flag_pieces) count_piece();
 }
 
 // Thread per token: the positions the SM sender would have written, in place: send_pos becomes
@@ -138,10 +159,11 @@ void begin_broadcast(const Ctx& ctx, cudaStream_t copies) {
   EPX_CUDA(cudaGetLastError());
 }
 
-void encode_rows(const Ctx& ctx, const SendRows& rows, int64_t tokens) {
+void encode_rows(const Ctx& ctx, const SendRows& rows, int64_t tokens, bool flag_pieces) {
   if (tokens == 0) return;
   const int blocks = static_cast<int>(std::min<int64_t>(ctx.blocks, (tokens + 15) / 16));
-  encode_rows_kernel<<<blocks, 512, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, rows, tokens);
+  encode_rows_kernel<<<blocks, 512, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, rows, tokens, ctx.state,
+                                                     flag_pieces);
   EPX_CUDA(cudaGetLastError());
 }
 

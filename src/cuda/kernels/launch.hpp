@@ -115,7 +115,10 @@ struct SendRows {
 void begin_broadcast(const Ctx& ctx, cudaStream_t copies);
 // Copy-engine dispatch of a quantized wire, on ctx.stream after begin_broadcast: this rank's wire
 // rows [0, tokens) into its own part of bcast_rows (the broadcast then sends them from there).
-void encode_rows(const Ctx& ctx, const SendRows& rows, int64_t tokens);
+// With `flag_pieces`, each broadcast piece's own flag (bcast_flag[rank][piece] in this rank's
+// window, which no copy writes) takes the call's epoch once the piece's rows are written, so a
+// copy stream can send each piece behind a wait_peer_flags on it while the rest is encoded.
+void encode_rows(const Ctx& ctx, const SendRows& rows, int64_t tokens, bool flag_pieces);
 // One piece of a copy-engine transfer to a peer's window: its parts (rows of row_bytes from src to
 // dst, each its stride apart: a piece's rows, then its slot values if any), then the call's epoch
 // (the 4 bytes at `epoch`) into the piece's flag there, which says the parts have landed.
