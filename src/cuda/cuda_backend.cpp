@@ -844,9 +844,10 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   // The rows' pieces sent as they are encoded (EPX_ENCODE=pieces; not through the broadcast's
   // graph, which sends every piece at once).
   const bool encode_by_piece = broadcast_ && piece_encode_ && !broadcast_graphs_.of_kind[0];
-  // Pieces [first, end) of the broadcast on the copy stream, each behind a wait for its rows when
-  // they are encoded by piece; after the last, copies_done_.
-  auto broadcast_pieces = [&](int64_t first, int64_t end) {
+  // Pieces [first, end) of the broadcast by copy calls on the copy stream (the broadcast's graph
+  // is the other way), each behind a wait for its rows when they are encoded by piece; after the
+  // last, copies_done_.
+  auto enqueue_pieces = [&](int64_t first, int64_t end) {
     for (int64_t q = first; q < end; q = encode_by_piece ? q + 1 : end) {
       const int64_t q_end = encode_by_piece ? q + 1 : end;
       if (encode_by_piece && q * map_.piece_tokens < tokens)  // this rank's own flag of piece q
@@ -894,7 +895,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
       timer_.mark(7, copy_stream_);
       EPX_CUDA(cudaEventRecord(copies_done_, copy_stream_));
     } else {
-      broadcast_pieces(0, lean ? 2 : kMaxPieces);
+      enqueue_pieces(0, lean ? 2 : kMaxPieces);
     }
     host_steps_.mark(broadcast_graphed ? "broadcast graph launched" : "broadcast enqueued");
   }
@@ -929,7 +930,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   timer_.mark(9, stream_);
   host_steps_.mark("positions launched");
   if (broadcast_ && lean && !broadcast_graphed) {
-    broadcast_pieces(2, kMaxPieces);
+    enqueue_pieces(2, kMaxPieces);
     host_steps_.mark("broadcast's other pieces enqueued");
   }
   const kernels::Placing mine{dh->slot_expert, dh->slot_weight, dh->pos.send_pos, dh->pos.slot_pos};
