@@ -191,6 +191,42 @@ const char* call_kind_name(int32_t kind) {
 }
 
 // The words for an input error found on the device (same as the CPU backend's).
+// A validated dispatch input's routing (top-k ids and weights, or a dense map and probabilities)
+// and rows, as the kernels read them.
+kernels::RoutingInput routing_input(const DispatchInput& in) {
+  kernels::RoutingInput routing;
+  if (in.topk_idx.defined()) {
+    routing.topk_idx = in.topk_idx.data;
+    routing.idx64 = in.topk_idx.dtype == DType::i64;
+    routing.idx_stride = in.topk_idx.strides[0];
+    if (in.topk_weights.defined()) {
+      routing.topk_weights = in.topk_weights.ptr<const float>();
+      routing.weight_stride = in.topk_weights.strides[0];
+    }
+  } else {
+    routing.routing_map = in.routing_map.ptr<const uint8_t>();
+    routing.map_stride = in.routing_map.strides[0];
+    if (in.probs.defined()) {
+      routing.probs = in.probs.ptr<const float>();
+      routing.probs_stride = in.probs.strides[0];
+    }
+  }
+  return routing;
+}
+
+kernels::SendRows send_rows(const DispatchInput& in, WireFormat wire, float nvfp4_global_scale) {
+  kernels::SendRows rows;
+  rows.x = static_cast<const char*>(in.x.data);
+  rows.x_stride_bytes = in.x.strides[0] * dtype_size(in.x.dtype);
+  if (in.x.dtype == DType::fp8_e4m3) {
+    rows.x_scales = in.x_scales.ptr<const float>();
+    rows.scales_stride = in.x_scales.strides[0];
+  }
+  rows.wire = wire;
+  rows.nvfp4_global_scale = nvfp4_global_scale;
+  return rows;
+}
+
 std::string input_error(int32_t code, int64_t a, int64_t b, int64_t c, const BufferConfig& cfg) {
   if (code == kStatusBadExpert && b == cfg.topk)
     return cat("dispatch: routing_map row ", a, " selects more than topk=", cfg.topk, " experts");
@@ -794,32 +830,9 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     check_device_tensor(in.x, "dispatch: x");
     tokens = in.x.shape[0];
     validate_routing_tensors(in, c, tokens, DeviceKind::cuda);
-    if (in.topk_idx.defined()) {
-      routing.topk_idx = in.topk_idx.data;
-      routing.idx64 = in.topk_idx.dtype == DType::i64;
-      routing.idx_stride = in.topk_idx.strides[0];
-      if (in.topk_weights.defined()) {
-        routing.topk_weights = in.topk_weights.ptr<const float>();
-        routing.weight_stride = in.topk_weights.strides[0];
-      }
-      has_weights = in.topk_weights.defined();
-    } else {
-      routing.routing_map = in.routing_map.ptr<const uint8_t>();
-      routing.map_stride = in.routing_map.strides[0];
-      if (in.probs.defined()) {
-        routing.probs = in.probs.ptr<const float>();
-        routing.probs_stride = in.probs.strides[0];
-      }
-      has_weights = in.probs.defined();
-    }
-    rows.x = static_cast<const char*>(in.x.data);
-    rows.x_stride_bytes = in.x.strides[0] * dtype_size(in.x.dtype);
-    if (in.x.dtype == DType::fp8_e4m3) {
-      rows.x_scales = in.x_scales.ptr<const float>();
-      rows.scales_stride = in.x_scales.strides[0];
-    }
-    rows.wire = c.wire;
-    rows.nvfp4_global_scale = opt.nvfp4_global_scale;
+    routing = routing_input(in);
+    has_weights = in.topk_idx.defined() ? in.topk_weights.defined() : in.probs.defined();
+    rows = send_rows(in, c.wire, opt.nvfp4_global_scale);
   } catch (const Error& e) {
     error = e.what();
   }
@@ -1076,32 +1089,36 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
                     &out.recv_topk_idx, &out.recv_topk_weights})
     if (t->defined()) *t = row_range(*t, t == &out.recv_x ? x_first : 0, h->recv.capacity);
   out.handle = Handle(std::move(h));
-  if (timer_.on()) {
-    timer_.add("dispatch: routing+plan", 0, 1);
-    timer_.add("dispatch: routing", 0, 8);
-    timer_.add("dispatch: positions", 8, 9);
-    timer_.add("dispatch: plan exchange", 9, 1);
-    timer_.add("dispatch: send kernel", 1, 2);
-    timer_.add("dispatch: layout", 1, 3);
-    timer_.add("dispatch: sizes read+alloc", 3, 4);
-    timer_.add("dispatch: receive kernel", 4, 5);
-    timer_.add("dispatch: plan to received", 1, 5);
-    timer_.add("dispatch: all", 0, 5);
-    if (broadcast_) {
-      timer_.add("dispatch: broadcast copies", 6, 7);
-      if (c.wire != WireFormat::bf16) timer_.add("dispatch: broadcast's encode", 6, 11);
-      timer_.add("dispatch: broadcast to received", 6, 5);
-    }
-    host_steps_.mark("returned");
-    // Each host step's time since the one before: where the host's part of a call goes.
-    int step_number = 0;
-    host_steps_.for_each([&](const char* step, double us) {
-      ++step_number;
-      timer_.add_host_us(cat("dispatch host ", step_number < 10 ? "0" : "", step_number, ": ", step), us);
-    });
-    timer_.add_host("dispatch host: call", host_call, std::chrono::steady_clock::now());
-  }
+  if (timer_.on()) report_dispatch_profile(c.wire != WireFormat::bf16, host_call);
   return out;
+}
+
+// EPX_PROFILE: the call's device steps (its events' marks) and host steps, added to the means
+// printed when the buffer goes.
+void CudaBackend::report_dispatch_profile(bool quantized, std::chrono::steady_clock::time_point host_call) {
+  timer_.add("dispatch: routing+plan", 0, 1);
+  timer_.add("dispatch: routing", 0, 8);
+  timer_.add("dispatch: positions", 8, 9);
+  timer_.add("dispatch: plan exchange", 9, 1);
+  timer_.add("dispatch: send kernel", 1, 2);
+  timer_.add("dispatch: layout", 1, 3);
+  timer_.add("dispatch: sizes read+alloc", 3, 4);
+  timer_.add("dispatch: receive kernel", 4, 5);
+  timer_.add("dispatch: plan to received", 1, 5);
+  timer_.add("dispatch: all", 0, 5);
+  if (broadcast_) {
+    timer_.add("dispatch: broadcast copies", 6, 7);
+    if (quantized) timer_.add("dispatch: broadcast's encode", 6, 11);
+    timer_.add("dispatch: broadcast to received", 6, 5);
+  }
+  host_steps_.mark("returned");
+  // Each host step's time since the one before: where the host's part of a call goes.
+  int step_number = 0;
+  host_steps_.for_each([&](const char* step, double us) {
+    ++step_number;
+    timer_.add_host_us(cat("dispatch host ", step_number < 10 ? "0" : "", step_number, ": ", step), us);
+  });
+  timer_.add_host("dispatch host: call", host_call, std::chrono::steady_clock::now());
 }
 
 const HandleState& CudaBackend::start_handle_call(const Call& call, const Handle& handle, int64_t options,

@@ -49,6 +49,7 @@ class CudaBackend final : public Backend {
 
   Call begin_call(CallKind kind);
   kernels::Ctx ctx(cudaStream_t stream = nullptr) const;  // on the call's stream unless given
+  void report_dispatch_profile(bool quantized, std::chrono::steady_clock::time_point host_call);
   PlanHeader plan_header(const Call& call, const std::string& error, int64_t tokens, int64_t signature) const;
   // A host-side input error: posts the rejection in each of the call's `phases` plan exchanges
   // (peers wait for every one of them, then stop with this message), then throws it.
