@@ -190,7 +190,6 @@ const char* call_kind_name(int32_t kind) {
   return "an unknown call";
 }
 
-// The words for an input error found on the device (same as the CPU backend's).
 // A validated dispatch input's routing (top-k ids and weights, or a dense map and probabilities)
 // and rows, as the kernels read them.
 kernels::RoutingInput routing_input(const DispatchInput& in) {
@@ -227,6 +226,7 @@ kernels::SendRows send_rows(const DispatchInput& in, WireFormat wire, float nvfp
   return rows;
 }
 
+// The words for an input error found on the device (same as the CPU backend's).
 std::string input_error(int32_t code, int64_t a, int64_t b, int64_t c, const BufferConfig& cfg) {
   if (code == kStatusBadExpert && b == cfg.topk)
     return cat("dispatch: routing_map row ", a, " selects more than topk=", cfg.topk, " experts");
@@ -843,20 +843,21 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     reject(call, c.capacity_factor > 0.0 ? 2 : 1, error, tokens, signature);
   }
   const bool lean = lean_dispatch();
+  // Where the copy engines may place rows: a lean, blocking, rank-major bf16 dispatch.
+  const bool copies_may_place = lean && c.mode != CapacityMode::capacity && opt.layout == Layout::rank_major &&
+                                wire_.format == WireFormat::bf16;
   // EPX_OWN_ROWS=copies: own rows by the copy engines (place_own_rows), from row own_anchor of the
   // outputs on; the receiver places the other ranks' rows.
-  const bool own_by_copies = own_copies_ && lean && c.mode != CapacityMode::capacity &&
-                             opt.layout == Layout::rank_major && wire_.format == WireFormat::bf16;
+  const bool own_by_copies = own_copies_ && copies_may_place;
   // EPX_PEER_ROWS=copies: the other ranks' rows too (place_peer_rows), once the plan and their
   // placing data are here; the receiver then writes only the rows' data.
-  const bool peer_by_copies = peer_copies_ && ranks_ > 1 && lean && c.mode != CapacityMode::capacity &&
-                              opt.layout == Layout::rank_major && wire_.format == WireFormat::bf16;
+  const bool peer_by_copies = peer_copies_ && ranks_ > 1 && copies_may_place;
   const int64_t own_anchor = rank_ * c.max_tokens_per_rank;
   const char* bcast_from = rows.x;  // bf16: x itself
   int64_t bcast_stride = rows.x_stride_bytes, bcast_row_bytes = wire_.bytes();
   // The rows' pieces sent as they are encoded (EPX_ENCODE=pieces; not through the broadcast's
   // graph, which sends every piece at once).
-  const bool encode_by_piece = broadcast_ && piece_encode_ && !broadcast_graphs_.of_kind[0];
+  const bool encode_by_piece = piece_encode_ && !broadcast_graphs_.of_kind[0];
   // Pieces [first, end) of the broadcast by copy calls on the copy stream (the broadcast's graph
   // is the other way), each behind a wait for its rows when they are encoded by piece; after the
   // last, copies_done_.

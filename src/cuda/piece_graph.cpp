@@ -40,11 +40,6 @@ bool PieceGraph::launch(const std::vector<kernels::FlaggedPiece>& pieces, cudaSt
   for (const kernels::FlaggedPiece& p : pieces)
     if (p.parts != 1 || p.part[0].dst_stride != p.part[0].row_bytes || p.part[0].src_stride != p.part[0].row_bytes)
       return false;
-  // A node is enabled or disabled only when that changes (each call costs the host).
-  auto enable = [&](cudaGraphNode_t node, bool on, bool& is_on) {
-    if (on != is_on) EPX_CUDA(cudaGraphNodeSetEnabled(exec_, node, on ? 1 : 0));
-    is_on = on;
-  };
   for (size_t n = 0; n < nodes_.size(); ++n) {
     Node& node = nodes_[n];
     const bool used = n < pieces.size();
@@ -52,22 +47,21 @@ bool PieceGraph::launch(const std::vector<kernels::FlaggedPiece>& pieces, cudaSt
     const int64_t per_copy = (rows + split - 1) / split;  // the piece's rows cut in `split` copies
     for (int64_t i = 0; i < split; ++i) {
       const int64_t first = i * per_copy, count = std::min(rows, first + per_copy) - first;
-      bool on = node.rows_on[i];
       if (count > 0) {
         const kernels::FlaggedPiece::Part& c = pieces[n].part[0];
         if (!update_copy_node(exec_, node.rows[i], c.dst + first * c.row_bytes, c.src + first * c.row_bytes,
-                      static_cast<size_t>(count * c.row_bytes)))
+                              static_cast<size_t>(count * c.row_bytes)))
           return false;
       }
-      enable(node.rows[i], count > 0, on);  // a piece of fewer rows than copies leaves some idle
-      node.rows_on[i] = on;
+      // A piece of fewer rows than copies leaves some idle.
+      node.rows_on[i] = set_node_enabled(exec_, node.rows[i], count > 0, node.rows_on[i]);
     }
     if (used && (node.flag_dst != pieces[n].flag || node.flag_src != pieces[n].epoch)) {
       if (!update_copy_node(exec_, node.flag, pieces[n].flag, pieces[n].epoch, sizeof(uint32_t))) return false;
       node.flag_dst = pieces[n].flag;
       node.flag_src = pieces[n].epoch;
     }
-    enable(node.flag, used, node.flag_on);  // the chain's unused end: neither copied nor flagged
+    node.flag_on = set_node_enabled(exec_, node.flag, used, node.flag_on);  // the chain's unused end: no flag
   }
   EPX_CUDA(cudaGraphLaunch(exec_, stream));
   return true;

@@ -25,6 +25,11 @@ bool update_copy_node(cudaGraphExec_t exec, cudaGraphNode_t node, char* dst, con
   return e == cudaSuccess;
 }
 
+bool set_node_enabled(cudaGraphExec_t exec, cudaGraphNode_t node, bool on, bool was_on) {
+  if (on != was_on) EPX_CUDA(cudaGraphNodeSetEnabled(exec, node, on ? 1 : 0));
+  return on;
+}
+
 PlacementGraph::PlacementGraph(int stages, int slots, cudaMemPool_t pool, bool src_mapped)
     : slots_(slots), placeholders_(pool), enabled_(static_cast<size_t>(stages) * slots, false), pending_(stages),
       gates_(stages), gates_set_(stages) {
@@ -83,8 +88,7 @@ size_t PlacementGraph::launch(const kernels::Ctx& ctx) {
           used = false;
         }
       }
-      if (used != enabled_[k]) EPX_CUDA(cudaGraphNodeSetEnabled(exec_, copy_nodes_[k], used ? 1 : 0));
-      enabled_[k] = used;
+      enabled_[k] = set_node_enabled(exec_, copy_nodes_[k], used, enabled_[k]);
     }
     pending_[stage].clear();
     // A node's arguments change only with the gate (the buffer's windows and state stay).

@@ -40,6 +40,9 @@ class GraphPlaceholders {
 // Gives a 1D copy node of `exec` new operands for its next launches (device to device, the kind of
 // every placeholder). False, the node unchanged: memory of another kind than its placeholder's.
 bool update_copy_node(cudaGraphExec_t exec, cudaGraphNode_t node, char* dst, const char* src, size_t bytes);
+// Enables (on) or disables a node of `exec` that was `was_on`, calling CUDA only when that changes
+// (each call costs the host); returns `on`, the node's state now.
+bool set_node_enabled(cudaGraphExec_t exec, cudaGraphNode_t node, bool on, bool was_on);
 
 class PlacementGraph {
  public:
