@@ -97,15 +97,18 @@ TEST(Errors, PreQuantizedInputNeedsAnFp8Buffer) {
 }
 
 TEST(Errors, BadConfigs) {
-  HostWorld world(2);
+  // Creation is collective even for a config every rank refuses: each rank fails with the reason.
   auto expect_config_error = [&](BufferConfig c, const std::string& words) {
-    try {
-      Buffer b(world.group(0), c);
-      ADD_FAILURE() << "no error for " << words;
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
-      EXPECT_THAT(e.what(), HasSubstr(words));
-    }
+    auto errors = verify::run_ranks(2, [&](const Group& g) {
+      try {
+        Buffer b(g, c);
+        ADD_FAILURE() << "no error for " << words;
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::invalid_argument);
+        EXPECT_THAT(e.what(), HasSubstr(words));
+      }
+    });
+    for (const std::string& e : errors) EXPECT_EQ(e, "");
   };
   auto c = cfg16();
   c.num_experts = 7;

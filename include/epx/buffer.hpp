@@ -2,6 +2,7 @@
 // collective: every rank of the group constructs one, with the same config, in the same order.
 #pragma once
 #include <memory>
+#include <string>
 
 #include "epx/config.hpp"
 #include "epx/group.hpp"
@@ -44,6 +45,12 @@ class Buffer {
   DispatchBackwardResult dispatch_backward(const DispatchBackwardInput& in, const Handle& handle);
   CombineBackwardResult combine_backward(const CombineBackwardInput& in, const Handle& handle,
                                          const CombineOptions& opt = {});
+
+  // For bindings and front ends whose own checks fail before they can build a call's input:
+  // takes part in this rank's next collective call `op` as a rank whose input is bad, so every
+  // rank fails that same call at once: this rank throws invalid_argument with `reason`, its peers
+  // throw peer_failed naming this rank and the reason. The buffer stays usable. Always throws.
+  [[noreturn]] void reject(Op op, const std::string& reason);
 
  private:
   std::unique_ptr<detail::Backend> backend_;

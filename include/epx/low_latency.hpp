@@ -19,6 +19,8 @@ struct LowLatencyConfig {
   WireFormat wire = WireFormat::bf16;
   int64_t timeout_ms = 0;           // 0 = EPX_TIMEOUT_MS or 60000
 };
+// One line with every field, used to compare configs across ranks and in messages.
+std::string describe(const LowLatencyConfig& c);
 
 struct LowLatencyDispatchInput {
   TensorView x;            // [T, H] bf16, T <= M

@@ -25,6 +25,10 @@ class Handle {
   std::shared_ptr<const detail::HandleState> state_;
 };
 
+// The collective operations of a Buffer, for Buffer::reject.
+enum class Op : int32_t { dispatch = 0, combine = 1, dispatch_backward = 2, combine_backward = 3 };
+const char* op_name(Op op);  // "dispatch", "combine", ...
+
 struct DispatchInput {
   TensorView x;             // [T, H] bf16, or fp8_e4m3 (pre-quantized, needs x_scales and wire fp8)
   TensorView x_scales;      // [T, H/128] f32, only with fp8 x

@@ -1,6 +1,10 @@
 // The interface every backend implements; Buffer forwards to it.
 #pragma once
+#include <chrono>
 #include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
 
 #include "epx/buffer.hpp"
 
@@ -8,6 +12,11 @@ namespace epx::detail {
 
 struct GroupState {
   virtual ~GroupState() = default;
+  // Collective, for buffer creation (core/creation.hpp): every rank's `record` (a few hundred
+  // bytes), in rank order; the k-th call of each rank meets the k-th call of the others. Throws
+  // Error(timeout) naming `what` when not every rank arrives within `timeout`.
+  virtual std::vector<std::string> all_gather(int rank, const std::string& record, std::chrono::milliseconds timeout,
+                                              std::string_view what) = 0;
 };
 
 class Backend {
@@ -23,6 +32,8 @@ class Backend {
   virtual DispatchBackwardResult dispatch_backward(const DispatchBackwardInput& in, const Handle& h) = 0;
   virtual CombineBackwardResult combine_backward(const CombineBackwardInput& in, const Handle& h,
                                                  const CombineOptions& opt) = 0;
+  // Buffer::reject: posts `reason` as this rank's input error in the next call `op`, then throws.
+  [[noreturn]] virtual void reject(Op op, const std::string& reason) = 0;
   virtual void set_stream(void*) {}
   virtual void synchronize() {}
   virtual void wait_event(void*) {}

@@ -2,13 +2,21 @@
 
 #include "core/backend.hpp"
 #include "core/check.hpp"
+#include "core/creation.hpp"
 #include "core/routing.hpp"
 
 namespace epx {
 
 Buffer::Buffer(const Group& group, const BufferConfig& config) {
   detail::require(group.state() != nullptr, "buffer: the group is empty; make it with HostWorld::group (or a CUDA group)");
-  detail::validate_config(config, group.size());
+  // Every rank takes part in the creation's agreement exactly once: here when its config is
+  // invalid (every rank then fails with the reason), else in its backend's constructor, after
+  // the backend's own checks.
+  try {
+    detail::validate_config(config, group.size());
+  } catch (const Error& e) {
+    detail::agree_on_creation(group, "buffer", describe(config), e.what(), config.timeout_ms);
+  }
   switch (group.backend()) {
     case BackendKind::host: backend_ = detail::make_host_backend(group, config); break;
     case BackendKind::cuda:
@@ -44,6 +52,11 @@ DispatchBackwardResult Buffer::dispatch_backward(const DispatchBackwardInput& in
 CombineBackwardResult Buffer::combine_backward(const CombineBackwardInput& in, const Handle& h,
                                                const CombineOptions& opt) {
   return backend_->combine_backward(in, h, opt);
+}
+
+void Buffer::reject(Op op, const std::string& reason) {
+  backend_->reject(op, reason);
+  detail::fail(ErrorCode::internal, "Buffer::reject: the backend returned");  // it always throws
 }
 
 }  // namespace epx

@@ -28,6 +28,10 @@ struct RecvLayout {
 
 struct HandleState {
   const void* owner = nullptr;  // the backend instance that made it
+  // The number of the dispatch call that made it (the buffer's call count then). Every call on a
+  // handle puts it in the options its ranks must agree on: ranks passing handles of different
+  // dispatches (even with identical routing) fail with config_mismatch instead of mixing layouts.
+  int64_t dispatch_call = -1;
   Layout layout = Layout::expert_major;
   int rank = 0;
   int ranks = 0;

@@ -1,8 +1,14 @@
 #include "core/check.hpp"
+#include "core/creation.hpp"
 #include "core/low_latency_backend.hpp"
 #include "epx/codec.hpp"
 
 namespace epx {
+
+std::string describe(const LowLatencyConfig& c) {
+  return detail::cat("hidden=", c.hidden, " max_tokens_per_rank=", c.max_tokens_per_rank, " num_experts=", c.num_experts,
+                     " topk=", c.topk, " wire=", wire_name(c.wire), " timeout_ms=", c.timeout_ms);
+}
 
 namespace {
 void validate(const LowLatencyConfig& c, int ranks) {
@@ -25,7 +31,12 @@ void validate(const LowLatencyConfig& c, int ranks) {
 
 LowLatencyBuffer::LowLatencyBuffer(const Group& group, const LowLatencyConfig& config) {
   detail::require(group.state() != nullptr, "low-latency buffer: the group is empty");
-  validate(config, group.size());
+  // As Buffer's: every rank agrees once, here if its config is invalid, else in its backend.
+  try {
+    validate(config, group.size());
+  } catch (const Error& e) {
+    detail::agree_on_creation(group, "low-latency buffer", describe(config), e.what(), config.timeout_ms);
+  }
   if (group.backend() == BackendKind::host) {
     backend_ = detail::make_host_low_latency(group, config);
     return;

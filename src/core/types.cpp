@@ -5,6 +5,7 @@
 #include "core/check.hpp"
 #include "epx/config.hpp"
 #include "epx/dtype.hpp"
+#include "epx/ops.hpp"
 #include "epx/tensor.hpp"
 
 namespace epx {
@@ -30,6 +31,16 @@ std::string_view wire_name(WireFormat w) {
     case WireFormat::nvfp4: return "nvfp4";
   }
   return "?";
+}
+
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::dispatch: return "dispatch";
+    case Op::combine: return "combine";
+    case Op::dispatch_backward: return "dispatch_backward";
+    case Op::combine_backward: return "combine_backward";
+  }
+  return "an unknown operation";
 }
 
 std::string_view layout_name(Layout l) { return l == Layout::expert_major ? "expert_major" : "rank_major"; }

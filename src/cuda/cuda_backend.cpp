@@ -11,6 +11,7 @@
 #include <functional>
 #include <iterator>
 
+#include "core/creation.hpp"
 #include "core/routing.hpp"
 #include "core/timeout.hpp"
 #include "core/validate.hpp"
@@ -271,34 +272,16 @@ std::unique_ptr<Backend> make_cuda_backend(const Group& group, const BufferConfi
   return std::make_unique<CudaBackend>(group, config);
 }
 
-CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
-    : Backend(group, config),
-      rank_(group.rank()),
-      ranks_(group.size()),
-      local_experts_(config.num_experts / group.size()),
-      wire_(wire_row(config.wire, config.hidden)),
-      timeout_(resolve_timeout(config.timeout_ms)) {
-  auto* state = dynamic_cast<CudaGroupState*>(group.state().get());
-  require(state != nullptr, "buffer: group is not a CUDA group");
-  require(ranks_ <= kMaxRanks, "buffer: the CUDA backend supports at most ", kMaxRanks, " ranks, got ", ranks_);
-  require(config.max_tokens_per_rank < (int64_t{1} << (32 - kRangeCountBits)),
-          "buffer: the CUDA backend supports max_tokens_per_rank < 2^27, got ", config.max_tokens_per_rank);
-  device_ = state->device(rank_);
-  EPX_CUDA(cudaSetDevice(device_));
-  int sms = 0;
-  EPX_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
-  blocks_ = static_cast<int>(config.num_sms > 0 ? config.num_sms : kDefaultBlocks);
-  // Senders and receivers run at the same time and receivers wait for peers' senders: every
-  // block must be resident at once, and each role needs one.
-  require(blocks_ >= 2 && blocks_ <= sms, "buffer: num_sms must be in [2, ", sms, "] on cuda:", device_,
-          " (at least one block sends and one receives; all must fit on the GPU at once), got ", blocks_);
+// The ways this buffer moves rows (env-selected experiments and their defaults), and the streams
+// they keep busy checked against the transport's limits.
+void CudaBackend::choose_paths(const CudaGroupState& state) {
   // Tuning experiments (docs/performance.md); unset: the measured split (send_blocks()).
   send_blocks_override_ = static_cast<int>(env_integer("EPX_SEND_BLOCKS", 0, 1, blocks_ - 1));
   poison_outputs_ = std::getenv("EPX_POISON_OUTPUTS") != nullptr;
-  broadcast_ = use_broadcast(config, ranks_);
+  broadcast_ = use_broadcast(config(), ranks_);
   // EPX_RECEIVER_START=early launches a copy-engine dispatch's receiver before the plan (an
   // experiment: no gain measured at one rank nor at two, docs/performance.md; unset: after the plan).
-  early_receiver_ = std::string(state->transport_name()) != "shared-gpu" &&
+  early_receiver_ = std::string(state.transport_name()) != "shared-gpu" &&
                     env_choice("EPX_RECEIVER_START", {"after_plan", "early"}) == "early";
   copy_combine_ = use_copy_combine(ranks_);
   own_copies_ = broadcast_ && env_choice("EPX_OWN_ROWS", {"receiver", "copies"}) == "copies";
@@ -307,7 +290,40 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   piece_encode_ = broadcast_ && wire_.format != WireFormat::bf16 &&
                   env_choice("EPX_ENCODE", {"whole", "pieces"}) == "pieces";
   // The call's stream, the receiver's side stream, the copy engines' and the placing copies' streams.
-  state->check_streams(2 + (broadcast_ || copy_combine_ ? 1 : 0) + (own_copies_ || peer_copies_ ? 1 : 0));
+  state.check_streams(2 + (broadcast_ || copy_combine_ ? 1 : 0) + (own_copies_ || peer_copies_ ? 1 : 0));
+}
+
+CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
+    : Backend(group, config),
+      rank_(group.rank()),
+      ranks_(group.size()),
+      local_experts_(config.num_experts / group.size()),
+      wire_(wire_row(config.wire, config.hidden)),
+      timeout_(resolve_timeout(config.timeout_ms)) {
+  // This backend's own checks of the config and the environment, then the creation's agreement
+  // (core/creation.hpp): a rank refusing fails every rank at once, before anything collective.
+  std::string error;
+  CudaGroupState* state = nullptr;
+  try {
+    state = dynamic_cast<CudaGroupState*>(group.state().get());
+    require(state != nullptr, "buffer: group is not a CUDA group");
+    require(ranks_ <= kMaxRanks, "buffer: the CUDA backend supports at most ", kMaxRanks, " ranks, got ", ranks_);
+    require(config.max_tokens_per_rank < (int64_t{1} << (32 - kRangeCountBits)),
+            "buffer: the CUDA backend supports max_tokens_per_rank < 2^27, got ", config.max_tokens_per_rank);
+    device_ = state->device(rank_);
+    EPX_CUDA(cudaSetDevice(device_));
+    int sms = 0;
+    EPX_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
+    blocks_ = static_cast<int>(config.num_sms > 0 ? config.num_sms : kDefaultBlocks);
+    // Senders and receivers run at the same time and receivers wait for peers' senders: every
+    // block must be resident at once, and each role needs one.
+    require(blocks_ >= 2 && blocks_ <= sms, "buffer: num_sms must be in [2, ", sms, "] on cuda:", device_,
+            " (at least one block sends and one receives; all must fit on the GPU at once), got ", blocks_);
+    choose_paths(*state);
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  agree_on_creation(group, "buffer", describe(config), error, config.timeout_ms);
   map_ = make_window_map(config, ranks_, wire_, broadcast_);
   // Everything that may synchronize the device comes before the collective window allocation:
   // once a rank returns from it, peers may already wait inside a call, and on a GPU shared by
@@ -698,6 +714,14 @@ void CudaBackend::reject(const Call& call, int phases, const std::string& error,
   throw Error(ErrorCode::invalid_argument, error);
 }
 
+void CudaBackend::reject(Op op, const std::string& reason) {
+  const Call call = begin_call(static_cast<CallKind>(op));
+  // A dispatch with dropping has two plan exchanges; peers wait for both (dispatch()).
+  const int phases = op == Op::dispatch && config().capacity_factor > 0.0 ? 2 : 1;
+  if (op == Op::dispatch && broadcast_) kernels::release_broadcast(ctx());  // as dispatch() does
+  reject(call, phases, reason, 0, signature_of({-1}));
+}
+
 void CudaBackend::exchange_plan(const Call& call, int phase, int64_t tokens, int64_t signature, const int64_t* counts,
                                 int64_t count_len, int64_t* expert_prefix, int64_t* drop_capacity,
                                 const kernels::LayoutJob* layout) {
@@ -959,6 +983,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   const kernels::LayoutJob layout{dh->recv, opt.layout, c.expert_alignment, capacity_mode ? c.capacity_rows : 0};
   auto h = std::make_shared<HandleState>();
   h->owner = this;
+  h->dispatch_call = call.index;
   h->layout = opt.layout;
   h->rank = rank_;
   h->ranks = ranks_;
@@ -1132,7 +1157,9 @@ const HandleState& CudaBackend::start_handle_call(const Call& call, const Handle
   } catch (const Error& e) {
     error = e.what();
   }
-  const int64_t signature = signature_of({options, h ? static_cast<int64_t>(h->layout) : -1});
+  // The handle's dispatch is part of what must agree (handle.hpp: dispatch_call).
+  const int64_t signature =
+      signature_of({options, h ? static_cast<int64_t>(h->layout) : -1, h ? h->dispatch_call : -1});
   if (!error.empty()) reject(call, 1, error, h ? h->tokens : 0, signature);
   exchange_plan(call, 0, h->tokens, signature, nullptr, 0);
   host_steps_.mark("plan posted");

@@ -31,6 +31,7 @@ class CudaBackend final : public Backend {
   DispatchBackwardResult dispatch_backward(const DispatchBackwardInput& in, const Handle& h) override;
   CombineBackwardResult combine_backward(const CombineBackwardInput& in, const Handle& h,
                                          const CombineOptions& opt) override;
+  [[noreturn]] void reject(Op op, const std::string& reason) override;
   void set_stream(void* stream) override;
   void synchronize() override;
   void wait_event(void* event) override;
@@ -47,6 +48,7 @@ class CudaBackend final : public Backend {
     int plan_slot(int phase) const { return static_cast<int>(index % 2) * 2 + phase; }
   };
 
+  void choose_paths(const CudaGroupState& state);  // constructor: the paths and their streams
   Call begin_call(CallKind kind);
   kernels::Ctx ctx(cudaStream_t stream = nullptr) const;  // on the call's stream unless given
   void report_dispatch_profile(bool quantized, std::chrono::steady_clock::time_point host_call);

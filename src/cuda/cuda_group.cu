@@ -8,6 +8,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "core/check.hpp"
@@ -15,6 +16,7 @@
 #include "cuda/cuda_group.hpp"
 #include "epx/cuda.hpp"
 #include "host/peer_barrier.hpp"
+#include "host/thread_all_gather.hpp"
 
 namespace epx {
 namespace detail {
@@ -89,6 +91,42 @@ class NcclWindow final : public SymmetricWindow {
   ncclDevComm dev_comm_;
 };
 
+// Every rank's record (at most kRecordBytes) by ncclAllGather on a stream of its own, waited for
+// at most `timeout`. A rank that never calls leaves the collective pending: the memory it uses is
+// then left to the process (freeing it would wait for the collective).
+constexpr size_t kRecordBytes = 2048;
+std::vector<std::string> nccl_all_gather(ncclComm_t comm, int device, const std::string& record,
+                                         std::chrono::milliseconds timeout, std::string_view what) {
+  int ranks = 0;
+  EPX_NCCL(ncclCommCount(comm, &ranks));
+  EPX_CUDA(cudaSetDevice(device));
+  std::vector<char> mine(kRecordBytes, 0), all(kRecordBytes * ranks);
+  std::memcpy(mine.data(), record.data(), std::min(record.size(), kRecordBytes - 1));
+  char* memory = nullptr;  // this rank's record, then every rank's
+  cudaStream_t stream = nullptr;
+  EPX_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  EPX_CUDA(cudaMallocAsync(&memory, kRecordBytes * (ranks + 1), stream));
+  EPX_CUDA(cudaMemcpyAsync(memory, mine.data(), kRecordBytes, cudaMemcpyHostToDevice, stream));
+  EPX_NCCL(ncclAllGather(memory, memory + kRecordBytes, kRecordBytes, ncclChar, comm, stream));
+  EPX_CUDA(cudaMemcpyAsync(all.data(), memory + kRecordBytes, all.size(), cudaMemcpyDeviceToHost, stream));
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  cudaError_t state = cudaStreamQuery(stream);
+  while (state == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+    state = cudaStreamQuery(stream);
+  }
+  if (state == cudaErrorNotReady)
+    fail(ErrorCode::timeout, what, ": waited ", timeout.count(), " ms and not every one of the ", ranks,
+         " ranks arrived (a rank crashed, hung, or made collective calls in a different order)");
+  EPX_CUDA(state);
+  EPX_CUDA(cudaFreeAsync(memory, stream));
+  EPX_CUDA(cudaStreamSynchronize(stream));
+  EPX_CUDA(cudaStreamDestroy(stream));
+  std::vector<std::string> records(ranks);
+  for (int r = 0; r < ranks; ++r) records[r] = std::string(all.data() + r * kRecordBytes);  // up to its NUL
+  return records;
+}
+
 struct NcclGroupState final : CudaGroupState {
   std::vector<ncclComm_t> comms;  // by rank; null for ranks of other processes
   std::vector<int> devices;       // by rank; -1 for ranks of other processes
@@ -101,6 +139,10 @@ struct NcclGroupState final : CudaGroupState {
   }
   int device(int rank) const override { return devices[rank]; }
   const char* transport_name() const override { return "nccl"; }
+  std::vector<std::string> all_gather(int rank, const std::string& record, std::chrono::milliseconds timeout,
+                                      std::string_view what) override {
+    return nccl_all_gather(comms[rank], devices[rank], record, timeout, what);
+  }
   bool window_mapped() const override { return true; }  // ncclMemAlloc: cuMem
   std::unique_ptr<SymmetricWindow> allocate(int rank, size_t bytes, std::chrono::milliseconds) override {
     return std::make_unique<NcclWindow>(comms[rank], devices[rank], bytes);
@@ -132,8 +174,12 @@ class PlainWindow final : public SymmetricWindow {
 };
 
 struct SharedGpuGroupState final : CudaGroupState {
-  SharedGpuGroupState(int ranks, int dev) : ranks(ranks), gpu(dev), barrier(ranks), created(ranks, 0) {}
+  SharedGpuGroupState(int ranks, int dev) : ranks(ranks), gpu(dev), barrier(ranks), gather(ranks), created(ranks, 0) {}
   int device(int) const override { return gpu; }
+  std::vector<std::string> all_gather(int rank, const std::string& record, std::chrono::milliseconds timeout,
+                                      std::string_view what) override {
+    return gather.gather(rank, record, timeout, what);
+  }
   const char* transport_name() const override { return "shared-gpu"; }
   bool window_mapped() const override { return false; }  // one cudaMalloc for every rank's window
 
@@ -186,6 +232,7 @@ struct SharedGpuGroupState final : CudaGroupState {
   const int ranks;
   const int gpu;
   PeerBarrier barrier;
+  ThreadAllGather gather;
   std::mutex mutex;
   std::vector<int64_t> created;
   std::map<int64_t, std::shared_ptr<Pending>> pending;

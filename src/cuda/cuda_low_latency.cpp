@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "core/creation.hpp"
 #include "core/check.hpp"
 #include "core/low_latency_backend.hpp"
 #include "core/timeout.hpp"
@@ -33,19 +34,28 @@ class CudaLowLatency final : public LowLatencyBackend {
  public:
   CudaLowLatency(const Group& group, const LowLatencyConfig& c)
       : LowLatencyBackend(group, c), chunks_((c.max_tokens_per_rank + ll::kChunk - 1) / ll::kChunk) {
-    auto* state = dynamic_cast<CudaGroupState*>(group.state().get());
-    require(state != nullptr, "low-latency buffer: group is not a CUDA group");
-    require(ranks_ <= kMaxRanks, "low-latency buffer: at most ", kMaxRanks, " ranks, got ", ranks_);
-    require(c.num_experts <= kMaxLlExperts, "low-latency buffer: at most ", kMaxLlExperts, " experts, got ", c.num_experts);
-    device_ = state->device(rank_);
-    EPX_CUDA(cudaSetDevice(device_));
-    int sms = 0;
-    EPX_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
-    // Receive kernels wait for every peer's send kernel: all blocks of all ranks on a GPU must fit.
-    // On a GPU of its own a call takes every SM for its few microseconds (as DeepEP's
-    // low-latency kernels do): latency falls with the warps moving rows.
-    blocks_ = std::string(state->transport_name()) == "shared-gpu" ? std::max(1, std::min(16, sms / (2 * ranks_))) : sms;
-    state->check_streams(1);  // each call runs on one stream (the caller's, or the buffer's own)
+    // This backend's own checks, then the creation's agreement (core/creation.hpp).
+    std::string error;
+    CudaGroupState* state = nullptr;
+    try {
+      state = dynamic_cast<CudaGroupState*>(group.state().get());
+      require(state != nullptr, "low-latency buffer: group is not a CUDA group");
+      require(ranks_ <= kMaxRanks, "low-latency buffer: at most ", kMaxRanks, " ranks, got ", ranks_);
+      require(c.num_experts <= kMaxLlExperts, "low-latency buffer: at most ", kMaxLlExperts, " experts, got ",
+              c.num_experts);
+      device_ = state->device(rank_);
+      EPX_CUDA(cudaSetDevice(device_));
+      int sms = 0;
+      EPX_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
+      // Receive kernels wait for every peer's send kernel: all blocks of all ranks on a GPU must fit.
+      // On a GPU of its own a call takes every SM for its few microseconds (as DeepEP's
+      // low-latency kernels do): latency falls with the warps moving rows.
+      blocks_ = std::string(state->transport_name()) == "shared-gpu" ? std::max(1, std::min(16, sms / (2 * ranks_))) : sms;
+      state->check_streams(1);  // each call runs on one stream (the caller's, or the buffer's own)
+    } catch (const Error& e) {
+      error = e.what();
+    }
+    agree_on_creation(group, "low-latency buffer", describe(c), error, c.timeout_ms);
     kernels::preload_kernels();  // every kernel of the backend (docs/cuda.md: lazy loading)
 
     const int64_t m = c.max_tokens_per_rank, rows = 2 * slots_;  // one per (set, source, token)

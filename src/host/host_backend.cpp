@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/check.hpp"
+#include "core/creation.hpp"
 #include "core/timeout.hpp"
 #include "core/reduce.hpp"
 #include "core/validate.hpp"
@@ -28,6 +29,7 @@ HostBackend::HostBackend(const Group& group, const BufferConfig& config)
       timeout_(resolve_timeout(config.timeout_ms)) {
   auto* state = dynamic_cast<HostGroupState*>(group.state().get());
   require(state != nullptr, "buffer: group is not a host group");
+  agree_on_creation(group, "buffer", describe(config), "", config.timeout_ms);  // before joining anything
   shared_ = state->join_next<SharedBuffer>(rank_, "Buffer");
 
   const int64_t rows = ranks_ * config.max_tokens_per_rank, k = config.topk;
@@ -39,16 +41,8 @@ HostBackend::HostBackend(const Group& group, const BufferConfig& config)
   a.fwd_rows.assign(ranks_, 0);
   a.rev_rows.assign(rows * config.hidden, 0);
   a.rev_slot_value.assign(rows * k, 0.0f);
-  shared_->configs[rank_] = describe(config);
-
-  const Call call{"buffer creation", -1};
-  sync(call, "config exchange");
-  for (int r = 0; r < ranks_; ++r)
-    if (shared_->configs[r] != shared_->configs[rank_])
-      fail(ErrorCode::config_mismatch, "buffer creation (rank ", rank_, "): ranks disagree on the buffer config: rank ",
-           rank_, " has {", shared_->configs[rank_], "} but rank ", r, " has {", shared_->configs[r],
-           "}; every rank must create its Buffer with the same config");
-  // Nobody reads the configs again, so no second barrier is needed before the first call.
+  // Peers write into these areas from their first call on: every rank's are ready before any
+  // rank's first call returns from its plan exchange (a barrier of the call itself).
 }
 
 HostBackend::Call HostBackend::begin_call(const char* op) {
@@ -83,6 +77,14 @@ std::vector<const Mailbox*> HostBackend::exchange_plan(const Call& call, Mailbox
   return boxes;
 }
 
+void HostBackend::reject(Op op, const std::string& reason) {
+  const Call call = begin_call(op_name(op));
+  Mailbox mine;
+  mine.error = reason;
+  exchange_plan(call, std::move(mine));  // throws on every rank
+  fail(ErrorCode::internal, call.name, ": a rejected call went on");
+}
+
 const HandleState& HostBackend::state_of(const Handle& h, const Call& call) const {
   require(h.valid(), call.name, ": the handle is empty; pass the handle returned by dispatch");
   require(h.state().owner == this, call.name,
@@ -97,7 +99,7 @@ const HandleState& HostBackend::start_handle_call(const Call& call, const Handle
   const HandleState* h = nullptr;
   try {
     h = &state_of(handle, call);
-    mine.signature = signature(*h);
+    mine.signature = cat(signature(*h), ", handle of dispatch #", h->dispatch_call);
     validate(*h);
   } catch (const Error& e) {
     mine.error = e.what();

@@ -27,6 +27,7 @@ class HostBackend final : public Backend {
   DispatchBackwardResult dispatch_backward(const DispatchBackwardInput& in, const Handle& h) override;
   CombineBackwardResult combine_backward(const CombineBackwardInput& in, const Handle& h,
                                          const CombineOptions& opt) override;
+  [[noreturn]] void reject(Op op, const std::string& reason) override;
 
  private:
   // One collective call: numbered, so ranks can check they make the same calls in order.

@@ -11,6 +11,7 @@
 
 #include "core/backend.hpp"
 #include "host/peer_barrier.hpp"
+#include "host/thread_all_gather.hpp"
 
 namespace epx::detail {
 
@@ -40,14 +41,18 @@ struct RankArea {
 };
 
 struct SharedBuffer {
-  explicit SharedBuffer(int ranks) : barrier(ranks), areas(ranks), configs(ranks) {}
+  explicit SharedBuffer(int ranks) : barrier(ranks), areas(ranks) {}
   PeerBarrier barrier;
   std::vector<RankArea> areas;
-  std::vector<std::string> configs;  // describe(config) of each rank, to compare
 };
 
 struct HostGroupState final : GroupState {
-  explicit HostGroupState(int ranks) : ranks(ranks), buffers_created_(ranks, 0) {}
+  explicit HostGroupState(int ranks) : ranks(ranks), gather_(ranks), buffers_created_(ranks, 0) {}
+
+  std::vector<std::string> all_gather(int rank, const std::string& record, std::chrono::milliseconds timeout,
+                                      std::string_view what) override {
+    return gather_.gather(rank, record, timeout, what);
+  }
 
   // The shared state of this rank's next buffer of any kind: the n-th buffer of every rank
   // shares one, made by `make` on first use. A rank creating another kind of buffer than its
@@ -67,6 +72,7 @@ struct HostGroupState final : GroupState {
   };
   std::shared_ptr<void> join_next_any(int rank, const char* kind, const std::function<std::shared_ptr<void>()>& make);
 
+  ThreadAllGather gather_;
   std::mutex mutex_;
   std::vector<int64_t> buffers_created_;  // per rank
   std::map<int64_t, Pending> pending_;    // by creation index

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "core/check.hpp"
+#include "core/creation.hpp"
 #include "core/low_latency_backend.hpp"
 #include "core/reduce.hpp"
 #include "core/timeout.hpp"
@@ -34,16 +35,11 @@ struct LowLatencyArea {
 };
 
 struct LowLatencyShared {
-  explicit LowLatencyShared(int ranks) : barrier(ranks), areas(ranks), configs(ranks) {}
+  explicit LowLatencyShared(int ranks) : barrier(ranks), areas(ranks) {}
   PeerBarrier barrier;
   std::vector<LowLatencyArea> areas;
-  std::vector<std::string> configs;
 };
 
-std::string describe(const LowLatencyConfig& c) {
-  return cat("hidden=", c.hidden, " max_tokens_per_rank=", c.max_tokens_per_rank, " num_experts=", c.num_experts,
-             " topk=", c.topk, " wire=", wire_name(c.wire), " timeout_ms=", c.timeout_ms);
-}
 
 class HostLowLatency final : public LowLatencyBackend {
  public:
@@ -51,6 +47,7 @@ class HostLowLatency final : public LowLatencyBackend {
       : LowLatencyBackend(group, c) {
     auto* state = dynamic_cast<HostGroupState*>(group.state().get());
     require(state != nullptr, "low-latency buffer: group is not a host group");
+    agree_on_creation(group, "low-latency buffer", describe(c), "", c.timeout_ms);  // before joining anything
     shared_ = state->join_next<LowLatencyShared>(rank_, "LowLatencyBuffer");
     LowLatencyArea& a = shared_->areas[rank_];
     for (auto& set : a.dispatch) {
@@ -62,12 +59,8 @@ class HostLowLatency final : public LowLatencyBackend {
     for (auto& set : a.combine) {
       set.rows.assign(c.max_tokens_per_rank * c.topk * c.hidden, 0);
     }
-    shared_->configs[rank_] = describe(c);
-    sync("low-latency buffer creation (config exchange)");
-    for (int r = 0; r < ranks_; ++r)
-      if (shared_->configs[r] != shared_->configs[rank_])
-        fail(ErrorCode::config_mismatch, "low-latency buffer creation (rank ", rank_, "): ranks disagree on the config: rank ",
-             rank_, " has {", shared_->configs[rank_], "} but rank ", r, " has {", shared_->configs[r], "}");
+    // A send half writes into its peers' areas before any barrier of its call.
+    sync("low-latency buffer creation (areas ready)");
   }
 
   void dispatch_send(const LowLatencyDispatchInput& in) override {

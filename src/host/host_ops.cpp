@@ -72,6 +72,7 @@ DispatchResult HostBackend::dispatch(const DispatchInput& in, const DispatchOpti
 
     auto h = std::make_shared<HandleState>();
     h->owner = this;
+    h->dispatch_call = call.index;
     h->layout = opt.layout;
     h->rank = rank_;
     h->ranks = ranks_;

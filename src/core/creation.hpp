@@ -1,0 +1,20 @@
+// The collective start of every buffer's creation: ranks agree on the config before any of them
+// allocates or joins anything, so a config that one rank refuses fails every rank at once with
+// that rank's reason, instead of leaving the others to wait for it until their timeout.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "epx/group.hpp"
+
+namespace epx::detail {
+
+// Collective: every rank posts its config's description and its own checks' error (empty when
+// its config is fine). Then, on every rank alike: a rank with an error throws it
+// (invalid_argument), the others throw peer_failed naming it; configs that differ throw
+// config_mismatch naming both. `what` names the buffer kind ("buffer", "low-latency buffer");
+// timeout_ms is the config's (0: EPX_TIMEOUT_MS or 60 s).
+void agree_on_creation(const Group& group, const char* what, const std::string& config, const std::string& error,
+                       int64_t timeout_ms);
+
+}  // namespace epx::detail

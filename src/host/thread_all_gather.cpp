@@ -1,0 +1,31 @@
+#include "host/thread_all_gather.hpp"
+
+#include "core/check.hpp"
+
+namespace epx::detail {
+
+std::vector<std::string> ThreadAllGather::gather(int rank, std::string record, std::chrono::milliseconds timeout,
+                                                 std::string_view what) {
+  std::unique_lock lock(mutex_);
+  const int64_t call = calls_[rank]++;
+  Round& round = rounds_[call];
+  if (round.arrived.empty()) {
+    round.records.assign(ranks_, "");
+    round.arrived.assign(ranks_, false);
+  }
+  round.records[rank] = std::move(record);
+  round.arrived[rank] = true;
+  if (++round.count == ranks_) cv_.notify_all();
+  if (!cv_.wait_for(lock, timeout, [&] { return round.count == ranks_; })) {
+    std::string missing;
+    for (int r = 0; r < ranks_; ++r)
+      if (!round.arrived[r]) missing += cat(missing.empty() ? "" : ", ", r);
+    fail(ErrorCode::timeout, what, ": rank ", rank, " waited ", timeout.count(), " ms for rank(s) ", missing,
+         ", which never arrived (crashed, hung, or made collective calls in a different order)");
+  }
+  std::vector<std::string> records = round.records;
+  if (++round.taken == ranks_) rounds_.erase(call);
+  return records;
+}
+
+}  // namespace epx::detail
