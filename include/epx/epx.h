@@ -1,8 +1,33 @@
 /* epx C ABI: the same objects as the C++ API, for bindings and C callers.
  * Every call returns EPX_OK or an error code; epx_last_error() then holds a message for this
- * thread. Results are opaque objects holding named tensors; destroy them when done. */
+ * thread. Results are opaque objects holding named tensors; destroy them when done.
+ *
+ * Collective calls (epx_buffer_create, epx_buffer_create_in_group, epx_dispatch, epx_combine,
+ * epx_dispatch_backward, epx_combine_backward): every rank makes the same calls in the same order,
+ * and every refused argument of a collective call takes part in the call. An unknown dtype,
+ * device, layout, wire or mode code, an ndim out of range, a NULL required pointer (tensor, args,
+ * cfg, out) or a `dispatched` that is not a result of epx_dispatch makes EVERY rank fail that same
+ * call at once: this rank with EPX_ERR_INVALID_ARGUMENT and a message naming the argument, its
+ * peers with EPX_ERR_PEER_FAILED naming this rank and the reason, as the library's own checks of
+ * shapes, ids and options do. The buffer stays usable for the next call. The one exception is
+ * what leaves nothing to take part with: a NULL `buffer` (or, in buffer creation, a NULL `world`
+ * or `group`, or a rank outside the world) fails this rank's call only; its peers' call then pairs
+ * with this rank's next one, so never let it happen on one rank alone.
+ *
+ * CUDA (epx_nccl_unique_id and epx_cuda_group_*; in a build without the CUDA backend they return
+ * EPX_ERR_UNSUPPORTED). One process per GPU: rank 0 calls epx_nccl_unique_id and hands the id's
+ * bytes to the other ranks (by its own means: MPI, a file, a socket); every rank then calls
+ * epx_cuda_group_init_rank(id, EPX_NCCL_UNIQUE_ID_BYTES, rank, size, its GPU, &group), which
+ * returns once every rank has joined. Or wrap a communicator you already have with
+ * epx_cuda_group_from_comm. epx_buffer_create_in_group(group, &cfg, &buffer) then creates the
+ * buffer (collective, as epx_buffer_create). Tensors given to a CUDA buffer are device tensors
+ * (epx_tensor.device 1, device_index the GPU) and so are its results: calls run on the buffer's
+ * stream (epx_buffer_set_stream; default: one the buffer owns) and return before the GPU is done,
+ * so call epx_buffer_synchronize (or order your stream after the buffer's) before reading them.
+ * A group may be destroyed once its buffers are created: they keep what they need. */
 #ifndef EPX_EPX_H
 #define EPX_EPX_H
+#include <stddef.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -43,9 +68,11 @@ typedef struct {
   int64_t capacity_rows;
   double capacity_factor;
   int64_t timeout_ms;
+  int64_t num_sms; /* CUDA: thread blocks of the data-moving kernels; 0 = the default (24) */
 } epx_buffer_config;
 
 typedef struct epx_world epx_world;   /* a host group: ranks are threads */
+typedef struct epx_group epx_group;   /* one rank's group (host or CUDA), to create buffers in */
 typedef struct epx_buffer epx_buffer;
 typedef struct epx_result epx_result; /* named output tensors (+ the handle, for dispatch) */
 
@@ -62,9 +89,37 @@ void epx_buffer_config_default(epx_buffer_config* cfg);
 epx_status epx_host_world_create(int32_t ranks, epx_world** out);
 void epx_host_world_destroy(epx_world* world);
 
+/* Rank `rank`'s group of a host world, for epx_buffer_create_in_group. */
+epx_status epx_host_world_group(epx_world* world, int32_t rank, epx_group** out);
+
+/* The size of an NCCL unique id (ncclUniqueId). */
+#define EPX_NCCL_UNIQUE_ID_BYTES 128
+/* Writes a new NCCL unique id (EPX_NCCL_UNIQUE_ID_BYTES bytes, not a string) to out; size is
+ * out's capacity, at least EPX_NCCL_UNIQUE_ID_BYTES. One rank makes it, every rank joins with it. */
+epx_status epx_nccl_unique_id(char* out, size_t size);
+/* Joins rank `rank` of `size` (one per process, or per thread) on GPU `device` to the group of id
+ * (id_size bytes, as epx_nccl_unique_id wrote them). Collective, as ncclCommInitRank: returns once
+ * every rank has joined. There is no group yet to take part with, so a refused argument (or no
+ * visible GPU: EPX_ERR_UNSUPPORTED) fails this rank only, and its peers wait in NCCL's
+ * initialization. */
+epx_status epx_cuda_group_init_rank(const char* id, size_t id_size, int32_t rank, int32_t size, int32_t device,
+                                    epx_group** out);
+/* A group over an existing communicator (an ncclComm_t) whose rank drives GPU `device`. The
+ * caller keeps the communicator alive while the group or any buffer in it exists, and destroys it. */
+epx_status epx_cuda_group_from_comm(void* nccl_comm, int32_t device, epx_group** out);
+void epx_group_destroy(epx_group* group);
+
 /* Collective: every rank's thread calls it with the same config. */
 epx_status epx_buffer_create(epx_world* world, int32_t rank, const epx_buffer_config* cfg, epx_buffer** out);
+/* Collective: every rank of the group calls it with the same config. */
+epx_status epx_buffer_create_in_group(const epx_group* group, const epx_buffer_config* cfg, epx_buffer** out);
 void epx_buffer_destroy(epx_buffer* buffer);
+/* CUDA buffers: the stream (a cudaStream_t) every later call runs on, NULL = the buffer's own.
+ * Outputs are allocated and freed stream-ordered on it, so it must outlive them. Host buffers: no-op. */
+epx_status epx_buffer_set_stream(epx_buffer* buffer, void* stream);
+/* CUDA buffers: waits until every call made so far on the buffer's stream is done (its outputs are
+ * complete). Host buffers: returns at once. */
+epx_status epx_buffer_synchronize(epx_buffer* buffer);
 
 epx_status epx_dispatch(epx_buffer* buffer, const epx_dispatch_args* args, epx_result** out);
 /* shared_out may be NULL. */

@@ -13,6 +13,10 @@ namespace epx::detail {
 void validate_config(const BufferConfig& c, int ranks) {
   const std::string cfg = describe(c);
   require(ranks >= 1, "buffer: the group has no ranks");
+  const auto wire = static_cast<int32_t>(c.wire), mode = static_cast<int32_t>(c.mode);
+  require(wire >= 0 && wire <= 3, "buffer: wire: unknown wire format code ", wire,
+          "; use 0 bf16, 1 fp8, 2 fp8_ue8m0 or 3 nvfp4");
+  require(mode == 0 || mode == 1, "buffer: mode: unknown capacity mode code ", mode, "; use 0 blocking or 1 capacity");
   require(c.hidden > 0, "buffer: hidden must be > 0 (", cfg, ")");
   require(c.max_tokens_per_rank >= 0, "buffer: max_tokens_per_rank must be >= 0 (", cfg, ")");
   require(c.max_tokens_per_rank <= (int64_t{1} << 30), "buffer: max_tokens_per_rank must be <= 2^30");

@@ -289,6 +289,8 @@ Group cuda_group_init_rank(const std::string& unique_id, int rank, int size, int
   detail::require(unique_id.size() == sizeof id.internal, "cuda_group_init_rank: unique_id must be the ",
                   sizeof id.internal, " bytes nccl_unique_id() returned, got ", unique_id.size());
   std::memcpy(id.internal, unique_id.data(), sizeof id.internal);
+  detail::require(size >= 1 && rank >= 0 && rank < size, "cuda_group_init_rank: rank ", rank, " is outside [0, size=", size,
+                  ")");
   auto state = std::make_shared<detail::NcclGroupState>();
   state->comms.assign(size, nullptr);
   state->devices.assign(size, -1);

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <barrier>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -219,6 +220,98 @@ TEST(CudaErrors, HostRejectionReachesPeersWithItsMessage) {
   });
   EXPECT_THAT(errors[1], testing::HasSubstr("dispatch: x: expected shape"));
   EXPECT_THAT(errors[0], testing::HasSubstr("rank 1 rejected its input, so the group stops: dispatch: x: expected shape"));
+}
+
+// Creation agrees on the config first: a config one rank refuses (in the front end's checks or in
+// the CUDA backend's own) fails every rank at once with the cause, not after a timeout.
+TEST(CudaErrors, AConfigRefusedOnOneRankFailsEveryRankAtOnce) {
+  auto cfg = small_config(256, 32, 16, 4);
+  cfg.timeout_ms = 20000;
+  const auto p = two_ranks(cfg);
+  for (const char* spoil : {"fp8 with hidden 200", "num_sms 100000"}) {
+    std::vector<std::string> errors(2);
+    std::vector<ErrorCode> codes(2, ErrorCode::internal);
+    const auto start = std::chrono::steady_clock::now();
+    on_shared_gpu(p, [&](int r, const Group& g, const DeviceArray&, const DeviceArray&) {
+      BufferConfig c = cfg;
+      if (r == 1 && spoil[0] == 'f') c.wire = WireFormat::fp8, c.hidden = 200;
+      if (r == 1 && spoil[0] == 'n') c.num_sms = 100000;
+      try {
+        Buffer b(g, c);
+      } catch (const Error& e) {
+        errors[r] = e.what();
+        codes[r] = e.code();
+      }
+    });
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5)) << spoil;
+    EXPECT_EQ(codes[1], ErrorCode::invalid_argument) << spoil << ": " << errors[1];
+    EXPECT_EQ(codes[0], ErrorCode::peer_failed) << spoil << ": " << errors[0];
+    EXPECT_THAT(errors[0], testing::HasSubstr("rank 1 refused its config, so the group stops: " + errors[1]));
+  }
+}
+
+// Ranks combining with handles of different dispatches fail with config_mismatch (the handle's
+// dispatch is part of what a call's ranks agree on) instead of reading each other's rows wrong.
+TEST(CudaErrors, HandlesOfDifferentDispatchesFailEveryRank) {
+  auto cfg = small_config(256, 32, 16, 4);
+  const auto p = two_ranks(cfg);
+  std::vector<ErrorCode> codes(2, ErrorCode::internal);
+  std::vector<std::string> errors(2), after(2);
+  on_shared_gpu(p, [&](int r, const Group& g, const DeviceArray& x, const DeviceArray& idx) {
+    DeviceArray y(std::vector<uint16_t>(rows_bound(p) * 256, 0x3f80));
+    Buffer b(g, cfg);
+    DispatchInput in;
+    in.x = device_view(x, DType::bf16, {32, 256}, 0);
+    in.topk_idx = device_view(idx, DType::i32, {32, 4}, 0);
+    const DispatchResult first = b.dispatch(in);
+    in.x.shape[0] = in.topk_idx.shape[0] = 16;  // the second dispatch: the first 16 tokens
+    const DispatchResult second = b.dispatch(in);
+    const DispatchResult& mine = r == 0 ? second : first;
+    try {
+      b.combine({device_view(y, DType::bf16, {mine.num_rows, 256}, 0), {}}, mine.handle, {false});
+    } catch (const Error& e) {
+      errors[r] = e.what();
+      codes[r] = e.code();
+    }
+    try {  // the buffer goes on
+      b.combine({device_view(y, DType::bf16, {first.num_rows, 256}, 0), {}}, first.handle, {false});
+      b.synchronize();
+    } catch (const Error& e) {
+      after[r] = e.what();
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(codes[r], ErrorCode::config_mismatch) << "rank " << r << ": " << errors[r];
+    EXPECT_EQ(after[r], "") << "rank " << r;
+  }
+}
+
+// A front end's own refusal (Buffer::reject) fails the peers' same call with its words.
+TEST(CudaErrors, RejectJoinsThePeersCall) {
+  const auto p = two_ranks(small_config(256, 32, 16, 4));
+  std::vector<std::string> errors(2), after(2);
+  on_shared_gpu(p, [&](int r, const Group& g, const DeviceArray& x, const DeviceArray& idx) {
+    Buffer b(g, p.cfg);
+    DispatchInput in;
+    in.x = device_view(x, DType::bf16, {32, 256}, 0);
+    in.topk_idx = device_view(idx, DType::i32, {32, 4}, 0);
+    try {
+      if (r == 1) b.reject(Op::dispatch, "binding: x is not contiguous");
+      b.dispatch(in);
+    } catch (const Error& e) {
+      errors[r] = e.what();
+    }
+    try {
+      b.dispatch(in);
+      b.synchronize();
+    } catch (const Error& e) {
+      after[r] = e.what();
+    }
+  });
+  EXPECT_EQ(errors[1], "binding: x is not contiguous");
+  EXPECT_THAT(errors[0], testing::HasSubstr("rank 1 rejected its input"));
+  EXPECT_EQ(after[0], "");
+  EXPECT_EQ(after[1], "");
 }
 
 TEST(CudaErrors, AMissingPeerTimesOutInsteadOfHanging) {
