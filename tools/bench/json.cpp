@@ -1,6 +1,7 @@
 #include "bench/json.hpp"
 
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <iomanip>
 #include <sstream>
@@ -31,7 +32,8 @@ std::string number(double v) {
 }  // namespace
 
 bool write_json(const std::string& path, const std::vector<Record>& records) {
-  std::ofstream f(path);
+  const std::string temp = path + ".tmp";
+  std::ofstream f(temp);
   if (!f) return false;
   f << "[\n";
   for (size_t i = 0; i < records.size(); ++i) {
@@ -55,7 +57,8 @@ bool write_json(const std::string& path, const std::vector<Record>& records) {
       << ", \"git_commit\": " << quoted(r.git_commit) << "}" << (i + 1 < records.size() ? "," : "") << "\n";
   }
   f << "]\n";
-  return static_cast<bool>(f);
+  f.close();
+  return f && std::rename(temp.c_str(), path.c_str()) == 0;
 }
 
 }  // namespace epx::bench

@@ -39,7 +39,15 @@ struct Record {
   std::string git_commit;
 };
 
-// Writes the records as a JSON list; returns false (with errno set) when the file fails.
+// Reference points measured beside epx (baselines.hpp): nothing of epx's to verify.
+inline bool is_baseline(const std::string& op) {
+  return op == "peer_copy" || op == "peer_copy_rows" || op == "nccl_alltoall" || op == "local_copy" || op == "local_read" ||
+         op == "local_write";
+}
+
+// Writes the records as a JSON list: into path + ".tmp", renamed over path once complete, so the
+// file at path is always a whole document (the last one written) even if the process dies
+// while writing. Returns false (with errno set) when the file fails.
 bool write_json(const std::string& path, const std::vector<Record>& records);
 
 }  // namespace epx::bench

@@ -10,6 +10,7 @@
 #include <optional>
 
 #include <functional>
+#include <mutex>
 #include <thread>
 
 #include "bench/baselines.hpp"
@@ -17,7 +18,11 @@
 #include "bench/processes.hpp"
 #include "bench/json.hpp"
 #include "bench/kernel_timer.hpp"
+#include "bench/ll_outputs.hpp"
+#include "bench/memory.hpp"
+#include "bench/memory_guard.hpp"
 #include "bench/options.hpp"
+#include "bench/record_sink.hpp"
 #include "bench/staging.hpp"
 #include "verify/reference.hpp"
 
@@ -95,12 +100,6 @@ std::vector<RankOutputs> run_config(const Options& o, const Ranks& ranks, const 
   return outs;
 }
 
-// Reference points measured beside epx (baselines.hpp): nothing of epx's to verify.
-bool is_baseline(const std::string& op) {
-  return op == "peer_copy" || op == "peer_copy_rows" || op == "nccl_alltoall" || op == "local_copy" || op == "local_read" ||
-         op == "local_write";
-}
-
 // Low-latency mode: ll_dispatch and ll_combine (fused forms), verified against the reference.
 constexpr int kGraphCalls = 10;  // calls per timed CUDA-graph replay (even: the buffer sets alternate)
 std::vector<Record> run_low_latency(const Options& o, const Ranks& ranks, const verify::Problem& p, WireFormat wire) {
@@ -115,13 +114,18 @@ std::vector<Record> run_low_latency(const Options& o, const Ranks& ranks, const 
   std::vector<std::string> errors(p.ranks);
   std::barrier start(p.ranks);
   const std::function<void()> arrive = [&] { start.arrive_and_wait(); };
+  std::mutex making_y;  // a y is whole until made (ll_outputs.hpp): one rank's at a time
   std::vector<std::thread> threads;
   for (int r = 0; r < p.ranks; ++r)
     threads.emplace_back([&, r] {
       try {
         const Group g = ranks.group(r);
         Staging io(ranks.device(g));
-        ys[r] = verify::random_bf16(l_count * slots * h, o.seed * 17 + r);
+        {
+          const std::lock_guard lock(making_y);
+          ys[r] = ll_expert_outputs(p, r, o.seed * 17 + r);
+        }
+        start.arrive_and_wait();  // every y down to its used rows before any receive area exists
         LowLatencyDispatchInput in;
         in.x = io.view(p.inputs[r].x, DType::bf16, {p.inputs[r].tokens, h});
         in.topk_idx = io.view(p.inputs[r].idx, DType::i32, {p.inputs[r].tokens, k_count});
@@ -218,20 +222,19 @@ std::vector<Record> run_low_latency(const Options& o, const Ranks& ranks, const 
   return {d, c};
 }
 
-void print_table(const std::vector<Record>& records) {
-  std::printf("%-18s %-10s %-13s %4s %11s %11s %11s %10s %10s %6s %s\n", "op", "dtype", "layout", "sms", "median_us",
-              "min_us", "max_us", "logical", "wire", "link", "verified");
-  std::printf("%-18s %-10s %-13s %4s %11s %11s %11s %10s %10s %6s\n", "", "", "", "", "", "", "", "GB/s", "GB/s", "frac");
-  for (const Record& r : records)
-    std::printf("%-18s %-10s %-13s %4lld %11.1f %11.1f %11.1f %10.2f %10.2f %6.2f %s\n", r.op.c_str(), r.dtype.c_str(),
-                r.layout.c_str(), static_cast<long long>(r.sms), r.time_us, r.min_us, r.max_us, r.logical_gbps,
-                r.wire_gbps, r.link_fraction,
-                r.verified ? "yes" : is_baseline(r.op) ? "(baseline)"
-                                                                                     : ("NO: " + r.verify_error).c_str());
-  for (const Record& r : records)  // the low-latency kernels' own time (kernel_timer.hpp)
-    if (r.kernel_us > 0)
-      std::printf("%s %s: kernel time %.1f us per call (median of %d graph replays, CUPTI)\n", r.op.c_str(),
-                  r.dtype.c_str(), r.kernel_us, r.iters);
+// Prints the run's estimated peak memory; refuses (exit status 3) before anything runs when it
+// would not fit (memory_guard.hpp).
+bool memory_fits(const Options& o) {
+  const MemoryEstimate estimate = estimate_memory(o);
+  const AvailableMemory available = available_memory(o);
+  std::printf("memory: about %s of host memory at the peak (%s)", gigabytes(estimate.peak.host_bytes()).c_str(),
+              describe(estimate.peak).c_str());
+  if (estimate.device_bytes > 0) std::printf("; roughly %s per GPU", gigabytes(estimate.device_bytes).c_str());
+  std::printf("; %s available (%s)\n", gigabytes(available.bytes).c_str(), available.source.c_str());
+  std::fflush(stdout);
+  const std::string refusal = memory_refusal(o, estimate, available);
+  if (!refusal.empty()) std::fprintf(stderr, "epx-bench: %s\n", refusal.c_str());
+  return refusal.empty();
 }
 
 int run(const Options& o) {
@@ -251,12 +254,13 @@ int run(const Options& o) {
               static_cast<long long>(o.hidden), static_cast<long long>(o.topk), static_cast<long long>(o.experts),
               o.routing == verify::Routing::skewed ? "skewed" : "uniform", o.warmup, o.iters);
   std::fflush(stdout);
+  if (!memory_fits(o)) return 3;
+  RecordSink sink(o.json);  // every record printed and written as soon as it is measured
   spec.cfg.num_sms = o.sms;
   verify::Problem base = verify::make_problem(spec);
   // The shared-GPU transport runs one stream per rank on one GPU: each needs a hardware queue of
   // its own, or a rank's waiting kernel can hold up a peer's queued behind it (docs/cuda.md).
   if (o.shared_gpu) setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
-  std::vector<Record> records;
   std::vector<std::vector<double>> bytes_to;  // the bf16 dispatch's traffic, for the NCCL baseline
   const bool any_ht = wants(o, "dispatch") || wants(o, "combine") || wants(o, "dispatch_backward") ||
                       wants(o, "combine_backward");
@@ -265,7 +269,7 @@ int run(const Options& o) {
     for (WireFormat wire : o.wires) configs.emplace_back(layout, wire);
   if (o.processes) {  // before anything here touches CUDA: the ranks' processes fork from this one
     std::fprintf(stderr, "[processes] %zu configurations, one process per rank ...\n", configs.size());
-    records = run_processes(o, base, configs, bytes_to);
+    for (Record& r : run_processes(o, base, configs, bytes_to)) sink.add(std::move(r));
   } else {
     const Ranks ranks = make_ranks(o);
     size_t done = 0;
@@ -278,35 +282,26 @@ int run(const Options& o) {
       const bool with_combine = wire == o.wires.front();
       const auto outs = run_config(o, ranks, p, layout, with_combine);
       if (bytes_to.empty() && wire == WireFormat::bf16) bytes_to = traffic_matrix(outs, 2.0 * p.cfg.hidden);
-      if (wants(o, "dispatch")) records.push_back(make_record(o, ranks, p, "dispatch", wire, layout, outs));
+      if (wants(o, "dispatch")) sink.add(make_record(o, ranks, p, "dispatch", wire, layout, outs));
       if (!with_combine) continue;
       for (const char* op : {"combine", "dispatch_backward", "combine_backward"})
-        if (wants(o, op)) records.push_back(make_record(o, ranks, p, op, WireFormat::bf16, layout, outs));
+        if (wants(o, op)) sink.add(make_record(o, ranks, p, op, WireFormat::bf16, layout, outs));
     }
     if (wants(o, "ll_dispatch") || wants(o, "ll_combine"))
       for (WireFormat wire : o.wires) {
         std::fprintf(stderr, "[ll] %s ...\n", std::string(wire_name(wire)).c_str());
         for (Record& r : run_low_latency(o, ranks, base, wire))  // ll_combine moves bf16 whatever the wire: once
-          if (wants(o, r.op) && (r.op == "ll_dispatch" || wire == o.wires.front())) records.push_back(std::move(r));
+          if (wants(o, r.op) && (r.op == "ll_dispatch" || wire == o.wires.front())) sink.add(std::move(r));
       }
   }
   if (!bytes_to.empty())
-    for (Record& r : measure_baselines(o, bytes_to)) records.push_back(std::move(r));
-  // Every record's wire rate as a fraction of what a plain peer copy got in this run.
-  for (const Record& base : records)
-    if (base.op == "peer_copy")
-      for (Record& r : records) r.link_fraction = r.wire_gbps / base.wire_gbps;
-  print_table(records);
+    for (Record& r : measure_baselines(o, bytes_to)) sink.add(std::move(r));
+  sink.add_link_fractions();  // every record's wire rate as a fraction of a plain peer copy's in this run
+  const std::vector<Record>& records = sink.records();
   const bool all_ok = std::all_of(records.begin(), records.end(), [](const Record& r) {
     return r.verified || is_baseline(r.op);
   });
-  if (!o.json.empty()) {
-    if (!write_json(o.json, records)) {
-      std::fprintf(stderr, "epx-bench: cannot write %s\n", o.json.c_str());
-      return 1;
-    }
-    std::printf("wrote %zu records to %s\n", records.size(), o.json.c_str());
-  }
+  if (!o.json.empty()) std::printf("wrote %zu records to %s\n", records.size(), o.json.c_str());
   std::printf("%s\n", all_ok ? "all results verified" : "VERIFICATION FAILED");
   return all_ok ? 0 : 1;
 }

@@ -37,7 +37,11 @@ const char* kUsage = R"(epx-bench: dispatch and combine of one MoE layer over N 
                           combine's weights (records say "weights_at": "dispatch" for the latter)
   --warmup N --iters N    untimed and timed repetitions (default 2 and 20; host 1 and 5)
   --seed N                random seed for inputs and routing
-  --json FILE             write the records as a JSON list
+  --json FILE             write the records as a JSON list, rewritten after every record
+  --max-memory-gb X       host memory the run may count on, in GB of 10^9 bytes (default: MemAvailable,
+                          or the cgroup's limit where lower). Before running, epx-bench estimates the
+                          run's peak memory and refuses (exit status 3) when it exceeds 80% of this,
+                          naming the largest --tokens or --ranks that would fit
 )";
 
 [[noreturn]] void usage_error(const std::string& msg) {
@@ -49,6 +53,13 @@ int64_t to_int(const std::string& flag, const std::string& v) {
   char* end = nullptr;
   const long long x = std::strtoll(v.c_str(), &end, 10);
   if (v.empty() || *end != '\0' || x < 0) usage_error(flag + " needs a non-negative integer, got '" + v + "'");
+  return x;
+}
+
+double to_positive(const std::string& flag, const std::string& v) {
+  char* end = nullptr;
+  const double x = std::strtod(v.c_str(), &end);
+  if (v.empty() || *end != '\0' || !(x > 0)) usage_error(flag + " needs a positive number, got '" + v + "'");
   return x;
 }
 
@@ -113,6 +124,7 @@ Options parse_options(int argc, char** argv) {
     else if (flag == "--iters") o.iters = static_cast<int>(to_int(flag, v));
     else if (flag == "--seed") o.seed = static_cast<uint64_t>(to_int(flag, v));
     else if (flag == "--json") o.json = v;
+    else if (flag == "--max-memory-gb") o.max_memory_gb = to_positive(flag, v);
     else if (flag == "--routing") {
       if (v != "uniform" && v != "skewed") usage_error("--routing is uniform or skewed, got '" + v + "'");
       o.routing = v == "skewed" ? verify::Routing::skewed : verify::Routing::uniform;

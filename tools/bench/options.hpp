@@ -27,6 +27,7 @@ struct Options {
   int iters = -1;   // -1: 20 (host: 5)
   uint64_t seed = 1;
   std::string json;
+  double max_memory_gb = 0;  // host memory the run may count on (0: MemAvailable or the cgroup limit)
   bool tokens_scaled = false;  // the host backend shrank the preset's token count
   bool shared_gpu = false;     // CUDA: every rank on GPU 0 (the tests' transport)
   bool ll_eager = false;       // low-latency ops timed call by call (host launch included), not as graph replays
