@@ -9,6 +9,8 @@ command -v cmake >/dev/null || need+=(cmake)
 command -v g++ >/dev/null || need+=(g++)
 command -v make >/dev/null || need+=(make)
 command -v git >/dev/null || need+=(git)
+command -v pkg-config >/dev/null || need+=(pkg-config)  # the installed-tree test (scripts/consumer-test.sh)
+command -v python3 >/dev/null || need+=(python3)        # epx-bench record tests (tests/bench_records_check.py)
 [ -f /usr/include/gtest/gtest.h ] || need+=(libgtest-dev)
 [ -f /usr/include/gmock/gmock.h ] || need+=(libgmock-dev)
 if [ ${#need[@]} -gt 0 ]; then
