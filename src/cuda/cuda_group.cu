@@ -91,7 +91,7 @@ class NcclWindow final : public SymmetricWindow {
   ncclDevComm dev_comm_;
 };
 
-// Every rank's record (at most kRecordBytes) by ncclAllGather on a stream of its own, waited for
+// Every rank's record (at most kRecordBytes - 4 bytes) by ncclAllGather on a stream of its own, waited for
 // at most `timeout`. A rank that never calls leaves the collective pending: the memory it uses is
 // then left to the process (freeing it would wait for the collective).
 constexpr size_t kRecordBytes = 2048;
@@ -100,8 +100,11 @@ std::vector<std::string> nccl_all_gather(ncclComm_t comm, int device, const std:
   int ranks = 0;
   EPX_NCCL(ncclCommCount(comm, &ranks));
   EPX_CUDA(cudaSetDevice(device));
+  // Each slot: the record's length (4 bytes), then its bytes (it may hold NULs: core/creation.cpp).
   std::vector<char> mine(kRecordBytes, 0), all(kRecordBytes * ranks);
-  std::memcpy(mine.data(), record.data(), std::min(record.size(), kRecordBytes - 1));
+  const uint32_t length = static_cast<uint32_t>(std::min(record.size(), kRecordBytes - sizeof(uint32_t)));
+  std::memcpy(mine.data(), &length, sizeof length);
+  std::memcpy(mine.data() + sizeof length, record.data(), length);
   char* memory = nullptr;  // this rank's record, then every rank's
   cudaStream_t stream = nullptr;
   EPX_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -123,7 +126,12 @@ std::vector<std::string> nccl_all_gather(ncclComm_t comm, int device, const std:
   EPX_CUDA(cudaStreamSynchronize(stream));
   EPX_CUDA(cudaStreamDestroy(stream));
   std::vector<std::string> records(ranks);
-  for (int r = 0; r < ranks; ++r) records[r] = std::string(all.data() + r * kRecordBytes);  // up to its NUL
+  for (int r = 0; r < ranks; ++r) {
+    const char* slot = all.data() + r * kRecordBytes;
+    uint32_t size = 0;
+    std::memcpy(&size, slot, sizeof size);
+    records[r] = std::string(slot + sizeof size, std::min<size_t>(size, kRecordBytes - sizeof size));
+  }
   return records;
 }
 
