@@ -98,21 +98,54 @@ EPX_HD uint8_t float_to_e2m1(float f) {
   return c == 0 ? 0 : static_cast<uint8_t>(sign | c);
 }
 
-// ---- scales ----
-// fp8 block scale from the block's max |x|: amax / 448, or for UE8M0 that value rounded up
-// to a power of two.
-EPX_HD float fp8_scale(float amax, bool ue8m0) {
-  const float s = fmaxf(amax, kAmaxFloor) / kFp8Max;
-  if (!ue8m0) return s;
-  const uint32_t b = float_bits(s);
-  return (b & 0x7fffffu) ? bits_float((b & 0x7f800000u) + 0x800000u) : s;
+// ---- non-finite values (docs/semantics.md, "Non-finite values") ----
+// NaN or +-inf: every exponent bit set.
+EPX_HD bool is_nonfinite(float f) { return (float_bits(f) & 0x7f800000u) == 0x7f800000u; }
+EPX_HD bool bf16_is_nonfinite(uint16_t b) { return (b & 0x7f80u) == 0x7f80u; }
+// How messages name a non-finite value: "nan", "inf" or "-inf".
+inline const char* nonfinite_name(float f) { return std::isnan(f) ? "nan" : f > 0.0f ? "inf" : "-inf"; }
+// The fp32 NaN a block scale takes when its block holds a NaN or an infinity.
+constexpr uint32_t kNanScaleBits = 0x7fc00000u;
+
+// A quantization block's max |x| that keeps a non-finite value visible: the result is NaN or
+// inf when m or v is (which one is unspecified; is_nonfinite tells), else max(m, |v|) exactly
+// as fmaxf gives it. m >= 0 or non-finite. On the device one max.NaN (fmaxf drops a NaN).
+EPX_HD float max_abs_nonfinite(float m, float v) {
+#ifdef __CUDA_ARCH__
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(m), "f"(fabsf(v)));
+  return r;
+#else
+  const float a = fabsf(v);
+  return a > m || std::isnan(a) ? a : m;
+#endif
 }
 
-// NVFP4 per-token global scale: 2688 / max|x[t]| (2688 = 448 * 6).
+// max(m, |v|) over finite v only (a NaN or an infinity leaves m as it is): the nvfp4 row max.
+EPX_HD float max_abs_finite(float m, float v) {
+  const float a = fabsf(v);
+  return a <= 3.40282347e38f ? fmaxf(m, a) : m;
+}
+
+// ---- scales ----
+// fp8 block scale from the block's max |x|: amax / 448, or for UE8M0 that value rounded up
+// to a power of two. A non-finite amax (the block holds a NaN or an infinity) gives the NaN
+// scale (kNanScaleBits), whatever the rounding.
+EPX_HD float fp8_scale(float amax, bool ue8m0) {
+  const float s = fmaxf(amax, kAmaxFloor) / kFp8Max;
+  const uint32_t b = float_bits(s);
+  const float r = ue8m0 && (b & 0x7fffffu) ? bits_float((b & 0x7f800000u) + 0x800000u) : s;
+  return is_nonfinite(amax) ? bits_float(kNanScaleBits) : r;  // a select, not a branch, on the device
+}
+
+// NVFP4 per-token global scale: 2688 / max|x[t]| (2688 = 448 * 6), the max over the row's finite
+// values (max_abs_finite).
 EPX_HD float nvfp4_token_global_scale(float rowmax) { return (kFp8Max * kE2m1Max) / fmaxf(rowmax, kAmaxFloor); }
 
-// NVFP4 block scale code: e4m3(bmax * g / 6).
+// NVFP4 block scale code: e4m3(bmax * g / 6); the e4m3 NaN 0x7f when bmax is non-finite (the
+// block holds a NaN or an infinity: its factor is then 0, so its codes are 0).
 EPX_HD uint8_t nvfp4_block_scale(float bmax, float global_scale) {
+  if (is_nonfinite(bmax)) return 0x7f;
   return float_to_e4m3(bmax * global_scale / kE2m1Max);
 }
 

@@ -37,6 +37,11 @@ struct BufferConfig {
   double capacity_factor = 0.0;     // > 0: drop (token, expert) pairs beyond ceil(cf * sum_r T_r * K / E) per expert
   int64_t timeout_ms = 0;           // wait on a peer at most this long; 0 = EPX_TIMEOUT_MS or 60000
   int64_t num_sms = 0;              // CUDA: thread blocks (one per SM) of the data-moving kernels; 0 = 24
+  // Dispatch refuses x holding a NaN or an infinity (pre-quantized: a NaN code, or a NaN or
+  // infinite x_scales): the call fails on every rank, naming one such value (the CPU backend: the
+  // first in row-major order), and the buffer stays usable. The CUDA backend scans x on the device
+  // beside the routing check, so no host sync; off, nothing scans. docs/semantics.md.
+  bool check_finite = false;
 };
 
 std::string_view wire_name(WireFormat w);

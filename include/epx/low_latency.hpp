@@ -18,6 +18,10 @@ struct LowLatencyConfig {
   int64_t topk = 0;
   WireFormat wire = WireFormat::bf16;
   int64_t timeout_ms = 0;           // 0 = EPX_TIMEOUT_MS or 60000
+  // ll_dispatch refuses x holding a NaN or an infinity in a row that counts (t < num_tokens), as
+  // BufferConfig::check_finite; the CUDA backend scans on the device, and (like a bad expert id)
+  // the next call raises it on every rank.
+  bool check_finite = false;
 };
 // One line with every field, used to compare configs across ranks and in messages.
 std::string describe(const LowLatencyConfig& c);

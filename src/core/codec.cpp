@@ -2,14 +2,19 @@
 // device code must produce the same bits.
 #include "epx/codec.hpp"
 
-#include <algorithm>
-
 namespace epx {
 
 namespace {
+// max |x| of a quantization block; non-finite when the block holds a NaN or an infinity.
 float block_amax(const uint16_t* x, int64_t n) {
   float m = 0.0f;
-  for (int64_t i = 0; i < n; ++i) m = std::max(m, std::fabs(bf16_to_float(x[i])));
+  for (int64_t i = 0; i < n; ++i) m = max_abs_nonfinite(m, bf16_to_float(x[i]));
+  return m;
+}
+// max |x| over the finite values (the nvfp4 per-token global scale's).
+float finite_amax(const uint16_t* x, int64_t n) {
+  float m = 0.0f;
+  for (int64_t i = 0; i < n; ++i) m = max_abs_finite(m, bf16_to_float(x[i]));
   return m;
 }
 }  // namespace
@@ -29,7 +34,7 @@ void dequantize_fp8_row(const uint8_t* q, const float* scales, int64_t hidden, f
 }
 
 float quantize_nvfp4_row(const uint16_t* x, int64_t hidden, float global_scale, uint8_t* q, uint8_t* scales) {
-  const float g = global_scale > 0.0f ? global_scale : nvfp4_token_global_scale(block_amax(x, hidden));
+  const float g = global_scale > 0.0f ? global_scale : nvfp4_token_global_scale(finite_amax(x, hidden));
   for (int64_t b = 0; b < hidden / kNvfp4Block; ++b) {
     const uint16_t* xb = x + b * kNvfp4Block;
     const uint8_t s = nvfp4_block_scale(block_amax(xb, kNvfp4Block), g);

@@ -7,7 +7,8 @@ namespace epx {
 
 std::string describe(const LowLatencyConfig& c) {
   return detail::cat("hidden=", c.hidden, " max_tokens_per_rank=", c.max_tokens_per_rank, " num_experts=", c.num_experts,
-                     " topk=", c.topk, " wire=", wire_name(c.wire), " timeout_ms=", c.timeout_ms);
+                     " topk=", c.topk, " wire=", wire_name(c.wire), " timeout_ms=", c.timeout_ms,
+                     " check_finite=", c.check_finite ? 1 : 0);
 }
 
 namespace {

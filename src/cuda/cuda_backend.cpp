@@ -227,8 +227,22 @@ kernels::SendRows send_rows(const DispatchInput& in, WireFormat wire, float nvfp
   return rows;
 }
 
+// check_finite's scan of a dispatch input: x (bf16, or e4m3 codes and their f32 scales).
+kernels::FiniteCheck finite_check(const DispatchInput& in, int64_t hidden) {
+  kernels::FiniteCheck f;
+  const bool fp8 = in.x.dtype == DType::fp8_e4m3;
+  f.part[f.parts++] = {static_cast<const char*>(in.x.data), in.x.strides[0] * dtype_size(in.x.dtype), hidden, fp8 ? 1 : 2, 0};
+  if (fp8)
+    f.part[f.parts++] = {reinterpret_cast<const char*>(in.x_scales.ptr<const float>()), in.x_scales.strides[0] * 4,
+                         hidden / kFp8Block, 4, 1};
+  return f;
+}
+
 // The words for an input error found on the device (same as the CPU backend's).
 std::string input_error(int32_t code, int64_t a, int64_t b, int64_t c, const BufferConfig& cfg) {
+  if (code == kStatusNonFinite)  // c: tensor << 32 | the value's fp32 bits
+    return cat("dispatch: ", (c >> 32) ? "x_scales[" : "x[", a, "][", b, "] is not finite (",
+               nonfinite_name(bits_float(static_cast<uint32_t>(c))), ")");
   if (code == kStatusBadExpert && b == cfg.topk)
     return cat("dispatch: routing_map row ", a, " selects more than topk=", cfg.topk, " experts");
   if (code == kStatusBadExpert)
@@ -630,6 +644,7 @@ void CudaBackend::raise(const DeviceStatus& st, const Call& call) {
   switch (st.code) {
     case kStatusBadExpert:
     case kStatusRepeatedExpert:
+    case kStatusNonFinite:
       throw Error(ErrorCode::invalid_argument, input_error(st.code, st.a, st.b, st.c, config()));
     case kStatusPeerRejected: {
       std::string reason;
@@ -847,6 +862,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   int64_t tokens = 0;
   kernels::RoutingInput routing;
   kernels::SendRows rows;
+  kernels::FiniteCheck finite;  // check_finite: scanned beside the routing check
   bool has_weights = false;
   try {
     validate_dispatch_options(opt);
@@ -857,6 +873,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     routing = routing_input(in);
     has_weights = in.topk_idx.defined() ? in.topk_weights.defined() : in.probs.defined();
     rows = send_rows(in, c.wire, opt.nvfp4_global_scale);
+    if (c.check_finite) finite = finite_check(in, c.hidden);
   } catch (const Error& e) {
     error = e.what();
   }
@@ -954,7 +971,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   const kernels::Ctx x = ctx();
   const int64_t width = c.num_experts + ranks_;
   kernels::canonicalize_routing(x, routing, tokens, dh->slot_expert, dh->slot_weight,
-                                c.capacity_factor > 0.0 ? dh->counts : nullptr);
+                                c.capacity_factor > 0.0 ? dh->counts : nullptr, finite);
   int phase = 0;
   if (c.capacity_factor > 0.0) {
     exchange_plan(call, phase++, tokens, signature, dh->counts, c.num_experts, dh->expert_prefix, dh->drop_capacity);

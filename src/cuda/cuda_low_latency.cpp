@@ -161,19 +161,19 @@ class CudaLowLatency final : public LowLatencyBackend {
                in.num_tokens.defined() ? in.num_tokens.ptr<const int32_t>() : nullptr, tokens,
                in.topk_weights.defined() ? in.topk_weights.ptr<const float>() : nullptr,
                in.topk_weights.defined() ? in.topk_weights.strides[0] : 0};
-      rows = {in.x.ptr<const uint16_t>(), in.x.strides[0], in.nvfp4_global_scale};
+      rows = {in.x.ptr<const uint16_t>(), in.x.strides[0], in.nvfp4_global_scale, c.check_finite};
     } catch (const Error& e) {
       error = e.what();
     }
     if (!error.empty()) {
       // The peers' receive half stops with this rank's rejection; this rank's receive half still
       // runs, so the set's arrival words are consumed (and reset) like those of any call.
-      ll::reject(ctx(), ll::kDispatch, set, kStatusHostRejected);
-      ll::dispatch(ctx(), ll::kRecvPhase, set, {}, {}, sets_[set]);
+      ll::reject(ctx(dispatch_calls_ - 1), ll::kDispatch, set, kStatusHostRejected);
+      ll::dispatch(ctx(dispatch_calls_ - 1), ll::kRecvPhase, set, {}, {}, sets_[set]);
       throw Error(ErrorCode::invalid_argument, error);
     }
     mark(0);
-    if (!fusing_) ll::dispatch(ctx(), ll::kSendPhase, set, route, rows, sets_[set]);
+    if (!fusing_) ll::dispatch(ctx(dispatch_calls_ - 1), ll::kSendPhase, set, route, rows, sets_[set]);
     if (!fusing_) launched();
     dispatch_pending_ = true;
     pending_route_ = route;
@@ -185,7 +185,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     dispatch_pending_ = false;
     const int set = static_cast<int>((dispatch_calls_ - 1) % 2);
     const ll::Set& s = sets_[set];
-    ll::dispatch(ctx(), fusing_ ? ll::kSendPhase | ll::kRecvPhase : ll::kRecvPhase, set, pending_route_, pending_rows_, s);
+    ll::dispatch(ctx(dispatch_calls_ - 1), fusing_ ? ll::kSendPhase | ll::kRecvPhase : ll::kRecvPhase, set, pending_route_, pending_rows_, s);
     if (fusing_) launched();
     if (mark(1)) timer_.add(fusing_ ? "ll dispatch (one launch)" : "ll dispatch: send half to end", 0, 1);
     const LowLatencyConfig& c = config();
@@ -247,15 +247,15 @@ class CudaLowLatency final : public LowLatencyBackend {
       error = e.what();
     }
     if (!error.empty()) {  // as in dispatch_send: reject, then consume this call's arrival words
-      ll::reject(ctx(), ll::kCombine, set, kStatusHostRejected);
-      ll::combine(ctx(), ll::kRecvPhase, set, 0, sets_[0], nullptr, ll::Sums{nullptr, 0, false, 0, sets_[set].out, false});
+      ll::reject(ctx(combine_calls_ - 1), ll::kCombine, set, kStatusHostRejected);
+      ll::combine(ctx(combine_calls_ - 1), ll::kRecvPhase, set, 0, sets_[0], nullptr, ll::Sums{nullptr, 0, false, 0, sets_[set].out, false});
       throw Error(ErrorCode::invalid_argument, error);
     }
     const LowLatencyHandleState& h = handle.state();
     mark(2);
     combine_pending_ = true;
     pending_combine_ = {handle.state_ptr(), in.weighted, in.topk_weights, in.y.ptr<const uint16_t>()};
-    if (!fusing_) ll::combine(ctx(), ll::kSendPhase, set, h.set, sets_[h.set], in.y.ptr<const uint16_t>(), sums(set));
+    if (!fusing_) ll::combine(ctx(combine_calls_ - 1), ll::kSendPhase, set, h.set, sets_[h.set], in.y.ptr<const uint16_t>(), sums(set));
     if (!fusing_) launched();
   }
 
@@ -265,7 +265,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     const int set = static_cast<int>((combine_calls_ - 1) % 2);
     const LowLatencyHandleState& h = *pending_combine_.handle;
     uint16_t* out = sets_[set].out;
-    ll::combine(ctx(), fusing_ ? ll::kSendPhase | ll::kRecvPhase : ll::kRecvPhase, set, h.set, sets_[h.set],
+    ll::combine(ctx(combine_calls_ - 1), fusing_ ? ll::kSendPhase | ll::kRecvPhase : ll::kRecvPhase, set, h.set, sets_[h.set],
                 pending_combine_.y, sums(set));
     if (fusing_) launched();
     if (mark(3)) timer_.add(fusing_ ? "ll combine (one launch)" : "ll combine: send half to end", 2, 3);
@@ -331,11 +331,12 @@ class CudaLowLatency final : public LowLatencyBackend {
     return true;
   }
 
-  ll::Ctx ctx() const {
+  // The kernels' view of call number `call` of its kind.
+  ll::Ctx ctx(int64_t call) const {
     const LowLatencyConfig& c = config();
     return ll::Ctx{window_->peers(), map_, c.hidden, c.topk, c.num_experts, local_, c.max_tokens_per_rank, c.wire,
                    wire_.x_bytes, wire_.scale_bytes, wire_.global_bytes, status_, host_status_, host_started_, done_,
-                   static_cast<uint64_t>(timeout_.count()) * 1000000ull, blocks_, stream_, stamps_};
+                   static_cast<uint64_t>(timeout_.count()) * 1000000ull, blocks_, stream_, stamps_, call};
   }
 
   size_t stamp_bytes() const { return static_cast<size_t>(2 * blocks_ * ll::kStampSteps) * sizeof(uint64_t); }
@@ -378,6 +379,17 @@ class CudaLowLatency final : public LowLatencyBackend {
     require(t.device_index == device_, what, ": tensor is on cuda:", t.device_index, " but this rank drives cuda:", device_);
   }
 
+  // The call and the wait a timeout report names (ll_launch.hpp: timeout_where), in words.
+  static std::string timed_out_call(int64_t where) {
+    const int64_t call = where >> ll::kStepBits;
+    switch (where & ((int64_t{1} << ll::kStepBits) - 1)) {
+      case ll::kDispatchArrivals: return cat("ll_dispatch #", call, " (receive half: the peers' rows)");
+      case ll::kCombineArrivals: return cat("ll_combine #", call, " (receive half: the peers' partial sums)");
+      case ll::kCombineWeights: return cat("ll_combine #", call, " (receive half: the peers' router weights)");
+    }
+    return cat("a low-latency call (an unknown wait, code ", where, ")");
+  }
+
   // Raises what an earlier call found on the device (calls never wait for the device).
   void begin(const char* kind, int64_t index) {
     const std::string name = cat(kind, " #", index);
@@ -402,6 +414,9 @@ class CudaLowLatency final : public LowLatencyBackend {
         fail(ErrorCode::invalid_argument, who, "token ", st.a, " selects expert ", st.c, " twice");
       case kStatusBadTokenCount:
         fail(ErrorCode::invalid_argument, who, "num_tokens = ", st.a, " must be in [0, T=", st.b, "]");
+      case kStatusNonFinite:  // c: the value's fp32 bits
+        fail(ErrorCode::invalid_argument, who, "ll_dispatch: x[", st.a, "][", st.b, "] is not finite (",
+             nonfinite_name(bits_float(static_cast<uint32_t>(st.c))), ")");
       case kStatusPeerRejected:  // a: the code the peer raised
         if (st.a == kStatusTimeout || st.a == kStatusPeerRejected)
           fail(ErrorCode::peer_failed, who, "rank ", st.rank, st.a == kStatusTimeout ? " gave up waiting for another rank"
@@ -410,7 +425,8 @@ class CudaLowLatency final : public LowLatencyBackend {
         fail(ErrorCode::peer_failed, who, "rank ", st.rank, " rejected its input (its own error says why), so the group stops");
       case kStatusTimeout:
         broken_ = true;
-        broken_reason_ = cat(who, "waited ", timeout_.count(), " ms for rank ", st.rank,
+        broken_reason_ = cat(timed_out_call(st.a), " (rank ", rank_, ", raised at ", name, "): waited ", timeout_.count(),
+                             " ms for rank ", st.rank,
                              ", which never arrived (crashed, hung, or called collective operations in a different order); ",
                              when);
         throw Error(ErrorCode::timeout, broken_reason_);

@@ -273,6 +273,11 @@ class HostLowLatency final : public LowLatencyBackend {
           require(h.slot_expert[t * c.topk + j] != e, "ll_dispatch: token ", t, " selects expert ", e, " twice");
         h.slot_expert[t * c.topk + k] = static_cast<int32_t>(e);
       }
+    for (int64_t t = 0; c.check_finite && t < h.num_tokens; ++t)  // the rows that count; the first NaN or infinity
+      for (int64_t i = 0; i < c.hidden; ++i) {
+        const float v = bf16_to_float(at<uint16_t>(in.x, t, i));
+        if (is_nonfinite(v)) fail(ErrorCode::invalid_argument, "ll_dispatch: x[", t, "][", i, "] is not finite (", nonfinite_name(v), ")");
+      }
   }
 
   // Every (token, expert) pair to the expert's rank, at this rank's next slot of that expert.

@@ -8,6 +8,7 @@
 #include "core/routing.hpp"
 #include "core/validate.hpp"
 #include "core/validate_ops.hpp"
+#include "epx/codec.hpp"
 #include "host/host_backend.hpp"
 
 namespace epx::detail {
@@ -49,6 +50,20 @@ DispatchResult HostBackend::dispatch(const DispatchInput& in, const DispatchOpti
     validate_dispatch_options(opt);
     validate_dispatch_x(in, c, DeviceKind::host);
     routing = routing_from_input(in, c);
+    if (c.check_finite) {  // BufferConfig::check_finite: the first NaN or infinity, x row-major, then x_scales
+      const bool fp8 = in.x.dtype == DType::fp8_e4m3;
+      for (int64_t t = 0; t < routing.tokens; ++t)
+        for (int64_t h = 0; h < c.hidden; ++h) {
+          const float v = fp8 ? e4m3_to_float(row_ptr<uint8_t>(in.x, t)[h]) : bf16_to_float(row_ptr<uint16_t>(in.x, t)[h]);
+          if (is_nonfinite(v)) fail(ErrorCode::invalid_argument, "dispatch: x[", t, "][", h, "] is not finite (", nonfinite_name(v), ")");
+        }
+      for (int64_t t = 0; fp8 && t < routing.tokens; ++t)
+        for (int64_t b = 0; b < c.hidden / kFp8Block; ++b) {
+          const float v = row_ptr<float>(in.x_scales, t)[b];
+          if (is_nonfinite(v))
+            fail(ErrorCode::invalid_argument, "dispatch: x_scales[", t, "][", b, "] is not finite (", nonfinite_name(v), ")");
+        }
+    }
     mine.tokens = routing.tokens;
     mine.expert_counts = count_per_expert(routing, c.num_experts);
   } catch (const Error& e) {

@@ -45,6 +45,55 @@ float lane_dot(const uint16_t* a, const uint16_t* b, int64_t n) {
   return lane[0];
 }
 
+// The documented encoders, naively: per block, a block holding a NaN or an infinity is written
+// as the rules for non-finite values say (fp8: scale the fp32 NaN 0x7fc00000, codes 0x7f; nvfp4:
+// scale 0x7f, codes 0; the nvfp4 per-token global scale from the row's finite values only), any
+// other block from the scalar formulas.
+bool block_is_finite(const uint16_t* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if (!std::isfinite(bf16_to_float(x[i]))) return false;
+  return true;
+}
+
+void fp8_row(const uint16_t* x, int64_t h, bool ue8m0, uint8_t* q, float* scales) {
+  for (int64_t b = 0; b < h / kFp8Block; ++b) {
+    const uint16_t* xb = x + b * kFp8Block;
+    if (!block_is_finite(xb, kFp8Block)) {
+      const uint32_t nan = 0x7fc00000u;
+      std::memcpy(&scales[b], &nan, 4);
+      std::memset(q + b * kFp8Block, 0x7f, kFp8Block);
+      continue;
+    }
+    float amax = 0.0f;
+    for (int64_t i = 0; i < kFp8Block; ++i) amax = std::fmax(amax, std::fabs(bf16_to_float(xb[i])));
+    scales[b] = fp8_scale(amax, ue8m0);
+    const float inv = 1.0f / scales[b];
+    for (int64_t i = 0; i < kFp8Block; ++i) q[b * kFp8Block + i] = float_to_e4m3(bf16_to_float(xb[i]) * inv);
+  }
+}
+
+float nvfp4_row(const uint16_t* x, int64_t h, float given, uint8_t* q, uint8_t* scales) {
+  float rowmax = 0.0f;
+  for (int64_t i = 0; i < h; ++i)
+    if (std::isfinite(bf16_to_float(x[i]))) rowmax = std::fmax(rowmax, std::fabs(bf16_to_float(x[i])));
+  const float g = given > 0.0f ? given : nvfp4_token_global_scale(rowmax);
+  std::memset(q, 0, h / 2);
+  for (int64_t b = 0; b < h / kNvfp4Block; ++b) {
+    const uint16_t* xb = x + b * kNvfp4Block;
+    if (!block_is_finite(xb, kNvfp4Block)) {
+      scales[b] = 0x7f;  // codes stay 0
+      continue;
+    }
+    float bmax = 0.0f;
+    for (int64_t i = 0; i < kNvfp4Block; ++i) bmax = std::fmax(bmax, std::fabs(bf16_to_float(xb[i])));
+    scales[b] = nvfp4_block_scale(bmax, g);
+    const float f = nvfp4_encode_factor(scales[b], g);
+    for (int64_t i = 0; i < kNvfp4Block; ++i)
+      q[(b * kNvfp4Block + i) / 2] |= static_cast<uint8_t>(float_to_e2m1(bf16_to_float(xb[i]) * f) << (4 * (i & 1)));
+  }
+  return 1.0f / g;
+}
+
 // Wire bytes of token t of rank s: x codes, scales, global scale (as dispatch must deliver them).
 struct Encoded {
   std::vector<uint8_t> x, scales, global;
@@ -67,7 +116,7 @@ Encoded encode(const Problem& p, int s, int64_t t, float nvfp4_gs) {
         std::memcpy(e.x.data(), &in.x_fp8[t * h], h);
         std::memcpy(sc.data(), &in.x_scales[t * (h / kFp8Block)], sc.size() * 4);
       } else {
-        quantize_fp8_row(x, h, p.cfg.wire == WireFormat::fp8_ue8m0, e.x.data(), sc.data());
+        fp8_row(x, h, p.cfg.wire == WireFormat::fp8_ue8m0, e.x.data(), sc.data());
       }
       e.scales.resize(sc.size() * 4);
       std::memcpy(e.scales.data(), sc.data(), e.scales.size());
@@ -76,7 +125,7 @@ Encoded encode(const Problem& p, int s, int64_t t, float nvfp4_gs) {
     case WireFormat::nvfp4: {
       e.x.resize(h / 2);
       e.scales.resize(h / kNvfp4Block);
-      const float inv = quantize_nvfp4_row(x, h, nvfp4_gs, e.x.data(), e.scales.data());
+      const float inv = nvfp4_row(x, h, nvfp4_gs, e.x.data(), e.scales.data());
       e.global.resize(4);
       std::memcpy(e.global.data(), &inv, 4);
       break;

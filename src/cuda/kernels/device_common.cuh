@@ -117,7 +117,7 @@ __device__ inline void set_flag(Word* flag, Word value) {
 // lane 0's flag word.
 template <typename Word>
 __device__ inline bool warp_wait_lane_flags(Word* mine, int peer, uint32_t epoch, uint64_t timeout_ns, DeviceStatus* st,
-                                            int kind, Word* seen = nullptr) {
+                                            int64_t kind, Word* seen = nullptr) {
   int ok = 1;
   Word v = 0;
   if (mine) {
@@ -144,7 +144,7 @@ __device__ inline bool warp_wait_lane_flags(Word* mine, int peer, uint32_t epoch
 // Lanes 0..n-1 each wait for their flag (flags[lane * stride], the flag of peer first_peer + lane).
 template <typename Word>
 __device__ inline bool warp_wait_flags(Word* flags, int64_t stride, int n, int first_peer, uint32_t epoch,
-                                       uint64_t timeout_ns, DeviceStatus* st, int kind, int lane, Word* seen = nullptr) {
+                                       uint64_t timeout_ns, DeviceStatus* st, int64_t kind, int lane, Word* seen = nullptr) {
   return warp_wait_lane_flags(lane < n ? flags + lane * stride : nullptr, first_peer + lane, epoch, timeout_ns, st, kind,
                               seen);
 }

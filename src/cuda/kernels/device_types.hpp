@@ -20,6 +20,8 @@ enum StatusCode : int32_t {
   kStatusCallMismatch = 5,     // rank = peer; a = its call kind, b = its call number
   kStatusTimeout = 6,          // rank = the first missing peer; a = signal kind
   kStatusBadTokenCount = 7,    // low-latency num_tokens: a = its value, b = T
+  kStatusNonFinite = 8,        // check_finite: a = token, b = channel (x_scales: block), c = tensor << 32 | the
+                               // value's fp32 bits (tensor 0: x, 1: x_scales)
 };
 
 // Written by kernels into host-mapped memory; the first error wins.

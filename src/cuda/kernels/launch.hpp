@@ -33,6 +33,21 @@ struct RoutingInput {
   int64_t probs_stride = 0;
 };
 
+// BufferConfig::check_finite: arrays the routing kernel scans for a NaN or an infinity, the one it
+// finds reported as kStatusNonFinite (which one, when there are several, is unspecified). parts 0:
+// off, nothing is scanned.
+struct FiniteScan {
+  const char* data = nullptr;  // [rows, cols], rows stride_bytes apart
+  int64_t stride_bytes = 0;
+  int64_t cols = 0;
+  int32_t elem_bytes = 0;  // 2: bf16, 1: e4m3 (its NaN codes), 4: f32
+  int32_t tensor = 0;      // for the message: 0 x, 1 x_scales
+};
+struct FiniteCheck {
+  FiniteScan part[2];  // x, then (pre-quantized input) x_scales
+  int parts = 0;
+};
+
 // Loads every kernel of the backend. CUDA loads kernels lazily, at their first launch, and a
 // load may wait for all kernels running on the device; on a GPU shared by ranks that includes
 // a peer's kernel waiting for this rank: a deadlock. Buffers call this before their collective setup.
@@ -47,8 +62,9 @@ void preload_broadcast_kernels();
 
 // Canonical routing: slot_expert/slot_weight [T*K], counts [E] (+= per expert; only the drop
 // rule needs them, so null skips the atomics), errors reported in ctx.status. counts must be zeroed.
+// With check.parts, the same kernel scans those arrays' T rows (check_finite).
 void canonicalize_routing(const Ctx& ctx, const RoutingInput& in, int64_t tokens, int32_t* slot_expert,
-                          float* slot_weight, int64_t* counts);
+                          float* slot_weight, int64_t* counts, const FiniteCheck& check = {});
 
 // Starts a call on the device: the call number advances, the status is cleared.
 void begin_call(const Ctx& ctx);

@@ -67,7 +67,14 @@ struct Ctx {
   int blocks;
   cudaStream_t stream;
   uint64_t* stamps;  // EPX_PROFILE=ll: [2 kinds][blocks][kStampSteps] global timer per step, else null
+  int64_t call = 0;  // the call's number among its kind's (ll_dispatch #n, ll_combine #n), for a timeout's words
 };
+
+// What a timeout report's `a` holds: the call's number and the wait that ran out (the host reads
+// it at its next call, so the call that timed out is named, not the one that finds out).
+enum TimeoutStep : int64_t { kDispatchArrivals = 1, kCombineArrivals = 2, kCombineWeights = 3 };
+constexpr int64_t kStepBits = 4;
+__host__ __device__ constexpr int64_t timeout_where(int64_t call, TimeoutStep step) { return call << kStepBits | step; }
 
 // The steps a block stamps (EPX_PROFILE=ll): start, its own writes done, counted in at every rank,
 // every source in, its receive work done, and (the last block only) the call's end; then, within
@@ -90,6 +97,7 @@ struct Rows {
   const uint16_t* x;
   int64_t x_stride;  // elements
   float nvfp4_global_scale;
+  bool check_finite = false;  // LowLatencyConfig::check_finite: the send half scans the rows that count
 };
 
 // Combine's weights (this rank's tokens', sent to the expert ranks by the send half, unless this

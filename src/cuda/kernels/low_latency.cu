@@ -9,6 +9,7 @@
 // weights: sent beside its routing by ll_dispatch, or first thing by combine's send half) into one
 // bf16 partial back at the source, which adds the partials in rank order (the high-throughput
 // combine's sums, docs/low-latency.md).
+#include "cuda/kernels/finite_scan.cuh"
 #include "cuda/kernels/ll_launch.hpp"
 #include "cuda/kernels/row_copy.cuh"
 
@@ -131,13 +132,21 @@ __device__ bool wait_sources(const Ctx& c, Kind kind, int set) {
   if (source < c.peers.ranks) {
     cuda::atomic_ref<uint64_t, cuda::thread_scope_system> word(*word_of<uint64_t>(c, c.map.arrivals, c.peers.rank, kind, set, source));
     const uint64_t start = globaltimer_ns();
+    const TimeoutStep step = kind == kDispatch ? kDispatchArrivals : kCombineArrivals;
     for (uint64_t v = word.load(cuda::memory_order_acquire);
-         (v >> kGridShift) == 0 || (v & kArrivedMask) != (v >> kGridShift); v = word.load(cuda::memory_order_acquire))
+         (v >> kGridShift) == 0 || (v & kArrivedMask) != (v >> kGridShift); v = word.load(cuda::memory_order_acquire)) {
       if (globaltimer_ns() - start > c.timeout_ns) {
-        report(c.status, kStatusTimeout, source, kind + 1, 0, 0, static_cast<int64_t>(start));  // d: for the message
+        report(c.status, kStatusTimeout, source, timeout_where(c.call, step), 0, 0, static_cast<int64_t>(start));
         ok = 0;
         break;
       }
+      // An earlier wait of this call ran out (the combine's weights): one timeout is enough. (Only a
+      // timeout: after an input error the arrival words must still be consumed.)
+      if (*reinterpret_cast<volatile int32_t*>(&c.status->code) == kStatusTimeout) {
+        ok = 0;
+        break;
+      }
+    }
     const uint32_t code = ok ? *reinterpret_cast<volatile uint32_t*>(word_of<uint32_t>(c, c.map.errors, c.peers.rank, kind, set, source)) : 0;
     if (code != 0) {
       if (source != c.peers.rank) report(c.status, kStatusPeerRejected, source, code, 0, 0, static_cast<int64_t>(start));
@@ -236,8 +245,14 @@ __device__ void dispatch_send(const Ctx& c, int set, const Route& route, const R
   // Units (token, destination, span) with t < n sit in the first blocks (warp u of the grid takes
   // unit u first): the blocks past them only kept their tokens' routing here and need not count in.
   const int64_t sending = (n * ranks * spans + kWarps - 1) / kWarps;
+  const int64_t arriving = sending < 1 ? 1 : sending > gridDim.x ? gridDim.x : sending;
+  // check_finite: the counting blocks scan rows t < n between them, so what they find goes out
+  // with their arrival (the error word every receiver reads).
+  if (rows.check_finite && blockIdx.x < arriving)
+    scan_finite(kernels::FiniteScan{reinterpret_cast<const char*>(rows.x), rows.x_stride * 2, c.hidden, 2, 0}, n,
+                blockIdx.x, arriving, rank, c.status);
   stamp(c, kDispatch, kOwnWrites);
-  block_arrived(c, kDispatch, set, sending < 1 ? 1 : sending > gridDim.x ? gridDim.x : sending);
+  block_arrived(c, kDispatch, set, arriving);
   stamp(c, kDispatch, kCountedIn);
 }
 
@@ -465,7 +480,7 @@ __device__ void send_weights(const Ctx& c, int set, const Set& d, const Sums& su
 // false (in every lane) after the timeout, or when the call failed already.
 __device__ bool wait_weights(const Ctx& c, int set, int source, int lane) {
   return warp_wait_lane_flags(lane == 0 ? weights_word(c, c.peers.rank, set, source) : nullptr, source, 1u,
-                              c.timeout_ns, c.status, kCombine + 1);
+                              c.timeout_ns, c.status, timeout_where(c.call, kCombineWeights));
 }
 
 // The same for the whole block, for every source that did not send its weights with its dispatch:
@@ -477,7 +492,7 @@ __device__ bool block_wait_weights(const Ctx& c, int set, const int32_t* weights
     const int source = static_cast<int>(threadIdx.x);
     const bool needed = source < c.peers.ranks && weights_from[source] == 0;
     ok = warp_wait_lane_flags(needed ? weights_word(c, c.peers.rank, set, source) : nullptr, source, 1u, c.timeout_ns,
-                              c.status, kCombine + 1);
+                              c.status, timeout_where(c.call, kCombineWeights));
   }
   return __syncthreads_and(ok) != 0;
 }

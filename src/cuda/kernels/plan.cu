@@ -1,6 +1,7 @@
 // The plan step of every call and the routing that precedes a dispatch's transfer.
 #include "cuda/kernels/block_scan.cuh"
 #include "cuda/kernels/device_common.cuh"
+#include "cuda/kernels/finite_scan.cuh"
 #include "cuda/kernels/launch.hpp"
 #include "cuda/kernels/ll_launch.hpp"
 #include "cuda/kernels/receive_layout.cuh"
@@ -26,9 +27,10 @@ __device__ bool canonical_slot(const Shape& s, const RoutingInput& in, int64_t t
 
 // One thread per token: read its routing, check it, count its experts. topk_idx: slots in groups
 // of 8 whose ids and weights are loaded before any is stored (no dependent round per slot), and
-// repeats found in registers within a group (earlier groups read back, K > 8 only).
+// repeats found in registers within a group (earlier groups read back, K > 8 only). With
+// check_finite (fc.parts), then block b scans rows b, b + grid, ... of x (and x_scales).
 __global__ void canonicalize_kernel(Shape s, RoutingInput in, int64_t tokens, int32_t* slot_expert, float* slot_weight,
-                                    int64_t* counts, DeviceStatus* st) {
+                                    int64_t* counts, DeviceStatus* st, FiniteCheck fc) {
   constexpr int kGroup = 8;
   for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < tokens;
        t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -76,6 +78,7 @@ __global__ void canonicalize_kernel(Shape s, RoutingInput in, int64_t tokens, in
       for (int64_t j = 0; j < s.topk; ++j)
         if (e[j] >= 0) atomicAdd(reinterpret_cast<unsigned long long*>(&counts[e[j]]), 1ull);
   }
+  for (int i = 0; i < fc.parts; ++i) scan_finite(fc.part[i], tokens, blockIdx.x, gridDim.x, s.rank, st);
 }
 
 // Thread 0: the call's number and a clean status.
@@ -130,10 +133,13 @@ __device__ void check_plans_block(const PeerWindows& w, const WindowMap& m, cons
     int64_t total_tokens = 0;
     for (int p = 0; p < w.ranks; ++p) {
       const PlanHeader* h = reinterpret_cast<const PlanHeader*>(plan(p));
-      if (h->call_kind != mine.call_kind || h->call_index != mine.call_index || h->signature != mine.signature)
-        report(st, kStatusCallMismatch, p, h->call_kind, h->call_index, h->signature);
-      else if (h->error != 0 && p != w.rank)
+      // A peer in this call that rejected its input stops it with its reason, whatever its
+      // signature (a front end's rejection, Buffer::reject, may not know the options), as on the CPU.
+      const bool same_call = h->call_kind == mine.call_kind && h->call_index == mine.call_index;
+      if (same_call && h->error != 0 && p != w.rank)
         report(st, kStatusPeerRejected, p, h->error, h->detail[0], h->detail[1], h->detail[2]);
+      else if (!same_call || h->signature != mine.signature)
+        report(st, kStatusCallMismatch, p, h->call_kind, h->call_index, h->signature);
       total_tokens += h->tokens;
     }
     *drop_capacity = capacity_factor > 0.0
@@ -206,10 +212,12 @@ int blocks_for(int64_t n, int threads) { return static_cast<int>(std::min<int64_
 }  // namespace
 
 void canonicalize_routing(const Ctx& ctx, const RoutingInput& in, int64_t tokens, int32_t* slot_expert,
-                          float* slot_weight, int64_t* counts) {
+                          float* slot_weight, int64_t* counts, const FiniteCheck& check) {
   if (tokens == 0) return;
-  canonicalize_kernel<<<blocks_for(tokens, 128), 128, 0, ctx.stream>>>(ctx.shape, in, tokens, slot_expert, slot_weight,
-                                                                        counts, ctx.status);
+  // check_finite: a block per row, up to 1024 (blocks_for's cap; each then scans several rows).
+  const int blocks = std::max(blocks_for(tokens, 128), check.parts ? blocks_for(tokens, 1) : 0);
+  canonicalize_kernel<<<blocks, 128, 0, ctx.stream>>>(ctx.shape, in, tokens, slot_expert, slot_weight, counts,
+                                                      ctx.status, check);
 }
 
 void begin_call(const Ctx& ctx) { begin_call_kernel<<<1, 1, 0, ctx.stream>>>(ctx.state, ctx.status); }

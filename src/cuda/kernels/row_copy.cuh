@@ -84,13 +84,15 @@ __device__ inline void zero_row(char* const* dst, int n, int64_t bytes, int lane
 }
 
 // One 512-channel step of an fp8 row: lane's 16 values (when `on`) -> codes and its block's
-// scale. Every lane of the warp calls it (the block amax is 3 shuffles).
+// scale. Every lane of the warp calls it (the block amax is 3 shuffles). The max keeps a NaN
+// (max.NaN, where fmaxf would drop it), so a block holding a NaN or an infinity gets the NaN
+// scale, and its codes (x * NaN) the e4m3 NaN 0x7f.
 __device__ inline void fp8_step(const float* v, bool on, int64_t h, int64_t hidden, bool ue8m0, char* const* dst, int n,
                                 int lane) {
   float amax = 0.0f;
   if (on)
-    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
-  for (int o = 1; o < 8; o *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    for (int i = 0; i < 16; ++i) amax = max_abs_nonfinite(amax, v[i]);
+  for (int o = 1; o < 8; o *= 2) amax = max_abs_nonfinite(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   if (!on) return;
   const float scale = fp8_scale(amax, ue8m0);
   const float inv = 1.0f / scale;
@@ -156,13 +158,14 @@ __device__ inline void quantize_fp8_row(const uint16_t* x, int64_t hidden, bool 
 }
 
 // nvfp4 wire row (codes [H/2], e4m3 block scales [H/16], f32 1/g) to each of dst[0..n): a lane
-// owns whole 16-channel blocks.
+// owns whole 16-channel blocks. The per-token g is over the row's finite values; a block holding
+// a NaN or an infinity (its max non-finite) gets scale 0x7f, factor 0, codes 0.
 __device__ inline void quantize_nvfp4_row(const uint16_t* x, int64_t hidden, float given_scale, char* const* dst, int n,
                                           int lane) {
   float g = given_scale;
   if (!(g > 0.0f)) {
     float m = 0.0f;
-    for (int64_t h = lane; h < hidden; h += 32) m = fmaxf(m, fabsf(bf16_to_float(x[h])));
+    for (int64_t h = lane; h < hidden; h += 32) m = max_abs_finite(m, bf16_to_float(x[h]));
     g = nvfp4_token_global_scale(warp_max(m));
   }
   for (int64_t b = lane; b < hidden / kNvfp4Block; b += 32) {
@@ -170,7 +173,7 @@ __device__ inline void quantize_nvfp4_row(const uint16_t* x, int64_t hidden, flo
     float bmax = 0.0f;
     for (int i = 0; i < kNvfp4Block; ++i) {
       v[i] = bf16_to_float(x[b * kNvfp4Block + i]);
-      bmax = fmaxf(bmax, fabsf(v[i]));
+      bmax = max_abs_nonfinite(bmax, v[i]);
     }
     const uint8_t s = nvfp4_block_scale(bmax, g);
     const float f = nvfp4_encode_factor(s, g);
