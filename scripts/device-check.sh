@@ -4,7 +4,7 @@
 # sanitizer serializes kernels, so ranks waiting on each other could not progress), epx-bench.
 # Logs and JSON go to $OUT; a short summary is printed last.
 #   usage: [EPX_GIT_COMMIT=$(git rev-parse --short=12 HEAD)] [GTEST_FILTER=...] [GTEST_REPEAT=n] [BENCH_ARGS=...] [SANITIZE_TOOLS=...] \
-#          [AB_ENV="VAR=value ...[;VAR=value ...]"] bash scripts/device-check.sh [tests|sanitize|bench|ab|interleave|procs|sweep|engines|ll|holdback|profile|chain|queues|syncs|calls|stores|copies|all]...
+#          [AB_ENV="VAR=value ...[;VAR=value ...]"] bash scripts/device-check.sh [tests|sanitize|python|bench|ab|interleave|procs|sweep|engines|ll|holdback|profile|chain|queues|syncs|calls|stores|copies|all]...
 #          (default: all but ab, interleave, procs, sweep, engines, profile, holdback, chain, queues, syncs, calls, stores, copies)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -72,6 +72,34 @@ if want tests; then
     failed=$(grep -E '^\[  FAILED  \] .*\(' "$OUT/gpu_tests_knobs$i.log" | sed -E 's/^\[  FAILED  \] ([^ ,]*).*/\1/' | sort -u | tr '\n' ' ')
     note "gpu tests, copy engines with ${knob_list[$i]}, rc=$rc: $(grep -E '^\[  PASSED' "$OUT/gpu_tests_knobs$i.log") failed: ${failed:-none}"
   done
+fi
+if want python; then
+  # The Python package's tests (EP1 over NCCL, the shared GPU, graphs, compile) and the example, then
+  # the same dispatch and combine through Python and through epx-bench, alternated three times
+  # (the machines are noisy): Python must add no copies (docs/python.md).
+  OUT="$OUT" timeout 900 bash scripts/python-test.sh build-gpu > "$OUT/python_tests.log" 2>&1
+  rc=$?
+  grep -E "passed|failed|error|Error" "$OUT/python_tests.log" | tail -15
+  note "python tests rc=$rc: $(grep -E '[0-9]+ (passed|failed)' "$OUT/python_tests.log" | tail -1)"
+  py=$(cat build-gpu/python/interpreter)
+  for round in 1 2 3; do
+    PYTHONPATH=build-gpu/python:python timeout 300 "$py" python/bench/bench_ht.py ${PY_BENCH_ARGS:-} \
+      >> "$OUT/python_bench_ep1.jsonl" 2>> "$OUT/python_bench_ep1.err"
+    timeout 300 ./build-gpu/epx-bench --backend cuda --ranks 1 --preset v3 --ops dispatch,combine --wire bf16 \
+      --layout expert_major --json "$OUT/epx_bench_ep1_$round.json" > "$OUT/epx_bench_ep1_$round.log" 2>&1
+  done
+  python3 - "$OUT" <<'PY'
+import glob, json, sys
+out = sys.argv[1]
+py = [json.loads(l) for l in open(f"{out}/python_bench_ep1.jsonl") if l.startswith("{")]
+cpp = [r for f in sorted(glob.glob(f"{out}/epx_bench_ep1_*.json")) for r in json.load(open(f))]
+for op in ("dispatch", "combine"):
+    p = [r["median_us"] for r in py if r.get("op") == op]
+    c = [r["time_us"] for r in cpp if r.get("op") == op]
+    if p and c:
+        print(f"python vs epx-bench {op}: python {sorted(p)} us, epx-bench {sorted(c)} us, "
+              f"ratio of medians {sorted(p)[len(p)//2] / sorted(c)[len(c)//2]:.3f}")
+PY
 fi
 if want sanitize; then
   # Each tool twice: the default engines (SM at one rank), then the copy-engine path forced (at one

@@ -13,6 +13,11 @@ command -v pkg-config >/dev/null || need+=(pkg-config)  # the installed-tree tes
 command -v python3 >/dev/null || need+=(python3)        # epx-bench record tests (tests/bench_records_check.py)
 [ -f /usr/include/gtest/gtest.h ] || need+=(libgtest-dev)
 [ -f /usr/include/gmock/gmock.h ] || need+=(libgmock-dev)
+[ -f /usr/include/pybind11/pybind11.h ] || need+=(pybind11-dev)   # the Python module (python/)
+compgen -G '/usr/include/python3*/Python.h' >/dev/null || need+=(python3-dev)
+/usr/bin/python3 -c 'import torch' 2>/dev/null || need+=(python3-torch)   # the Python tests
+/usr/bin/python3 -c 'import pytest' 2>/dev/null || need+=(python3-pytest)
+/usr/bin/python3 -c 'import numpy' 2>/dev/null || need+=(python3-numpy)
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup: installing ${need[*]}"
   sudo=""

@@ -1,0 +1,208 @@
+"""epx.LowLatencyBuffer: the low-latency mode for decode (docs/low-latency.md).
+
+Shapes never change (receive buffers [L, R*M, H]), calls may be split into a send half and a
+receive half with compute in between, and both forms can be captured in CUDA graphs. Calls run on
+torch's current stream.
+
+Lifetimes. Two buffer sets alternate: dispatch call n uses set n % 2. On the GPU, the tensors a
+dispatch returns (recv_x, recv_scales, recv_count, recv_src, recv_layout, ...) are views of set
+n % 2 and are overwritten when dispatch n + 2 starts; the same holds for combine outputs and
+combine n + 2. They stay readable (the memory lives as long as they do) but hold the newer call's
+rows. Use ``clone=True`` (or ``.clone()``) to keep them longer; ``is_current(output)`` says whether
+an output still holds its own call's data. Combining a dispatch whose set was reused is refused on
+every rank. (On the CPU backend outputs are fresh tensors; the rule is enforced the same way.)
+"""
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import _C, registry
+from .config import DType, WireFormat, code_of, names_of
+from .errors import InvalidArgument
+from .streams import handle_of
+from .tensors import arg, out, problem
+
+_BF16, _F32, _I32 = (DType.bf16,), (DType.f32,), (DType.i32,)
+_INDEX = (DType.i32, DType.i64)
+
+
+class LowLatencyHandle(NamedTuple):
+    """What ll dispatch call `call` learned; its combine takes it. ``token`` owns the C++ handle (its words:
+    id, tokens, call; ``call`` is -1 in handles made under torch.compile, whose token still says it)."""
+
+    token: torch.Tensor
+    buffer_id: int
+    call: int
+    tokens: int
+    weights_at_dispatch: bool
+
+
+class LowLatencyDispatchOutput(NamedTuple):
+    recv_x: torch.Tensor  # [L, R*M, H] bf16 | fp8 codes | [L, R*M, H/2] uint8 (NVFP4)
+    recv_scales: Optional[torch.Tensor]  # fp8: [L, R*M, H/128] f32; nvfp4: [L, R*M, H/16] fp8
+    recv_global_scale: Optional[torch.Tensor]  # nvfp4: [L, R*M] f32
+    recv_count: torch.Tensor  # [L] int32
+    recv_src: torch.Tensor  # [L, R*M, 2] int32
+    recv_layout: torch.Tensor  # [L, R, 2] int32
+    handle: LowLatencyHandle
+
+
+class LowLatencyBuffer:
+    """Collective to create (every rank, the same arguments, in the same order as other buffers)."""
+
+    def __init__(self, group, hidden, max_tokens_per_rank, num_experts, topk, *, wire="bf16", timeout_ms=0,
+                 check_finite=False):
+        wire_code = code_of(WireFormat, wire)
+        config = _C.LowLatencyConfig(hidden=hidden, max_tokens_per_rank=max_tokens_per_rank,
+                                     num_experts=num_experts, topk=topk, wire=-1 if wire_code is None else wire_code,
+                                     timeout_ms=timeout_ms, check_finite=check_finite)
+        try:
+            self._c = _C.LowLatencyBuffer(group._c, config)
+        except InvalidArgument as e:
+            if wire_code is None:
+                raise InvalidArgument(f"low-latency buffer: wire: unknown {wire!r}; use one of "
+                                      f"{names_of(WireFormat)}") from e
+            raise
+        self.group = group
+        self.device = group.device
+        self.id = registry.add(self)
+        self._config = self._c.config
+        c = self._config  # plain Python copies, for what torch.compile traces (buffer.py)
+        self.hidden, self.num_experts, self.topk, self.wire_code = c.hidden, c.num_experts, c.topk, c.wire
+        self.max_tokens_per_rank, self.num_ranks = c.max_tokens_per_rank, group.size
+        self.num_local_experts = c.num_experts // group.size
+        self._cuda = self.device.type == "cuda"
+        self._stream = None
+        self.dispatch_calls = 0  # calls started so far, of each kind
+        self.combine_calls = 0
+        self._pending = ()  # the send half's inputs, alive until its receive half
+
+    @property
+    def config(self):
+        return self._config
+
+    def synchronize(self):
+        self._c.synchronize()
+
+    def close(self):
+        self._c.close()
+
+    # --- dispatch ------------------------------------------------------------------------------
+
+    def dispatch(self, x, topk_idx, *, num_tokens=None, topk_weights=None, nvfp4_global_scale=0.0, clone=False):
+        """x [T, H] bfloat16 (T <= max_tokens_per_rank), topk_idx [T, K]; num_tokens: optional [1] int32 on the
+        device (rows that count; may change between graph replays); topk_weights: the combine's weights, sent now."""
+        call = self._start_dispatch()
+        inputs = self._dispatch_inputs(True, x, topk_idx, num_tokens, topk_weights)
+        self._use_current_stream()
+        result = self._c.dispatch(*inputs, float(nvfp4_global_scale))
+        return self._dispatch_output(result, call, topk_weights is not None, clone)
+
+    def dispatch_send(self, x, topk_idx, *, num_tokens=None, topk_weights=None, nvfp4_global_scale=0.0):
+        """The send half: returns at once. Its dispatch_recv must come before the next dispatch_send."""
+        call = self._start_dispatch()
+        inputs = self._dispatch_inputs(False, x, topk_idx, num_tokens, topk_weights)
+        self._use_current_stream()
+        self._c.dispatch_send(*inputs, float(nvfp4_global_scale))
+        self._pending_dispatch = (call, topk_weights is not None)
+        self._pending = (x, topk_idx, num_tokens, topk_weights)
+
+    def dispatch_recv(self, clone=False):
+        """The receive half: waits for every peer."""
+        self._use_current_stream()
+        result = self._c.dispatch_recv()
+        call, weights_at_dispatch = self._pending_dispatch
+        self._pending = ()
+        return self._dispatch_output(result, call, weights_at_dispatch, clone)
+
+    # --- combine -------------------------------------------------------------------------------
+
+    def combine(self, y, handle, *, topk_weights=None, weighted=True, clone=False):
+        """y [L, R*M, H] bfloat16 (contiguous): the expert outputs in the dispatch's rows. Returns [T, H] bfloat16."""
+        self.combine_calls += 1  # as epx counts them: a refused call uses its set too
+        inputs = self._combine_inputs(True, y, handle, topk_weights)
+        self._use_current_stream()
+        result = out(self._c.combine(inputs[0], arg(handle.token), inputs[1], bool(weighted)))
+        return result.clone() if clone else result
+
+    def combine_send(self, y, handle, *, topk_weights=None, weighted=True):
+        self.combine_calls += 1
+        inputs = self._combine_inputs(False, y, handle, topk_weights)
+        self._use_current_stream()
+        self._c.combine_send(inputs[0], arg(handle.token), inputs[1], bool(weighted))
+        self._pending = (y, handle, topk_weights)
+
+    def combine_recv(self, clone=False):
+        self._use_current_stream()
+        result = out(self._c.combine_recv())
+        self._pending = ()
+        return result.clone() if clone else result
+
+    # --- lifetimes -----------------------------------------------------------------------------
+
+    def is_current(self, output):
+        """Whether a dispatch output (or its handle) still holds its own call's data: no dispatch n + 2 yet."""
+        handle = output.handle if isinstance(output, LowLatencyDispatchOutput) else output
+        return self.dispatch_calls <= handle.call + 2
+
+    # --- helpers -------------------------------------------------------------------------------
+
+    def _dispatch_inputs(self, fused, x, topk_idx, num_tokens, topk_weights):
+        specs = (("ll_dispatch: x", x, _BF16), ("ll_dispatch: topk_idx", topk_idx, _INDEX),
+                 ("ll_dispatch: num_tokens", num_tokens, _I32), ("ll_dispatch: topk_weights", topk_weights, _F32))
+        for what, t, allowed in specs:
+            if t is not None:
+                reason = problem(t, what, allowed, self.device)
+                if reason is not None:
+                    self._c.reject_dispatch(fused, reason)
+        return [arg(t) for _, t, _ in specs]
+
+    def _combine_inputs(self, fused, y, handle, topk_weights):
+        reason = self._handle_problem(handle)
+        for what, t, allowed in (("ll_combine: y", y, _BF16), ("ll_combine: topk_weights", topk_weights, _F32)):
+            if reason is None and t is not None:
+                reason = problem(t, what, allowed, self.device)
+        if reason is not None:
+            self._c.reject_combine(fused, reason)
+        return arg(y), arg(topk_weights)
+
+    def _handle_problem(self, handle):
+        if not isinstance(handle, LowLatencyHandle):
+            return f"ll_combine: handle: expected the LowLatencyHandle a dispatch returned, got {type(handle).__name__}"
+        if handle.buffer_id != self.id:
+            return f"ll_combine: handle: made by another low-latency buffer (#{handle.buffer_id}, this is #{self.id})"
+        call = int(handle.token[2])  # the token's own record (handle.call is -1 from a traced ll_dispatch)
+        if self.dispatch_calls > call + 2:
+            return (f"ll_combine: handle of dispatch #{call} is stale: dispatch #{call + 2} reused its "
+                    "buffer set; combine each dispatch before the next-but-one dispatch starts")
+        return None
+
+    def _start_dispatch(self):
+        """Counts the call as epx does (a refused call uses its buffer set too)."""
+        call = self.dispatch_calls
+        self.dispatch_calls += 1
+        return call
+
+    def _dispatch_output(self, result, call, weights_at_dispatch, clone):
+        token, recv_x, recv_scales, recv_global_scale, recv_count, recv_src, recv_layout = result
+        wire = self._config.wire
+        token = out(token)
+        token[2] = call  # the token's words: id, tokens, call (ops.py reads the call back)
+        tensors = [out(recv_x, fp8=wire in (WireFormat.fp8, WireFormat.fp8_ue8m0)),
+                   out(recv_scales, fp8=wire == WireFormat.nvfp4), out(recv_global_scale), out(recv_count),
+                   out(recv_src), out(recv_layout)]
+        if clone:
+            tensors = [None if t is None else t.clone() for t in tensors]
+        handle = LowLatencyHandle(token, self.id, call, int(token[1]), weights_at_dispatch)
+        return LowLatencyDispatchOutput(*tensors, handle)
+
+    def _use_current_stream(self):
+        if self._cuda:
+            handle = handle_of(torch.cuda.current_stream(self.device))
+            if handle != self._stream:
+                self._c.set_stream(handle)
+                self._stream = handle
+
+    def __repr__(self):
+        return f"epx.LowLatencyBuffer(rank {self.group.rank} of {self.group.size}, {self._config!r})"

@@ -1,0 +1,79 @@
+"""CUDA streams and events as DeepEP users know them.
+
+By default a call runs on torch's current stream: everything is ordered as if it were a torch op,
+and nothing else is needed (this is also what CUDA graph capture uses). With ``previous_event``,
+``async_finish`` or ``allocate_on_comm_stream`` it runs on the buffer's communication stream
+instead: that stream first waits for ``previous_event`` (else for the current stream); with
+``async_finish`` the call returns at once with an :class:`EventOverlap` to wait on, else the
+current stream waits for it before the call returns. Inputs of an asynchronous call are recorded on
+the communication stream (``record_stream``) so torch's caching allocator cannot reuse them before
+it is done; outputs are released after their use on the stream that was current at the call (the
+binding's release guard: see docs/python.md, "Lifetimes").
+"""
+
+import torch
+
+# CUDA's handle of the legacy default stream: torch's default stream is the null handle, which
+# epx's set_stream reads as "the buffer's own stream".
+_LEGACY_STREAM = 1
+
+
+def handle_of(stream):
+    """The cudaStream_t of a torch stream, as an int epx reads correctly."""
+    return stream.cuda_stream or _LEGACY_STREAM
+
+
+class EventOverlap:
+    """A CUDA event recorded after an asynchronous epx call (or nothing to wait for).
+
+    ``current_stream_wait()`` makes torch's current stream wait for it; as a context manager, the
+    block runs (overlapping the communication) and the current stream waits at its end.
+    ``extra_tensors`` are kept alive until then.
+    """
+
+    def __init__(self, event=None, extra_tensors=()):
+        self.event = event
+        self.extra_tensors = tuple(extra_tensors)
+
+    def current_stream_wait(self):
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.current_stream_wait()
+        return False
+
+
+NO_EVENT = EventOverlap()
+
+
+def event_of(previous_event):
+    """A torch.cuda.Event from an EventOverlap or an event."""
+    return previous_event.event if isinstance(previous_event, EventOverlap) else previous_event
+
+
+class CallStreams:
+    """Where one call runs and which stream consumes its outputs (CUDA buffers only)."""
+
+    def __init__(self, run, consumer, asynchronous, on_comm):
+        self.run = run
+        self.consumer = consumer
+        self.asynchronous = asynchronous
+        self.on_comm = on_comm
+
+    def finish(self, inputs):
+        """After the call: the handle to wait on (async), or the current stream ordered after it."""
+        if not self.on_comm:
+            return NO_EVENT
+        if self.asynchronous:
+            for t in inputs:
+                if t is not None:
+                    t.record_stream(self.run)
+            event = torch.cuda.Event()
+            event.record(self.run)
+            return EventOverlap(event)
+        self.consumer.wait_stream(self.run)
+        return NO_EVENT
