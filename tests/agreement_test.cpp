@@ -1,6 +1,7 @@
 // Every check takes part in the collective: a call or a creation that one rank refuses fails on
 // every rank at once with that rank's reason, and handles of different dispatches never mix.
 #include <chrono>
+#include <thread>
 
 #include "harness.hpp"
 
@@ -192,6 +193,35 @@ TEST(Agreement, RejectFailsThePeersSameCall) {
     EXPECT_EQ(codes[0], ErrorCode::peer_failed) << op_name(op);
     EXPECT_THAT(words[0], HasSubstr(std::string(op_name(op)) + " #"));
     EXPECT_THAT(words[0], HasSubstr("rank 1 rejected its input, so the group stops: binding: x is not contiguous"));
+  }
+}
+
+
+// A rank that arrives after its peers gave up on the creation fails too (it must not create a
+// buffer they never made, or every later buffer would pair with the wrong one); the next buffers
+// of every rank pair up and work.
+TEST(Agreement, ALateRankFailsTheCreationItsPeersGaveUpOn) {
+  BufferConfig c = config(128, 16, 8, 2);
+  c.timeout_ms = 300;
+  std::vector<ErrorCode> codes(2);
+  HostWorld world(2);
+  verify::run_threads(2, [&](int r) {
+    if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(700));
+    codes[r] = code_of([&] { Buffer b(world.group(r), c); });
+  });
+  EXPECT_EQ(codes[0], ErrorCode::timeout);
+  EXPECT_EQ(codes[1], ErrorCode::peer_failed);
+  const Routing a = routing(16, 128, 2, 8, 2);
+  std::vector<float> out(2);
+  auto errors = verify::run_threads(2, [&](int r) {
+    Buffer b(world.group(r), config(128, 16, 8, 2));
+    DispatchResult d = b.dispatch(a.view(16, 128, 2));
+    std::vector<uint16_t> y(d.recv_x.numel(), 0x3f80);
+    out[r] = bf16_to_float(b.combine({bf16_view(y, d.recv_x.size(0), 128), {}}, d.handle).out.data<uint16_t>()[0]);
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(errors[r], "") << "rank " << r;
+    EXPECT_EQ(out[r], 1.0f) << "rank " << r;
   }
 }
 

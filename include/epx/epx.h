@@ -69,6 +69,7 @@ typedef struct {
   double capacity_factor;
   int64_t timeout_ms;
   int64_t num_sms; /* CUDA: thread blocks of the data-moving kernels; 0 = the default (24) */
+  int32_t check_finite; /* nonzero: dispatch refuses x holding a NaN or an infinity (BufferConfig::check_finite) */
 } epx_buffer_config;
 
 typedef struct epx_world epx_world;   /* a host group: ranks are threads */

@@ -303,6 +303,10 @@ void CudaBackend::choose_paths(const CudaGroupState& state) {
   // An experiment, off until measured at two ranks (docs/performance.md, "The fp8 encode").
   piece_encode_ = broadcast_ && wire_.format != WireFormat::bf16 &&
                   env_choice("EPX_ENCODE", {"whole", "pieces"}) == "pieces";
+  // Read here, before the creation's agreement, so a bad value fails every rank (core/creation.hpp).
+  piece_graphs_ = env_choice("EPX_PIECE_COPIES", {"calls", "graph"}) == "graph";
+  piece_split_ = static_cast<int>(env_integer("EPX_PIECE_SPLIT", 1, 1, 4));
+  place_graphs_ = env_choice("EPX_PLACE_COPIES", {"graph", "calls"}) == "graph";
   // The call's stream, the receiver's side stream, the copy engines' and the placing copies' streams.
   state.check_streams(2 + (broadcast_ || copy_combine_ ? 1 : 0) + (own_copies_ || peer_copies_ ? 1 : 0));
 }
@@ -312,8 +316,7 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
       rank_(group.rank()),
       ranks_(group.size()),
       local_experts_(config.num_experts / group.size()),
-      wire_(wire_row(config.wire, config.hidden)),
-      timeout_(resolve_timeout(config.timeout_ms)) {
+      wire_(wire_row(config.wire, config.hidden)) {
   // This backend's own checks of the config and the environment, then the creation's agreement
   // (core/creation.hpp): a rank refusing fails every rank at once, before anything collective.
   std::string error;
@@ -333,12 +336,13 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
     // block must be resident at once, and each role needs one.
     require(blocks_ >= 2 && blocks_ <= sms, "buffer: num_sms must be in [2, ", sms, "] on cuda:", device_,
             " (at least one block sends and one receives; all must fit on the GPU at once), got ", blocks_);
+    timeout_ = resolve_timeout(config.timeout_ms);  // EPX_TIMEOUT_MS may be bad on one rank's host
     choose_paths(*state);
+    map_ = make_window_map(config, ranks_, wire_, broadcast_);  // reads EPX_BCAST_PIECES, EPX_RETURN_PIECES
   } catch (const Error& e) {
     error = e.what();
   }
   agree_on_creation(group, "buffer", describe(config), error, config.timeout_ms);
-  map_ = make_window_map(config, ranks_, wire_, broadcast_);
   // Everything that may synchronize the device comes before the collective window allocation:
   // once a rank returns from it, peers may already wait inside a call, and on a GPU shared by
   // several ranks a device-synchronizing call would wait for them (and they for us).
@@ -386,8 +390,8 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   EPX_CUDA(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
   // The pool goes when the buffer and every tensor allocated from it are gone.
   pool_ = std::shared_ptr<CUmemPoolHandle_st>(pool, [](cudaMemPool_t p) { cudaMemPoolDestroy(p); });
-  if (env_choice("EPX_PIECE_COPIES", {"calls", "graph"}) == "graph" && ranks_ > 1) {
-    const int split = static_cast<int>(env_integer("EPX_PIECE_SPLIT", 1, 1, 4));
+  if (piece_graphs_ && ranks_ > 1) {
+    const int split = piece_split_;
     int return_pieces = 0;
     while (return_pieces < kMaxPieces && map_.return_start[return_pieces] < config.max_tokens_per_rank) ++return_pieces;
     const bool window = state->window_mapped();
@@ -402,7 +406,7 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   }
   // The placing copies' graphs: outputs come from the pool; own rows from x (most often plain
   // cudaMalloc memory), peer rows from the window.
-  if (env_choice("EPX_PLACE_COPIES", {"graph", "calls"}) == "graph") {
+  if (place_graphs_) {
     if (own_copies_) own_graph_ = std::make_unique<PlacementGraph>(1, kOwnRunSlots, pool, false);
     if (peer_copies_)  // from this rank's window
       peer_graph_ = std::make_unique<PlacementGraph>(peer_pieces(), kPeerRunSlots, pool, state->window_mapped());
@@ -730,6 +734,9 @@ void CudaBackend::reject(const Call& call, int phases, const std::string& error,
 }
 
 void CudaBackend::reject(Op op, const std::string& reason) {
+  static_assert(static_cast<int>(Op::dispatch) == kDispatch && static_cast<int>(Op::combine) == kCombine &&
+                static_cast<int>(Op::dispatch_backward) == kDispatchBackward &&
+                static_cast<int>(Op::combine_backward) == kCombineBackward);
   const Call call = begin_call(static_cast<CallKind>(op));
   // A dispatch with dropping has two plan exchanges; peers wait for both (dispatch()).
   const int phases = op == Op::dispatch && config().capacity_factor > 0.0 ? 2 : 1;

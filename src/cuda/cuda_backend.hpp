@@ -116,7 +116,7 @@ class CudaBackend final : public Backend {
   bool poison_outputs_ = false;  // EPX_POISON_OUTPUTS: fill outputs with 0xa5 first (tests)
   int64_t local_experts_;
   WireRow wire_;
-  std::chrono::milliseconds timeout_;  // every wait on a peer
+  std::chrono::milliseconds timeout_{60000};  // every wait on a peer (set in the constructor)
   WindowMap map_{};
   std::unique_ptr<SymmetricWindow> window_;
   DeviceStatus* status_ = nullptr;       // device
@@ -139,6 +139,9 @@ class CudaBackend final : public Backend {
     int last = 0;  // the kind that served last
   };
   PieceGraphs broadcast_graphs_, return_graphs_;
+  bool piece_graphs_ = false;  // EPX_PIECE_COPIES=graph
+  int piece_split_ = 1;         // EPX_PIECE_SPLIT
+  bool place_graphs_ = true;    // EPX_PLACE_COPIES (graph unless "calls")
   bool by_graph(PieceGraphs& graphs, const std::vector<kernels::FlaggedPiece>& pieces, cudaStream_t stream);
   bool broadcast_ = false;  // dispatch moves its rows by copy engine (kernels/broadcast.cu)
   bool early_receiver_ = false;  // EPX_RECEIVER_START=early: a broadcast's receiver goes before the plan (dispatch())

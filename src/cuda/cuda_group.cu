@@ -111,7 +111,8 @@ std::vector<std::string> nccl_all_gather(ncclComm_t comm, int device, const std:
   EPX_CUDA(cudaMallocAsync(&memory, kRecordBytes * (ranks + 1), stream));
   EPX_CUDA(cudaMemcpyAsync(memory, mine.data(), kRecordBytes, cudaMemcpyHostToDevice, stream));
   EPX_NCCL(ncclAllGather(memory, memory + kRecordBytes, kRecordBytes, ncclChar, comm, stream));
-  EPX_CUDA(cudaMemcpyAsync(all.data(), memory + kRecordBytes, all.size(), cudaMemcpyDeviceToHost, stream));
+  // Waited for before the copy back: a copy into pageable memory returns only once it is done, so
+  // enqueued behind the all-gather it would wait for a missing rank with no limit.
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   cudaError_t state = cudaStreamQuery(stream);
   while (state == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline) {
@@ -122,6 +123,7 @@ std::vector<std::string> nccl_all_gather(ncclComm_t comm, int device, const std:
     fail(ErrorCode::timeout, what, ": waited ", timeout.count(), " ms and not every one of the ", ranks,
          " ranks arrived (a rank crashed, hung, or made collective calls in a different order)");
   EPX_CUDA(state);
+  EPX_CUDA(cudaMemcpyAsync(all.data(), memory + kRecordBytes, all.size(), cudaMemcpyDeviceToHost, stream));
   EPX_CUDA(cudaFreeAsync(memory, stream));
   EPX_CUDA(cudaStreamSynchronize(stream));
   EPX_CUDA(cudaStreamDestroy(stream));
@@ -149,8 +151,17 @@ struct NcclGroupState final : CudaGroupState {
   const char* transport_name() const override { return "nccl"; }
   std::vector<std::string> all_gather(int rank, const std::string& record, std::chrono::milliseconds timeout,
                                       std::string_view what) override {
-    return nccl_all_gather(comms[rank], devices[rank], record, timeout, what);
+    // After a timeout the communicator still holds the pending all-gather: later collectives
+    // would pair with it, so the group fails them at once.
+    if (!creation_failed.empty()) fail(ErrorCode::peer_failed, what, ": the group already failed: ", creation_failed);
+    try {
+      return nccl_all_gather(comms[rank], devices[rank], record, timeout, what);
+    } catch (const Error& e) {
+      if (e.code() == ErrorCode::timeout) creation_failed = e.what();
+      throw;
+    }
   }
+  std::string creation_failed;  // why an all-gather timed out, once one did
   bool window_mapped() const override { return true; }  // ncclMemAlloc: cuMem
   std::unique_ptr<SymmetricWindow> allocate(int rank, size_t bytes, std::chrono::milliseconds) override {
     return std::make_unique<NcclWindow>(comms[rank], devices[rank], bytes);

@@ -18,7 +18,8 @@ class ThreadAllGather {
   explicit ThreadAllGather(int ranks) : ranks_(ranks), calls_(ranks, 0) {}
 
   // Every rank's record, in rank order. Throws Error(timeout) naming `what` and the ranks that
-  // did not arrive within `timeout`.
+  // did not arrive within `timeout`; a rank that arrives at a round another rank gave up on throws
+  // Error(peer_failed), so no rank goes on with a creation its peers abandoned.
   std::vector<std::string> gather(int rank, std::string record, std::chrono::milliseconds timeout, std::string_view what);
 
  private:
@@ -26,7 +27,8 @@ class ThreadAllGather {
     std::vector<std::string> records;
     std::vector<bool> arrived;
     int count = 0;  // ranks arrived
-    int taken = 0;  // ranks that have read the records (the last one frees the round)
+    int taken = 0;  // ranks that have read the records or given up (the last one frees the round)
+    std::string abandoned;  // why a rank gave up on this round (its timeout): late ranks fail too
   };
   const int ranks_;
   std::mutex mutex_;

@@ -131,14 +131,17 @@ __device__ void check_plans_block(const PeerWindows& w, const WindowMap& m, cons
   };
   if (threadIdx.x == 0) {
     int64_t total_tokens = 0;
+    // A peer in this call that rejected its input stops it with its reason, whatever the others'
+    // signatures (a front end's rejection, Buffer::reject, may not know the options), as on the
+    // CPU: rejections first, then calls or options that differ.
     for (int p = 0; p < w.ranks; ++p) {
       const PlanHeader* h = reinterpret_cast<const PlanHeader*>(plan(p));
-      // A peer in this call that rejected its input stops it with its reason, whatever its
-      // signature (a front end's rejection, Buffer::reject, may not know the options), as on the CPU.
-      const bool same_call = h->call_kind == mine.call_kind && h->call_index == mine.call_index;
-      if (same_call && h->error != 0 && p != w.rank)
+      if (h->call_kind == mine.call_kind && h->call_index == mine.call_index && h->error != 0 && p != w.rank)
         report(st, kStatusPeerRejected, p, h->error, h->detail[0], h->detail[1], h->detail[2]);
-      else if (!same_call || h->signature != mine.signature)
+    }
+    for (int p = 0; p < w.ranks; ++p) {
+      const PlanHeader* h = reinterpret_cast<const PlanHeader*>(plan(p));
+      if (h->call_kind != mine.call_kind || h->call_index != mine.call_index || h->signature != mine.signature)
         report(st, kStatusCallMismatch, p, h->call_kind, h->call_index, h->signature);
       total_tokens += h->tokens;
     }
