@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <string>
 
+#include "epx/error.hpp"
+
 #include "epx/group.hpp"
 
 namespace epx::detail {
@@ -16,5 +18,19 @@ namespace epx::detail {
 // timeout_ms is the config's (0: EPX_TIMEOUT_MS or 60 s).
 void agree_on_creation(const Group& group, const char* what, const std::string& config, const std::string& error,
                        int64_t timeout_ms);
+
+// A backend constructor's form: runs `checks` (its own limits), and takes part in the agreement
+// with what they threw (nothing: this rank's config is fine).
+template <typename Checks>
+void agree_after_checks(const Group& group, const char* what, const std::string& config, int64_t timeout_ms,
+                        Checks&& checks) {
+  std::string error;
+  try {
+    checks();
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  agree_on_creation(group, what, config, error, timeout_ms);
+}
 
 }  // namespace epx::detail

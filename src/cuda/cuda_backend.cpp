@@ -319,9 +319,8 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
       wire_(wire_row(config.wire, config.hidden)) {
   // This backend's own checks of the config and the environment, then the creation's agreement
   // (core/creation.hpp): a rank refusing fails every rank at once, before anything collective.
-  std::string error;
   CudaGroupState* state = nullptr;
-  try {
+  agree_after_checks(group, "buffer", describe(config), config.timeout_ms, [&] {
     state = dynamic_cast<CudaGroupState*>(group.state().get());
     require(state != nullptr, "buffer: group is not a CUDA group");
     require(ranks_ <= kMaxRanks, "buffer: the CUDA backend supports at most ", kMaxRanks, " ranks, got ", ranks_);
@@ -339,10 +338,7 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
     timeout_ = resolve_timeout(config.timeout_ms);  // EPX_TIMEOUT_MS may be bad on one rank's host
     choose_paths(*state);
     map_ = make_window_map(config, ranks_, wire_, broadcast_);  // reads EPX_BCAST_PIECES, EPX_RETURN_PIECES
-  } catch (const Error& e) {
-    error = e.what();
-  }
-  agree_on_creation(group, "buffer", describe(config), error, config.timeout_ms);
+  });
   // Everything that may synchronize the device comes before the collective window allocation:
   // once a rank returns from it, peers may already wait inside a call, and on a GPU shared by
   // several ranks a device-synchronizing call would wait for them (and they for us).

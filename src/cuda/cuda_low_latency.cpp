@@ -35,9 +35,8 @@ class CudaLowLatency final : public LowLatencyBackend {
   CudaLowLatency(const Group& group, const LowLatencyConfig& c)
       : LowLatencyBackend(group, c), chunks_((c.max_tokens_per_rank + ll::kChunk - 1) / ll::kChunk) {
     // This backend's own checks, then the creation's agreement (core/creation.hpp).
-    std::string error;
     CudaGroupState* state = nullptr;
-    try {
+    agree_after_checks(group, "low-latency buffer", describe(c), c.timeout_ms, [&] {
       state = dynamic_cast<CudaGroupState*>(group.state().get());
       require(state != nullptr, "low-latency buffer: group is not a CUDA group");
       require(ranks_ <= kMaxRanks, "low-latency buffer: at most ", kMaxRanks, " ranks, got ", ranks_);
@@ -52,10 +51,7 @@ class CudaLowLatency final : public LowLatencyBackend {
       // low-latency kernels do): latency falls with the warps moving rows.
       blocks_ = std::string(state->transport_name()) == "shared-gpu" ? std::max(1, std::min(16, sms / (2 * ranks_))) : sms;
       state->check_streams(1);  // each call runs on one stream (the caller's, or the buffer's own)
-    } catch (const Error& e) {
-      error = e.what();
-    }
-    agree_on_creation(group, "low-latency buffer", describe(c), error, c.timeout_ms);
+    });
     kernels::preload_kernels();  // every kernel of the backend (docs/cuda.md: lazy loading)
 
     const int64_t m = c.max_tokens_per_rank, rows = 2 * slots_;  // one per (set, source, token)
@@ -168,12 +164,12 @@ class CudaLowLatency final : public LowLatencyBackend {
     if (!error.empty()) {
       // The peers' receive half stops with this rank's rejection; this rank's receive half still
       // runs, so the set's arrival words are consumed (and reset) like those of any call.
-      ll::reject(ctx(dispatch_calls_ - 1), ll::kDispatch, set, kStatusHostRejected);
-      ll::dispatch(ctx(dispatch_calls_ - 1), ll::kRecvPhase, set, {}, {}, sets_[set]);
+      ll::reject(ctx(ll::kDispatch), ll::kDispatch, set, kStatusHostRejected);
+      ll::dispatch(ctx(ll::kDispatch), ll::kRecvPhase, set, {}, {}, sets_[set]);
       throw Error(ErrorCode::invalid_argument, error);
     }
     mark(0);
-    if (!fusing_) ll::dispatch(ctx(dispatch_calls_ - 1), ll::kSendPhase, set, route, rows, sets_[set]);
+    if (!fusing_) ll::dispatch(ctx(ll::kDispatch), ll::kSendPhase, set, route, rows, sets_[set]);
     if (!fusing_) launched();
     dispatch_pending_ = true;
     pending_route_ = route;
@@ -185,7 +181,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     dispatch_pending_ = false;
     const int set = static_cast<int>((dispatch_calls_ - 1) % 2);
     const ll::Set& s = sets_[set];
-    ll::dispatch(ctx(dispatch_calls_ - 1), fusing_ ? ll::kSendPhase | ll::kRecvPhase : ll::kRecvPhase, set, pending_route_, pending_rows_, s);
+    ll::dispatch(ctx(ll::kDispatch), fusing_ ? ll::kSendPhase | ll::kRecvPhase : ll::kRecvPhase, set, pending_route_, pending_rows_, s);
     if (fusing_) launched();
     if (mark(1)) timer_.add(fusing_ ? "ll dispatch (one launch)" : "ll dispatch: send half to end", 0, 1);
     const LowLatencyConfig& c = config();
@@ -247,15 +243,15 @@ class CudaLowLatency final : public LowLatencyBackend {
       error = e.what();
     }
     if (!error.empty()) {  // as in dispatch_send: reject, then consume this call's arrival words
-      ll::reject(ctx(combine_calls_ - 1), ll::kCombine, set, kStatusHostRejected);
-      ll::combine(ctx(combine_calls_ - 1), ll::kRecvPhase, set, 0, sets_[0], nullptr, ll::Sums{nullptr, 0, false, 0, sets_[set].out, false});
+      ll::reject(ctx(ll::kCombine), ll::kCombine, set, kStatusHostRejected);
+      ll::combine(ctx(ll::kCombine), ll::kRecvPhase, set, 0, sets_[0], nullptr, ll::Sums{nullptr, 0, false, 0, sets_[set].out, false});
       throw Error(ErrorCode::invalid_argument, error);
     }
     const LowLatencyHandleState& h = handle.state();
     mark(2);
     combine_pending_ = true;
     pending_combine_ = {handle.state_ptr(), in.weighted, in.topk_weights, in.y.ptr<const uint16_t>()};
-    if (!fusing_) ll::combine(ctx(combine_calls_ - 1), ll::kSendPhase, set, h.set, sets_[h.set], in.y.ptr<const uint16_t>(), sums(set));
+    if (!fusing_) ll::combine(ctx(ll::kCombine), ll::kSendPhase, set, h.set, sets_[h.set], in.y.ptr<const uint16_t>(), sums(set));
     if (!fusing_) launched();
   }
 
@@ -265,7 +261,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     const int set = static_cast<int>((combine_calls_ - 1) % 2);
     const LowLatencyHandleState& h = *pending_combine_.handle;
     uint16_t* out = sets_[set].out;
-    ll::combine(ctx(combine_calls_ - 1), fusing_ ? ll::kSendPhase | ll::kRecvPhase : ll::kRecvPhase, set, h.set, sets_[h.set],
+    ll::combine(ctx(ll::kCombine), fusing_ ? ll::kSendPhase | ll::kRecvPhase : ll::kRecvPhase, set, h.set, sets_[h.set],
                 pending_combine_.y, sums(set));
     if (fusing_) launched();
     if (mark(3)) timer_.add(fusing_ ? "ll combine (one launch)" : "ll combine: send half to end", 2, 3);
@@ -331,8 +327,9 @@ class CudaLowLatency final : public LowLatencyBackend {
     return true;
   }
 
-  // The kernels' view of call number `call` of its kind.
-  ll::Ctx ctx(int64_t call) const {
+  // The kernels' view of the current call of `kind` (its number names it in a timeout's words).
+  ll::Ctx ctx(ll::Kind kind) const {
+    const int64_t call = (kind == ll::kDispatch ? dispatch_calls_ : combine_calls_) - 1;
     const LowLatencyConfig& c = config();
     return ll::Ctx{window_->peers(), map_, c.hidden, c.topk, c.num_experts, local_, c.max_tokens_per_rank, c.wire,
                    wire_.x_bytes, wire_.scale_bytes, wire_.global_bytes, status_, host_status_, host_started_, done_,
