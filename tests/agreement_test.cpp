@@ -47,6 +47,13 @@ Routing routing(int64_t tokens, int64_t hidden, int64_t topk, int64_t experts, i
   return r;
 }
 
+// A cached dispatch's input: the rows of `in` only.
+DispatchInput x_only(const DispatchInput& in) {
+  DispatchInput out;
+  out.x = in.x;
+  return out;
+}
+
 ErrorCode code_of(const std::function<void()>& call, std::string* what = nullptr) {
   try {
     call();
@@ -164,7 +171,7 @@ TEST(Agreement, ALowLatencyConfigRefusedOnOneRankFailsEveryRankAtOnce) {
 TEST(Agreement, RejectFailsThePeersSameCall) {
   const BufferConfig c = config(128, 16, 8, 2);
   const Routing a = routing(16, 128, 2, 8, 2);
-  for (Op op : {Op::dispatch, Op::combine, Op::dispatch_backward, Op::combine_backward}) {
+  for (Op op : {Op::dispatch, Op::combine, Op::dispatch_backward, Op::combine_backward, Op::cached_dispatch}) {
     std::vector<std::string> words(2);
     std::vector<ErrorCode> codes(2);
     const auto start = Clock::now();
@@ -180,6 +187,7 @@ TEST(Agreement, RejectFailsThePeersSameCall) {
           case Op::combine: buffer.combine({yv, {}}, d.handle); break;
           case Op::dispatch_backward: buffer.dispatch_backward({yv, {}}, d.handle); break;
           case Op::combine_backward: buffer.combine_backward({bf16_view(grad, 16, 128), yv}, d.handle); break;
+          case Op::cached_dispatch: buffer.dispatch(x_only(a.view(16, 128, 2)), d.handle); break;
         }
       };
       codes[g.rank()] = code_of(call, &words[g.rank()]);
@@ -196,6 +204,119 @@ TEST(Agreement, RejectFailsThePeersSameCall) {
   }
 }
 
+
+// LowLatencyBuffer::reject joins the next call of its kind: the peers fail with the reason, and the
+// buffer goes on (the next calls pair up).
+TEST(Agreement, LowLatencyRejectFailsThePeersSameCall) {
+  for (LowLatencyOp op : {LowLatencyOp::dispatch, LowLatencyOp::combine}) {
+    std::vector<ErrorCode> codes(2);
+    std::vector<std::string> words(2);
+    const auto start = Clock::now();
+    auto errors = verify::run_ranks(2, [&](const Group& g) {
+      LowLatencyBuffer b(g, LowLatencyConfig{128, 16, 8, 2, WireFormat::bf16, kTimeoutMs});
+      const Routing in = routing(16, 128, 2, 8, 2);
+      LowLatencyDispatchInput d;
+      d.x = TensorView::of(const_cast<uint16_t*>(in.x.data()), DType::bf16, {16, 128});
+      d.topk_idx = TensorView::of(const_cast<int32_t*>(in.idx.data()), DType::i32, {16, 2});
+      d.topk_weights = TensorView::of(const_cast<float*>(in.w.data()), DType::f32, {16, 2});
+      const LowLatencyDispatchResult first = b.dispatch(d);
+      std::vector<uint16_t> y(first.recv_x.numel(), 0x3f80);
+      LowLatencyCombineInput c;
+      c.y = TensorView::of(y.data(), DType::bf16, {first.recv_x.size(0), first.recv_x.size(1), 128});
+      auto call = [&] {
+        if (g.rank() == 1) b.reject(op, "binding: y is not contiguous");
+        if (op == LowLatencyOp::dispatch) b.dispatch(d);
+        else b.combine(c, first.handle);
+      };
+      codes[g.rank()] = code_of(call, &words[g.rank()]);
+      const LowLatencyDispatchResult again = b.dispatch(d);  // still usable
+      b.combine(c, again.handle);
+    });
+    const char* name = op == LowLatencyOp::dispatch ? "dispatch" : "combine";
+    EXPECT_LT(Clock::now() - start, kPrompt) << name;
+    EXPECT_EQ(errors[0], "") << name;
+    EXPECT_EQ(errors[1], "") << name;
+    EXPECT_EQ(codes[1], ErrorCode::invalid_argument) << name;
+    EXPECT_EQ(words[1], "binding: y is not contiguous") << name;
+    EXPECT_EQ(codes[0], ErrorCode::peer_failed) << name;
+    EXPECT_THAT(words[0], HasSubstr("rank 1 rejected its input, so the group stops: binding: y is not contiguous"))
+        << name;
+  }
+}
+
+// A cached dispatch refuses routing, another T, and a handle of another buffer on every rank at
+// once; ranks in different calls (one cached, one not) or on handles of different dispatches fail
+// with config_mismatch. The buffer goes on after each.
+TEST(Agreement, CachedDispatchRefusalsFailEveryRank) {
+  const BufferConfig c = config(128, 16, 8, 2);
+  const Routing a = routing(16, 128, 2, 8, 2), b = routing(8, 128, 2, 8, 1);
+  struct Case {
+    const char* name;
+    ErrorCode bad_rank_code, peer_code;
+    const char* words;  // in the failing rank's message
+  };
+  const Case cases[] = {
+      {"routing given", ErrorCode::invalid_argument, ErrorCode::peer_failed, "takes the routing of its handle"},
+      {"other T", ErrorCode::invalid_argument, ErrorCode::peer_failed, "the handle's dispatch had 16"},
+      {"other buffer's handle", ErrorCode::invalid_argument, ErrorCode::peer_failed, "another buffer"},
+      {"full dispatch on the peer", ErrorCode::config_mismatch, ErrorCode::config_mismatch, "cached_dispatch"},
+      {"handle of another dispatch", ErrorCode::config_mismatch, ErrorCode::config_mismatch, "disagree"},
+  };
+  for (const Case& k : cases) {
+    std::vector<ErrorCode> codes(2);
+    std::vector<std::string> words(2);
+    const auto start = Clock::now();
+    auto errors = verify::run_ranks(2, [&](const Group& g) {
+      Buffer buffer(g, c), other(g, c);
+      DispatchResult da = buffer.dispatch(a.view(16, 128, 2));
+      DispatchResult db = buffer.dispatch(b.view(8, 128, 2));
+      DispatchResult dother = other.dispatch(a.view(16, 128, 2));
+      const DispatchInput xa = x_only(a.view(16, 128, 2)), xb = x_only(b.view(8, 128, 2));
+      auto call = [&] {
+        const bool bad = g.rank() == 1;
+        const std::string name = k.name;
+        if (bad && name == "routing given") buffer.dispatch(a.view(16, 128, 2), da.handle);
+        else if (bad && name == "other T") buffer.dispatch(xb, da.handle);
+        else if (bad && name == "other buffer's handle") buffer.dispatch(xa, dother.handle);
+        else if (bad && name == "full dispatch on the peer") buffer.dispatch(a.view(16, 128, 2));
+        else if (bad && name == "handle of another dispatch") buffer.dispatch(xb, db.handle);
+        else buffer.dispatch(xa, da.handle);
+      };
+      codes[g.rank()] = code_of(call, &words[g.rank()]);
+      DispatchResult again = buffer.dispatch(xa, da.handle);  // still usable, the calls still pair up
+      EXPECT_EQ(again.recv_x.numel(), da.recv_x.numel());
+    });
+    EXPECT_LT(Clock::now() - start, kPrompt) << k.name;
+    EXPECT_EQ(errors[0], "") << k.name;
+    EXPECT_EQ(errors[1], "") << k.name;
+    EXPECT_EQ(codes[1], k.bad_rank_code) << k.name << ": " << words[1];
+    EXPECT_EQ(codes[0], k.peer_code) << k.name << ": " << words[0];
+    EXPECT_THAT(words[1], HasSubstr(k.words)) << k.name;
+  }
+}
+
+// Group::all_gather: every rank's record in rank order; a record too long on one rank fails every
+// rank at once, and the group goes on (the next gather pairs up).
+TEST(Agreement, GroupAllGatherSharesRecordsAndRefusalsEveryRank) {
+  std::vector<std::vector<std::string>> got(3);
+  std::vector<ErrorCode> codes(3);
+  std::vector<std::string> words(3);
+  const auto start = Clock::now();
+  auto errors = verify::run_ranks(3, [&](const Group& g) {
+    got[g.rank()] = g.all_gather(std::string(g.rank() + 1, static_cast<char>('a' + g.rank())), kTimeoutMs);
+    const std::string record = g.rank() == 2 ? std::string(Group::kMaxRecordBytes + 1, 'x') : "fine";
+    codes[g.rank()] = code_of([&] { g.all_gather(record, kTimeoutMs); }, &words[g.rank()]);
+    EXPECT_EQ(g.all_gather("again", kTimeoutMs).size(), 3u);
+  });
+  EXPECT_LT(Clock::now() - start, kPrompt);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(errors[r], "");
+    EXPECT_EQ(got[r], (std::vector<std::string>{"a", "bb", "ccc"}));
+  }
+  EXPECT_EQ(codes[2], ErrorCode::invalid_argument);
+  EXPECT_EQ(codes[0], ErrorCode::peer_failed);
+  EXPECT_THAT(words[0], HasSubstr("rank 2 failed: group all_gather: a record holds at most 1024 bytes"));
+}
 
 // A rank that arrives after its peers gave up on the creation fails too (it must not create a
 // buffer they never made, or every later buffer would pair with the wrong one); the next buffers

@@ -117,6 +117,23 @@ static void check_round_trip(rank_state* s, const char* when) {
   CHECK(st == EPX_OK, "rank %d combine after %s: %s", s->rank, when, epx_last_error());
   if (st == EPX_OK) check_sum(s, c, "out", when);
   epx_result_destroy(c);
+  c = NULL;
+  /* The same rows again by a cached dispatch, and its result as the combine's handle. */
+  epx_result* cached = NULL;
+  st = epx_dispatch_cached(s->buf, d, &s->args.x, NULL, 0.0f, &cached);
+  CHECK(st == EPX_OK, "rank %d cached dispatch after %s: %s", s->rank, when, epx_last_error());
+  if (st == EPX_OK) {
+    epx_tensor again;
+    epx_result_tensor(cached, "recv_x", &again);
+    CHECK(again.shape[0] == recv_x.shape[0] &&
+              memcmp(again.data, recv_x.data, (size_t)(recv_x.shape[0] * recv_x.shape[1]) * 2) == 0,
+          "rank %d cached dispatch after %s: recv_x differs from the dispatch's", s->rank, when);
+    st = epx_combine(s->buf, cached, &again, NULL, 0, &c);
+    CHECK(st == EPX_OK, "rank %d combine of the cached dispatch after %s: %s", s->rank, when, epx_last_error());
+    if (st == EPX_OK) check_sum(s, c, "out", when);
+  }
+  epx_result_destroy(c);
+  epx_result_destroy(cached);
   epx_result_destroy(d);
 }
 

@@ -15,6 +15,7 @@ namespace epx::test {
 
 struct RankRun {
   DispatchResult dispatched;
+  DispatchResult cached;            // cached dispatch of fresh_x_problem(p)'s x with the dispatch's handle
   std::vector<uint16_t> y;          // combine input [rows, H] (padding rows random too)
   std::vector<uint16_t> shared;     // shared-expert rows [T, H]
   CombineResult combined;
@@ -30,7 +31,18 @@ struct RunOptions {
   bool combine = true;
   bool backward = true;
   bool shared_expert = true;
+  bool cached = true;  // a cached dispatch of new x after the dispatch
 };
+
+// The cached dispatch's input: the problem's routing with other token values.
+inline verify::Problem fresh_x_problem(const verify::Problem& p) { return verify::with_fresh_x(p, 77); }
+
+// The cached dispatch's input of rank r: x (and x_scales) only.
+inline DispatchInput cached_input(const verify::Problem& fresh, int r) {
+  DispatchInput in = fresh.inputs[r].view(fresh.cfg.hidden, fresh.cfg.topk);
+  in.topk_idx = in.topk_weights = TensorView{};
+  return in;
+}
 
 inline TensorView bf16_view(const std::vector<uint16_t>& v, int64_t rows, int64_t h) {
   return TensorView::of(const_cast<uint16_t*>(v.data()), DType::bf16, {rows, h});
@@ -41,11 +53,13 @@ inline std::vector<RankRun> run_problem(const verify::Problem& p, const RunOptio
   std::vector<RankRun> runs(p.ranks);
   const int64_t h = p.cfg.hidden, k_count = p.cfg.topk;
   const bool weighted = o.dispatch.layout == Layout::expert_major && p.inputs[0].has_weights;
+  const verify::Problem fresh = fresh_x_problem(p);
   auto errors = verify::run_ranks(p.ranks, [&](const Group& g) {
     const int r = g.rank();
     RankRun& run = runs[r];
     Buffer buffer(g, p.cfg);
     run.dispatched = buffer.dispatch(p.inputs[r].view(h, k_count), o.dispatch);
+    if (o.cached) run.cached = buffer.dispatch(cached_input(fresh, r), run.dispatched.handle, {o.dispatch.nvfp4_global_scale});
     if (!o.combine) return;
     const int64_t rows = run.dispatched.recv_x.size(0), tokens = p.inputs[r].tokens;
     run.y = verify::random_bf16(rows * h, 100 + r);
@@ -76,6 +90,17 @@ inline void expect_matches_reference(const verify::Problem& p, const RunOptions&
   for (int r = 0; r < p.ranks; ++r) {
     layouts.push_back(verify::expected_dispatch(p, kept, r, layout));
     ASSERT_EQ(verify::check_dispatch(p, kept, r, layout, o.dispatch.nvfp4_global_scale, runs[r].dispatched), "");
+  }
+  if (o.cached) {  // the new rows in the same layout: what a dispatch of the new x returns
+    const verify::Problem fresh = fresh_x_problem(p);
+    for (int r = 0; r < p.ranks; ++r) {
+      DispatchResult both = runs[r].dispatched;
+      both.recv_x = runs[r].cached.recv_x;
+      both.recv_scales = runs[r].cached.recv_scales;
+      both.recv_global_scale = runs[r].cached.recv_global_scale;
+      ASSERT_EQ(verify::check_dispatch(fresh, kept, r, layout, o.dispatch.nvfp4_global_scale, both), "")
+          << "cached dispatch, rank " << r;
+    }
   }
   if (!o.combine) return;
   const bool weighted = layout == Layout::expert_major && p.inputs[0].has_weights;

@@ -39,8 +39,13 @@ class Buffer {
   void wait_event(void* event);
   void record_event(void* event);
 
-  // All four are collective: every rank calls them in the same order.
+  // All five are collective: every rank calls them in the same order.
   DispatchResult dispatch(const DispatchInput& in, const DispatchOptions& opt = {});
+  // Cached dispatch: the rows of x (same T, new values) once more in the layout of the dispatch
+  // that made `handle`, with no routing and no plan exchange (DeepEP's dispatch with a handle;
+  // activation recompute). `in` holds x (and x_scales) only. Every rank passes a handle of the
+  // same dispatch. recv_x is what that dispatch would return for this x, bit for bit.
+  DispatchResult dispatch(const DispatchInput& in, const Handle& handle, const CachedDispatchOptions& opt = {});
   CombineResult combine(const CombineInput& in, const Handle& handle, const CombineOptions& opt = {});
   DispatchBackwardResult dispatch_backward(const DispatchBackwardInput& in, const Handle& handle);
   CombineBackwardResult combine_backward(const CombineBackwardInput& in, const Handle& handle,

@@ -2,8 +2,8 @@
  * Every call returns EPX_OK or an error code; epx_last_error() then holds a message for this
  * thread. Results are opaque objects holding named tensors; destroy them when done.
  *
- * Collective calls (epx_buffer_create, epx_buffer_create_in_group, epx_dispatch, epx_combine,
- * epx_dispatch_backward, epx_combine_backward): every rank makes the same calls in the same order,
+ * Collective calls (epx_buffer_create, epx_buffer_create_in_group, epx_dispatch, epx_dispatch_cached,
+ * epx_combine, epx_dispatch_backward, epx_combine_backward): every rank makes the same calls in the same order,
  * and every refused argument of a collective call takes part in the call. An unknown dtype,
  * device, layout, wire or mode code, an ndim out of range, a NULL required pointer (tensor, args,
  * cfg, out) or a `dispatched` that is not a result of epx_dispatch makes EVERY rank fail that same
@@ -123,6 +123,11 @@ epx_status epx_buffer_set_stream(epx_buffer* buffer, void* stream);
 epx_status epx_buffer_synchronize(epx_buffer* buffer);
 
 epx_status epx_dispatch(epx_buffer* buffer, const epx_dispatch_args* args, epx_result** out);
+/* Cached dispatch: x (x_scales may be NULL) in the layout of `dispatched`'s dispatch, with no
+ * routing and no plan exchange (docs/semantics.md). The result holds recv_x, recv_scales,
+ * recv_global_scale, and the handle of `dispatched` (combine and the backward passes take it). */
+epx_status epx_dispatch_cached(epx_buffer* buffer, const epx_result* dispatched, const epx_tensor* x,
+                               const epx_tensor* x_scales, float nvfp4_global_scale, epx_result** out);
 /* shared_out may be NULL. */
 epx_status epx_combine(epx_buffer* buffer, const epx_result* dispatched, const epx_tensor* y,
                        const epx_tensor* shared_out, int32_t weighted, epx_result** out);
@@ -134,7 +139,8 @@ epx_status epx_combine_backward(epx_buffer* buffer, const epx_result* dispatched
                                 const epx_tensor* y, int32_t weighted, epx_result** out);
 
 /* Tensor names: dispatch: recv_x recv_scales recv_global_scale recv_src recv_weights recv_topk_idx
- * recv_topk_weights expert_offsets tokens_per_expert rank_offsets; combine: out;
+ * recv_topk_weights expert_offsets tokens_per_expert rank_offsets; dispatch_cached: recv_x
+ * recv_scales recv_global_scale; combine: out;
  * dispatch_backward: grad_x grad_topk_weights; combine_backward: grad_y grad_topk_weights.
  * A name the result does not hold is EPX_ERR_INVALID_ARGUMENT.
  * Integer names (dispatch): num_rows overflow dropped_slots; (combine): overflow. */

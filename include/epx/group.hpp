@@ -2,6 +2,8 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <vector>
 
 namespace epx {
 
@@ -21,6 +23,14 @@ class Group {
   int size() const { return size_; }
   BackendKind backend() const { return backend_; }
   const std::shared_ptr<detail::GroupState>& state() const { return state_; }
+
+  // Collective: every rank's `record` (at most kMaxRecordBytes), in rank order, over the group's
+  // own transport, for front ends that must agree on a value (a calibrated size) before they create
+  // buffers. It pairs with the peers' calls in order, buffer creations included. A record too long
+  // on any rank fails every rank (invalid_argument there, peer_failed on the others); a rank that
+  // does not arrive within timeout_ms (0: EPX_TIMEOUT_MS or 60 s) fails the others with timeout.
+  static constexpr size_t kMaxRecordBytes = 1024;
+  std::vector<std::string> all_gather(const std::string& record, int64_t timeout_ms = 0) const;
 
  private:
   std::shared_ptr<detail::GroupState> state_;

@@ -74,6 +74,9 @@ namespace detail {
 class LowLatencyBackend;
 }
 
+// The collective calls of a LowLatencyBuffer, for LowLatencyBuffer::reject.
+enum class LowLatencyOp : int32_t { dispatch = 0, combine = 1 };
+
 // Collective to create (every rank, same config, same order as other buffers). Calls are
 // collective too. At most two calls of each kind may be in flight: the receive half of call n
 // must run before the send half of call n + 2 (two buffer sets alternate).
@@ -100,6 +103,14 @@ class LowLatencyBuffer {
   LowLatencyDispatchResult dispatch_recv();
   void combine_send(const LowLatencyCombineInput& in, const LowLatencyHandle& handle);
   Tensor combine_recv();
+
+  // For bindings and front ends whose own checks fail before they can build a call's input:
+  // takes part in this rank's next call `op` (its send half) as a rank whose input is bad, so
+  // every rank fails that call at once: this rank throws invalid_argument with `reason`, its
+  // peers throw peer_failed naming this rank (and quoting the reason on the CPU backend; the CUDA
+  // low-latency window carries no message). The call uses its buffer set as any call does. The
+  // buffer stays usable. Always throws.
+  [[noreturn]] void reject(LowLatencyOp op, const std::string& reason);
 
  private:
   std::unique_ptr<detail::LowLatencyBackend> backend_;

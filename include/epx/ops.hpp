@@ -26,8 +26,8 @@ class Handle {
 };
 
 // The collective operations of a Buffer, for Buffer::reject.
-enum class Op : int32_t { dispatch = 0, combine = 1, dispatch_backward = 2, combine_backward = 3 };
-const char* op_name(Op op);  // "dispatch", "combine", ...
+enum class Op : int32_t { dispatch = 0, combine = 1, dispatch_backward = 2, combine_backward = 3, cached_dispatch = 4 };
+const char* op_name(Op op);  // "dispatch", "combine", ..., "cached_dispatch"
 
 struct DispatchInput {
   TensorView x;             // [T, H] bf16, or fp8_e4m3 (pre-quantized, needs x_scales and wire fp8)
@@ -45,6 +45,12 @@ struct DispatchOptions {
   float nvfp4_global_scale = 0.0f;
 };
 
+// Cached dispatch (Buffer::dispatch with a handle): only x (and x_scales with pre-quantized fp8)
+// of DispatchInput; the routing and the layout are the handle's.
+struct CachedDispatchOptions {
+  float nvfp4_global_scale = 0.0f;  // as DispatchOptions
+};
+
 struct DispatchResult {
   // Receive rows (N = num_rows in blocking mode, capacity_rows in capacity mode).
   Tensor recv_x;             // [N, H] bf16 | [N, H] fp8_e4m3 | [N, H/2] e2m1x2
@@ -58,6 +64,8 @@ struct DispatchResult {
   Tensor tokens_per_expert;  // [L] i64 unpadded counts
   Tensor rank_offsets;       // [R+1] i64 first row from each source rank (rank-major)
 
+  // A cached dispatch returns recv_x, recv_scales and recv_global_scale (and handle, the one it
+  // was given); the fields above and below are those of the dispatch that made the handle.
   Tensor recv_info;          // [4] i64 on the backend's device: rows received, num_rows, rows allocated,
                              // overflow (capacity mode reads sizes here, without a host sync)
   int64_t num_rows = 0;       // rows the layout needs (may exceed capacity_rows); -1 when only on the device

@@ -296,6 +296,27 @@ epx_status epx_dispatch(epx_buffer* buffer, const epx_dispatch_args* args, epx_r
   });
 }
 
+epx_status epx_dispatch_cached(epx_buffer* buffer, const epx_result* dispatched, const epx_tensor* x,
+                               const epx_tensor* x_scales, float nvfp4_global_scale, epx_result** out) {
+  return guard([&] {
+    const auto [in, handle] = converted(buffer, "epx_dispatch_cached", epx::Op::cached_dispatch, [&] {
+      need(x, "epx_dispatch_cached: x");
+      need(out, "epx_dispatch_cached: out");
+      epx::DispatchInput in;
+      in.x = view_of(x, "epx_dispatch_cached: x");
+      in.x_scales = view_of(x_scales, "epx_dispatch_cached: x_scales");
+      return std::pair{in, handle_of(dispatched, "epx_dispatch_cached")};
+    });
+    epx::DispatchResult d = buffer->buffer.dispatch(in, handle, {nvfp4_global_scale});
+    auto r = std::make_unique<epx_result>();
+    put(*r, "recv_x", d.recv_x);
+    put(*r, "recv_scales", d.recv_scales);
+    put(*r, "recv_global_scale", d.recv_global_scale);
+    r->handle = d.handle;
+    *out = r.release();
+  });
+}
+
 epx_status epx_combine(epx_buffer* buffer, const epx_result* dispatched, const epx_tensor* y,
                        const epx_tensor* shared_out, int32_t weighted, epx_result** out) {
   return guard([&] {

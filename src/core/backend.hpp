@@ -28,6 +28,7 @@ class Backend {
   const BufferConfig& config() const { return config_; }
 
   virtual DispatchResult dispatch(const DispatchInput& in, const DispatchOptions& opt) = 0;
+  virtual DispatchResult cached_dispatch(const DispatchInput& in, const Handle& h, const CachedDispatchOptions& opt) = 0;
   virtual CombineResult combine(const CombineInput& in, const Handle& h, const CombineOptions& opt) = 0;
   virtual DispatchBackwardResult dispatch_backward(const DispatchBackwardInput& in, const Handle& h) = 0;
   virtual CombineBackwardResult combine_backward(const CombineBackwardInput& in, const Handle& h,

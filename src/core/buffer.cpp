@@ -43,6 +43,9 @@ void Buffer::record_event(void* event) { backend_->record_event(event); }
 DispatchResult Buffer::dispatch(const DispatchInput& in, const DispatchOptions& opt) {
   return backend_->dispatch(in, opt);
 }
+DispatchResult Buffer::dispatch(const DispatchInput& in, const Handle& h, const CachedDispatchOptions& opt) {
+  return backend_->cached_dispatch(in, h, opt);
+}
 CombineResult Buffer::combine(const CombineInput& in, const Handle& h, const CombineOptions& opt) {
   return backend_->combine(in, h, opt);
 }

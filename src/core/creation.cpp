@@ -18,6 +18,8 @@ std::string config_of(const std::string& record) {
   return at == std::string::npos ? "" : record.substr(at + 1);
 }
 
+}  // namespace
+
 // An invalid timeout in the config is one of the errors agreed on, so the agreement itself
 // waits the default time.
 std::chrono::milliseconds creation_timeout(int64_t timeout_ms) {
@@ -27,8 +29,6 @@ std::chrono::milliseconds creation_timeout(int64_t timeout_ms) {
     return std::chrono::milliseconds(60000);
   }
 }
-
-}  // namespace
 
 void agree_on_creation(const Group& group, const char* what, const std::string& config, const std::string& error,
                        int64_t timeout_ms) {
@@ -50,3 +50,26 @@ void agree_on_creation(const Group& group, const char* what, const std::string& 
 }
 
 }  // namespace epx::detail
+
+namespace epx {
+
+std::vector<std::string> Group::all_gather(const std::string& record, int64_t timeout_ms) const {
+  detail::require(state_ != nullptr, "group all_gather: the group is empty");
+  // Each rank's record goes with a mark: 'r' and the record, or 'e' and why this rank refused it.
+  const bool too_long = record.size() > kMaxRecordBytes;
+  const std::string why = detail::cat("group all_gather: a record holds at most ", kMaxRecordBytes, " bytes, rank ",
+                                      rank_, "'s has ", record.size());
+  const std::vector<std::string> marked = state_->all_gather(
+      rank_, too_long ? "e" + why : "r" + record, detail::creation_timeout(timeout_ms), "group all_gather");
+  if (too_long) throw Error(ErrorCode::invalid_argument, why);
+  std::vector<std::string> records;
+  for (size_t r = 0; r < marked.size(); ++r) {
+    if (marked[r].empty() || marked[r][0] != 'r')
+      detail::fail(ErrorCode::peer_failed, "group all_gather (rank ", rank_, "): rank ", r, " failed: ",
+                   marked[r].empty() ? "" : marked[r].substr(1));
+    records.push_back(marked[r].substr(1));
+  }
+  return records;
+}
+
+}  // namespace epx

@@ -2,6 +2,7 @@
 // allocates or joins anything, so a config that one rank refuses fails every rank at once with
 // that rank's reason, instead of leaving the others to wait for it until their timeout.
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <string>
 
@@ -18,6 +19,9 @@ namespace epx::detail {
 // timeout_ms is the config's (0: EPX_TIMEOUT_MS or 60 s).
 void agree_on_creation(const Group& group, const char* what, const std::string& config, const std::string& error,
                        int64_t timeout_ms);
+
+// timeout_ms as the agreement waits it: an invalid one (itself an error agreed on) waits 60 s.
+std::chrono::milliseconds creation_timeout(int64_t timeout_ms);
 
 // A backend constructor's form: runs `checks` (its own limits), and takes part in the agreement
 // with what they threw (nothing: this rank's config is fine).

@@ -1,6 +1,7 @@
 // The interface of a low-latency backend, and the handle state every backend shares.
 #pragma once
 #include <chrono>
+#include <string>
 #include <vector>
 
 #include "core/check.hpp"
@@ -55,8 +56,24 @@ class LowLatencyBackend {
   }
   virtual void set_stream(void* /*stream*/) {}
   virtual void synchronize() {}
+  // LowLatencyBuffer::reject: the send half of call `op` with its checks failing with `reason`
+  // (take_rejection), so it fails on every rank as any refused input does. Always throws.
+  [[noreturn]] void reject(LowLatencyOp op, const std::string& reason) {
+    rejection_ = reason.empty() ? std::string("rejected by the caller") : reason;
+    if (op == LowLatencyOp::dispatch) dispatch_send({});
+    else combine_send({}, {});
+    fail(ErrorCode::internal, "LowLatencyBuffer::reject: the refused call went on");
+  }
 
  protected:
+  // The first of a send half's checks: a pending rejection fails them with its reason.
+  void take_rejection() {
+    if (rejection_.empty()) return;
+    const std::string reason = std::move(rejection_);
+    rejection_.clear();
+    throw Error(ErrorCode::invalid_argument, reason);
+  }
+
   // The combine's weights, where a call gives them: [T, K] f32 at ll_dispatch (optional), or at a
   // weighted ll_combine unless its dispatch took them (then none: one place says what they are).
   void check_dispatch_weights(const LowLatencyDispatchInput& in, int64_t tokens, DeviceKind kind) const {
@@ -85,6 +102,7 @@ class LowLatencyBackend {
 
  private:
   LowLatencyConfig config_;
+  std::string rejection_;  // reject(): the reason the next send half's checks fail with
 };
 
 std::unique_ptr<LowLatencyBackend> make_host_low_latency(const Group& group, const LowLatencyConfig& config);

@@ -72,4 +72,9 @@ Tensor LowLatencyBuffer::combine_recv() { return backend_->combine_recv(); }
 void LowLatencyBuffer::set_stream(void* stream) { backend_->set_stream(stream); }
 void LowLatencyBuffer::synchronize() { backend_->synchronize(); }
 
+void LowLatencyBuffer::reject(LowLatencyOp op, const std::string& reason) {
+  backend_->reject(op, reason);
+  detail::fail(ErrorCode::internal, "LowLatencyBuffer::reject: the backend returned");  // it always throws
+}
+
 }  // namespace epx

@@ -39,6 +39,7 @@ const char* op_name(Op op) {
     case Op::combine: return "combine";
     case Op::dispatch_backward: return "dispatch_backward";
     case Op::combine_backward: return "combine_backward";
+    case Op::cached_dispatch: return "cached_dispatch";
   }
   return "an unknown operation";
 }

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "core/check.hpp"
+#include "core/routing.hpp"
 #include "core/validate.hpp"
 
 namespace epx::detail {
@@ -63,6 +64,17 @@ void validate_dispatch_backward(const DispatchBackwardInput& in, const HandleSta
   else
     check_tensor(in.grad_recv_weights, "dispatch_backward: grad_recv_weights",
                  cat("[", n, ", ", c.topk, "] (as recv_topk_weights)"), DType::f32, {n, c.topk}, device);
+}
+
+void validate_cached_dispatch(const DispatchInput& in, const HandleState& h, const BufferConfig& c,
+                              const CachedDispatchOptions& opt, DeviceKind device) {
+  require(!in.topk_idx.defined() && !in.topk_weights.defined() && !in.routing_map.defined() && !in.probs.defined(),
+          "cached_dispatch: routing given; a cached dispatch takes the routing of its handle's dispatch: pass x (and "
+          "x_scales) only");
+  validate_dispatch_x(in, c, device);
+  require(in.x.shape[0] == h.tokens, "cached_dispatch: x has ", in.x.shape[0], " tokens but the handle's dispatch had ",
+          h.tokens, "; pass x of the same tokens");
+  validate_dispatch_options({h.layout, opt.nvfp4_global_scale});
 }
 
 void validate_combine_backward(const CombineBackwardInput& in, const HandleState& h, const BufferConfig& c,

@@ -17,6 +17,9 @@
 #include "core/validate.hpp"
 #include "core/validate_ops.hpp"
 #include "cuda/cuda_check.hpp"
+#include "cuda/device_handle.hpp"
+#include "cuda/dispatch_input.hpp"
+#include "cuda/stream_switch.hpp"
 #include "epx/codec.hpp"
 
 namespace epx::detail {
@@ -106,19 +109,6 @@ WindowMap make_window_map(const BufferConfig& c, int ranks, const WireRow& wire,
   return m;
 }
 
-// Everything a dispatch leaves for combine and the backward passes, in one allocation.
-struct DeviceHandle {
-  std::shared_ptr<void> memory;
-  int32_t* slot_expert;   // [T*K]
-  float* slot_weight;     // [T*K]
-  int64_t* counts;        // [E] before dropping (the drop rule's plan)
-  int64_t* expert_prefix;  // [E]
-  int64_t* drop_capacity;  // [1]
-  int64_t* dropped;        // [1]
-  kernels::ChunkPositions pos;  // pos.send_pos: each token's stream position at each rank, or -1
-  kernels::RecvArrays recv;
-};
-
 // Carves typed arrays out of one block: first pass measures, second assigns.
 class Carver {
  public:
@@ -172,7 +162,6 @@ Tensor row_range(const Tensor& t, int64_t first, int64_t rows) {
   return Tensor(t.storage(), v);
 }
 
-const DeviceHandle& device_of(const HandleState& h) { return *static_cast<const DeviceHandle*>(h.device.get()); }
 
 // Stable hash of the options that must agree across ranks.
 int64_t signature_of(std::initializer_list<int64_t> values) {
@@ -187,55 +176,9 @@ const char* call_kind_name(int32_t kind) {
     case 1: return "combine";
     case 2: return "dispatch_backward";
     case 3: return "combine_backward";
+    case 4: return "cached_dispatch";
   }
   return "an unknown call";
-}
-
-// A validated dispatch input's routing (top-k ids and weights, or a dense map and probabilities)
-// and rows, as the kernels read them.
-kernels::RoutingInput routing_input(const DispatchInput& in) {
-  kernels::RoutingInput routing;
-  if (in.topk_idx.defined()) {
-    routing.topk_idx = in.topk_idx.data;
-    routing.idx64 = in.topk_idx.dtype == DType::i64;
-    routing.idx_stride = in.topk_idx.strides[0];
-    if (in.topk_weights.defined()) {
-      routing.topk_weights = in.topk_weights.ptr<const float>();
-      routing.weight_stride = in.topk_weights.strides[0];
-    }
-  } else {
-    routing.routing_map = in.routing_map.ptr<const uint8_t>();
-    routing.map_stride = in.routing_map.strides[0];
-    if (in.probs.defined()) {
-      routing.probs = in.probs.ptr<const float>();
-      routing.probs_stride = in.probs.strides[0];
-    }
-  }
-  return routing;
-}
-
-kernels::SendRows send_rows(const DispatchInput& in, WireFormat wire, float nvfp4_global_scale) {
-  kernels::SendRows rows;
-  rows.x = static_cast<const char*>(in.x.data);
-  rows.x_stride_bytes = in.x.strides[0] * dtype_size(in.x.dtype);
-  if (in.x.dtype == DType::fp8_e4m3) {
-    rows.x_scales = in.x_scales.ptr<const float>();
-    rows.scales_stride = in.x_scales.strides[0];
-  }
-  rows.wire = wire;
-  rows.nvfp4_global_scale = nvfp4_global_scale;
-  return rows;
-}
-
-// check_finite's scan of a dispatch input: x (bf16, or e4m3 codes and their f32 scales).
-kernels::FiniteCheck finite_check(const DispatchInput& in, int64_t hidden) {
-  kernels::FiniteCheck f;
-  const bool fp8 = in.x.dtype == DType::fp8_e4m3;
-  f.part[f.parts++] = {static_cast<const char*>(in.x.data), in.x.strides[0] * dtype_size(in.x.dtype), hidden, fp8 ? 1 : 2, 0};
-  if (fp8)
-    f.part[f.parts++] = {reinterpret_cast<const char*>(in.x_scales.ptr<const float>()), in.x_scales.strides[0] * 4,
-                         hidden / kFp8Block, 4, 1};
-  return f;
 }
 
 // The words for an input error found on the device (same as the CPU backend's).
@@ -412,8 +355,9 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
 }
 
 void CudaBackend::set_stream(void* stream) {
-  EPX_CUDA(cudaStreamSynchronize(stream_));  // earlier calls finish before later ones start elsewhere
-  stream_ = stream ? static_cast<cudaStream_t>(stream) : owned_stream_.get();
+  cudaStream_t next = stream ? static_cast<cudaStream_t>(stream) : owned_stream_.get();
+  order_after(stream_, next, fork_);  // earlier calls finish before later ones start, no host wait
+  stream_ = next;
 }
 
 void CudaBackend::synchronize() { EPX_CUDA(cudaStreamSynchronize(stream_)); }
@@ -732,7 +676,8 @@ void CudaBackend::reject(const Call& call, int phases, const std::string& error,
 void CudaBackend::reject(Op op, const std::string& reason) {
   static_assert(static_cast<int>(Op::dispatch) == kDispatch && static_cast<int>(Op::combine) == kCombine &&
                 static_cast<int>(Op::dispatch_backward) == kDispatchBackward &&
-                static_cast<int>(Op::combine_backward) == kCombineBackward);
+                static_cast<int>(Op::combine_backward) == kCombineBackward &&
+                static_cast<int>(Op::cached_dispatch) == kCachedDispatch);
   const Call call = begin_call(static_cast<CallKind>(op));
   // A dispatch with dropping has two plan exchanges; peers wait for both (dispatch()).
   const int phases = op == Op::dispatch && config().capacity_factor > 0.0 ? 2 : 1;

@@ -27,6 +27,7 @@ class CudaBackend final : public Backend {
   ~CudaBackend() override;
 
   DispatchResult dispatch(const DispatchInput& in, const DispatchOptions& opt) override;
+  DispatchResult cached_dispatch(const DispatchInput& in, const Handle& h, const CachedDispatchOptions& opt) override;
   CombineResult combine(const CombineInput& in, const Handle& h, const CombineOptions& opt) override;
   DispatchBackwardResult dispatch_backward(const DispatchBackwardInput& in, const Handle& h) override;
   CombineBackwardResult combine_backward(const CombineBackwardInput& in, const Handle& h,
@@ -38,7 +39,7 @@ class CudaBackend final : public Backend {
   void record_event(void* event) override;
 
  private:
-  enum CallKind : int32_t { kDispatch = 0, kCombine = 1, kDispatchBackward = 2, kCombineBackward = 3 };
+  enum CallKind : int32_t { kDispatch = 0, kCombine = 1, kDispatchBackward = 2, kCombineBackward = 3, kCachedDispatch = 4 };
   struct Call {
     CallKind kind;
     int64_t index;

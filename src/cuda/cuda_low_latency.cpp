@@ -21,6 +21,7 @@
 #include "cuda/env_setting.hpp"
 #include "cuda/kernels/launch.hpp"
 #include "cuda/kernels/ll_launch.hpp"
+#include "cuda/stream_switch.hpp"
 #include "cuda/phase_timer.hpp"
 #include "epx/codec.hpp"
 
@@ -99,6 +100,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     EPX_CUDA(cudaHostAlloc(&host_started_, 4 * sizeof(uint64_t), cudaHostAllocMapped));
     std::memset(host_started_, 0, 4 * sizeof(uint64_t));
     EPX_CUDA(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
+    EPX_CUDA(cudaEventCreateWithFlags(&stream_switch_, cudaEventDisableTiming));
     stream_ = own_stream_;
     EPX_CUDA(cudaDeviceSynchronize());
     window_ = state->allocate(rank_, static_cast<size_t>(map_.total), timeout_);  // collective, zero-filled
@@ -118,11 +120,13 @@ class CudaLowLatency final : public LowLatencyBackend {
     cudaFreeHost(host_status_);
     cudaFreeHost(host_started_);
     cudaStreamDestroy(own_stream_);
+    cudaEventDestroy(stream_switch_);
   }
 
   void set_stream(void* stream) override {
-    EPX_CUDA(cudaStreamSynchronize(stream_));  // earlier calls finish before later ones start elsewhere
-    stream_ = stream ? static_cast<cudaStream_t>(stream) : own_stream_;
+    cudaStream_t next = stream ? static_cast<cudaStream_t>(stream) : own_stream_;
+    order_after(stream_, next, stream_switch_);  // earlier calls finish before later ones start, no host wait
+    stream_ = next;
   }
 
   void synchronize() override { EPX_CUDA(cudaStreamSynchronize(stream_)); }
@@ -136,6 +140,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     ll::Rows rows{};
     std::string error;
     try {
+      take_rejection();
       check_tensor(in.x, "ll_dispatch: x", cat("[T, ", c.hidden, "] with T <= max_tokens_per_rank=", c.max_tokens_per_rank),
                    DType::bf16, {kAnyDim, c.hidden}, DeviceKind::cuda);
       on_device(in.x, "ll_dispatch: x");
@@ -231,6 +236,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     const LowLatencyConfig& c = config();
     std::string error;
     try {
+      take_rejection();
       require(handle.valid(), "ll_combine: the handle is empty; pass the handle ll_dispatch returned");
       require(handle.state().owner == this, "ll_combine: the handle belongs to another buffer or rank");
       check_tensor(in.y, "ll_combine: y", cat("[L=", local_, ", R*M=", slots_, ", H=", c.hidden, "]"), DType::bf16,
@@ -481,6 +487,7 @@ class CudaLowLatency final : public LowLatencyBackend {
   uint32_t* done_ = nullptr;
   uint64_t* stamps_ = nullptr;  // EPX_PROFILE=ll (ll::Ctx::stamps)
   cudaStream_t own_stream_ = nullptr;
+  cudaEvent_t stream_switch_ = nullptr;  // set_stream's order between the old and the new stream
   cudaStream_t stream_ = nullptr;  // the calls' stream: own_stream_ or the caller's
   bool dispatch_pending_ = false, combine_pending_ = false;
   bool fusing_ = false;

@@ -23,6 +23,7 @@ class HostBackend final : public Backend {
   HostBackend(const Group& group, const BufferConfig& config);  // collective
 
   DispatchResult dispatch(const DispatchInput& in, const DispatchOptions& opt) override;
+  DispatchResult cached_dispatch(const DispatchInput& in, const Handle& h, const CachedDispatchOptions& opt) override;
   CombineResult combine(const CombineInput& in, const Handle& h, const CombineOptions& opt) override;
   DispatchBackwardResult dispatch_backward(const DispatchBackwardInput& in, const Handle& h) override;
   CombineBackwardResult combine_backward(const CombineBackwardInput& in, const Handle& h,

@@ -72,6 +72,7 @@ class HostLowLatency final : public LowLatencyBackend {
     h->owner = this;
     std::string error;
     try {
+      take_rejection();
       read_dispatch_input(in, *h);
     } catch (const Error& e) {
       error = e.what();
@@ -137,6 +138,7 @@ class HostLowLatency final : public LowLatencyBackend {
     std::string error;
     const LowLatencyHandleState* h = nullptr;
     try {
+      take_rejection();
       require(handle.valid(), "ll_combine: the handle is empty; pass the handle ll_dispatch returned");
       require(handle.state().owner == this, "ll_combine: the handle belongs to another buffer or rank");
       h = &handle.state();

@@ -32,6 +32,38 @@ void partial_sum(const RecvLayout& r, int64_t i, int64_t topk, const TensorView&
   }
 }
 
+// Calls place(row, i, k) for every output row of received row i within capacity: rank-major,
+// row i itself (k = -1); expert-major, the row of each of its local slots k.
+template <typename Place>
+void for_each_output_row(const RecvLayout& r, int64_t topk, Place&& place) {
+  for (int64_t i = 0; i < r.tokens; ++i) {
+    if (r.layout == Layout::rank_major) {
+      if (i < r.capacity) place(i, i, int64_t{-1});
+      continue;
+    }
+    for (int64_t k = 0; k < topk; ++k) {
+      const int64_t row = r.slot_row[i * topk + k];
+      if (row >= 0 && row < r.capacity) place(row, i, k);
+    }
+  }
+}
+
+// BufferConfig::check_finite on the host: the first NaN or infinity, x row-major, then x_scales.
+void check_finite_x(const DispatchInput& in, int64_t tokens, int64_t hidden) {
+  const bool fp8 = in.x.dtype == DType::fp8_e4m3;
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < hidden; ++h) {
+      const float v = fp8 ? e4m3_to_float(row_ptr<uint8_t>(in.x, t)[h]) : bf16_to_float(row_ptr<uint16_t>(in.x, t)[h]);
+      if (is_nonfinite(v)) fail(ErrorCode::invalid_argument, "dispatch: x[", t, "][", h, "] is not finite (", nonfinite_name(v), ")");
+    }
+  for (int64_t t = 0; fp8 && t < tokens; ++t)
+    for (int64_t b = 0; b < hidden / kFp8Block; ++b) {
+      const float v = row_ptr<float>(in.x_scales, t)[b];
+      if (is_nonfinite(v))
+        fail(ErrorCode::invalid_argument, "dispatch: x_scales[", t, "][", b, "] is not finite (", nonfinite_name(v), ")");
+    }
+}
+
 Tensor offsets_tensor(const std::vector<int64_t>& v) {
   Tensor t = Tensor::zeros_host(DType::i64, {static_cast<int64_t>(v.size())});
   std::copy(v.begin(), v.end(), t.data<int64_t>());
@@ -50,20 +82,7 @@ DispatchResult HostBackend::dispatch(const DispatchInput& in, const DispatchOpti
     validate_dispatch_options(opt);
     validate_dispatch_x(in, c, DeviceKind::host);
     routing = routing_from_input(in, c);
-    if (c.check_finite) {  // BufferConfig::check_finite: the first NaN or infinity, x row-major, then x_scales
-      const bool fp8 = in.x.dtype == DType::fp8_e4m3;
-      for (int64_t t = 0; t < routing.tokens; ++t)
-        for (int64_t h = 0; h < c.hidden; ++h) {
-          const float v = fp8 ? e4m3_to_float(row_ptr<uint8_t>(in.x, t)[h]) : bf16_to_float(row_ptr<uint16_t>(in.x, t)[h]);
-          if (is_nonfinite(v)) fail(ErrorCode::invalid_argument, "dispatch: x[", t, "][", h, "] is not finite (", nonfinite_name(v), ")");
-        }
-      for (int64_t t = 0; fp8 && t < routing.tokens; ++t)
-        for (int64_t b = 0; b < c.hidden / kFp8Block; ++b) {
-          const float v = row_ptr<float>(in.x_scales, t)[b];
-          if (is_nonfinite(v))
-            fail(ErrorCode::invalid_argument, "dispatch: x_scales[", t, "][", b, "] is not finite (", nonfinite_name(v), ")");
-        }
-    }
+    if (c.check_finite) check_finite_x(in, routing.tokens, c.hidden);
     mine.tokens = routing.tokens;
     mine.expert_counts = count_per_expert(routing, c.num_experts);
   } catch (const Error& e) {
@@ -157,22 +176,15 @@ DispatchResult HostBackend::dispatch(const DispatchInput& in, const DispatchOpti
       out.recv_src.data<int32_t>()[2 * row] = r.src_rank[i];
       out.recv_src.data<int32_t>()[2 * row + 1] = r.src_token[i];
     };
-    for (int64_t i = 0; i < r.tokens; ++i) {
-      const uint8_t* payload = forward_payload(r.src_rank[i], i - r.rank_offsets[r.src_rank[i]]);
-      if (!expert_major) {  // the token once, with its slots as local expert ids
-        if (i >= r.capacity) continue;
-        store(i, i, payload);
-        std::copy_n(&r.slot_expert[i * k_count], k_count, out.recv_topk_idx.data<int32_t>() + i * k_count);
-        std::copy_n(&r.slot_weight[i * k_count], k_count, out.recv_topk_weights.data<float>() + i * k_count);
-        continue;
-      }
-      for (int64_t k = 0; k < k_count; ++k) {  // expanded: one row per local expert
-        const int64_t row = r.slot_row[i * k_count + k];
-        if (row < 0 || row >= r.capacity) continue;
-        store(row, i, payload);
+    for_each_output_row(r, k_count, [&](int64_t row, int64_t i, int64_t k) {
+      store(row, i, forward_payload(r.src_rank[i], i - r.rank_offsets[r.src_rank[i]]));
+      if (k >= 0) {  // expert-major: one row per local expert
         out.recv_weights.data<float>()[row] = r.slot_weight[i * k_count + k];
+        return;
       }
-    }
+      std::copy_n(&r.slot_expert[i * k_count], k_count, out.recv_topk_idx.data<int32_t>() + i * k_count);
+      std::copy_n(&r.slot_weight[i * k_count], k_count, out.recv_topk_weights.data<float>() + i * k_count);
+    });
     if (expert_major) out.expert_offsets = offsets_tensor(r.expert_offsets);
     out.tokens_per_expert = offsets_tensor(r.tokens_per_expert);
     out.rank_offsets = offsets_tensor(r.rank_offsets);
@@ -181,6 +193,34 @@ DispatchResult HostBackend::dispatch(const DispatchInput& in, const DispatchOpti
     out.recv_info = offsets_tensor({r.tokens, r.num_rows, r.capacity, r.overflow() ? 1 : 0});
     out.dropped_slots = dropped;
     out.handle = Handle(std::move(h));
+    return out;
+  });
+}
+
+DispatchResult HostBackend::cached_dispatch(const DispatchInput& in, const Handle& handle,
+                                            const CachedDispatchOptions& opt) {
+  const Call call = begin_call("cached_dispatch");
+  const BufferConfig& c = config();
+  const HandleState* h = &start_handle_call(
+      call, handle, [&](const HandleState& s) { return cat("layout=", layout_name(s.layout)); },
+      [&](const HandleState& s) {
+        validate_cached_dispatch(in, s, c, opt, DeviceKind::host);
+        if (c.check_finite) check_finite_x(in, s.tokens, c.hidden);
+      });
+
+  return guarded(call, [&] {
+    // The dispatch's transfer of the rows, with the handle's stream positions.
+    push_forward(*h, wire_.bytes(), [&](int64_t t, uint8_t* dst) { encode_row(in, t, wire_, opt.nvfp4_global_scale, dst); });
+    sync(call, "transfer");
+    const RecvLayout& r = h->recv;
+    DispatchResult out;
+    allocate_recv(out, wire_, r.capacity);  // zero-filled: padding rows as dispatch leaves them
+    for_each_output_row(r, c.topk, [&](int64_t row, int64_t i, int64_t) {
+      store_row(out, wire_, row, forward_payload(r.src_rank[i], i - r.rank_offsets[r.src_rank[i]]));
+    });
+    out.num_rows = r.num_rows;
+    out.overflow = r.overflow();
+    out.handle = handle;
     return out;
   });
 }

@@ -69,6 +69,7 @@ inline std::vector<RankRun> run_problem_cuda(const std::function<Group(int)>& gr
   std::vector<RankRun> runs(p.ranks);
   const int64_t h = p.cfg.hidden, k_count = p.cfg.topk;
   const bool weighted = o.dispatch.layout == Layout::expert_major && p.inputs[0].has_weights;
+  const verify::Problem fresh = fresh_x_problem(p);  // the cached dispatch's x
   const std::vector<std::string> errors = verify::run_threads(p.ranks, [&](int r) {
     const Group g = group(r);
     const int dev = cuda_device(g);
@@ -88,6 +89,8 @@ inline std::vector<RankRun> run_problem_cuda(const std::function<Group(int)>& gr
     for (size_t i = 0; i < run.grad_recv_weights.size(); ++i) run.grad_recv_weights[i] = 0.25f * static_cast<float>(i % 13) - 1.0f;
     DeviceArray x(in.x), x8(in.x_fp8), xs(in.x_scales), idx(in.idx), w(in.weights);
     DeviceArray y(run.y), shared(run.shared), gx(run.grad_recv_x), gwr(run.grad_recv_weights), go(run.grad_out);
+    const verify::RankInput& again = fresh.inputs[r];
+    DeviceArray cx(again.x), cx8(again.x_fp8), cxs(again.x_scales);
     Buffer buffer(g, p.cfg);
     DispatchInput din;
     if (p.prequantized) {
@@ -101,6 +104,20 @@ inline std::vector<RankRun> run_problem_cuda(const std::function<Group(int)>& gr
     DispatchResult d = buffer.dispatch(din, o.dispatch);
     buffer.synchronize();
     run.dispatched = to_host(d);
+    if (o.cached) {
+      DispatchInput cin;
+      if (p.prequantized) {
+        cin.x = device_view(cx8, DType::fp8_e4m3, {tokens, h}, dev);
+        cin.x_scales = device_view(cxs, DType::f32, {tokens, h / kFp8Block}, dev);
+      } else {
+        cin.x = device_view(cx, DType::bf16, {tokens, h}, dev);
+      }
+      DispatchResult cd = buffer.dispatch(cin, d.handle, {o.dispatch.nvfp4_global_scale});
+      buffer.synchronize();
+      run.cached.recv_x = epx::to_host(cd.recv_x);
+      run.cached.recv_scales = epx::to_host(cd.recv_scales);
+      run.cached.recv_global_scale = epx::to_host(cd.recv_global_scale);
+    }
     if (!o.combine) return;
     const int64_t rows = d.recv_x.size(0);
     run.y.resize(rows * h);  // the reference reads exactly the rows of this dispatch

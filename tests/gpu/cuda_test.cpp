@@ -314,6 +314,39 @@ TEST(CudaErrors, RejectJoinsThePeersCall) {
   EXPECT_EQ(after[1], "");
 }
 
+// Cached dispatches on handles of different dispatches fail every rank with config_mismatch,
+// and the buffer goes on (the next cached dispatch returns the first dispatch's rows again).
+TEST(CudaErrors, CachedDispatchesOnHandlesOfDifferentDispatchesFailEveryRank) {
+  const auto p = two_ranks(small_config(256, 32, 16, 4));
+  std::vector<std::string> errors(2);
+  std::vector<int> same(2, 0);
+  on_shared_gpu(p, [&](int r, const Group& g, const DeviceArray& x, const DeviceArray& idx) {
+    Buffer b(g, p.cfg);
+    DispatchInput in;
+    in.x = device_view(x, DType::bf16, {32, 256}, 0);
+    in.topk_idx = device_view(idx, DType::i32, {32, 4}, 0);
+    const DispatchResult first = b.dispatch(in), second = b.dispatch(in);
+    DispatchInput rows;
+    rows.x = in.x;
+    try {
+      b.dispatch(rows, r == 0 ? first.handle : second.handle);
+      b.synchronize();
+    } catch (const Error& e) {
+      errors[r] = e.what();
+    }
+    const DispatchResult again = b.dispatch(rows, first.handle);
+    b.synchronize();
+    const Tensor want = to_host(first.recv_x), got = to_host(again.recv_x);
+    same[r] = want.numel() == got.numel() &&
+              std::memcmp(want.data<uint16_t>(), got.data<uint16_t>(), static_cast<size_t>(want.numel()) * 2) == 0;
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_THAT(errors[r], testing::HasSubstr("cached_dispatch")) << "rank " << r;
+    EXPECT_THAT(errors[r], testing::HasSubstr("handles of the same dispatch")) << "rank " << r;
+    EXPECT_TRUE(same[r]) << "rank " << r;
+  }
+}
+
 TEST(CudaErrors, AMissingPeerTimesOutInsteadOfHanging) {
   auto cfg = small_config(256, 32, 16, 4);
   cfg.timeout_ms = 500;

@@ -289,6 +289,42 @@ TEST(CudaLowLatencyErrors, ABadIdOnTheDeviceFailsEveryRankAndTheBufferGoesOn) {
   EXPECT_EQ(after[1], "");
 }
 
+// A front end's own refusal (LowLatencyBuffer::reject) fails the peers' same call with its words,
+// for dispatch and for combine, and the buffer goes on.
+TEST(CudaLowLatencyErrors, RejectJoinsThePeersCall) {
+  const LlGpuCase c{true, 2, 256, 16, 8, 4, WireFormat::bf16};
+  const verify::Problem p = ll_problem(c, 37);
+  const std::vector<int64_t> all(c.ranks, c.tokens);
+  for (LowLatencyOp op : {LowLatencyOp::dispatch, LowLatencyOp::combine}) {
+    std::vector<std::string> raised(c.ranks), after(c.ranks);
+    const auto errors = on_ranks(c, p, 20000, [&](int r, LowLatencyBuffer& b, const DeviceArray& x, const DeviceArray& idx) {
+      const LowLatencyDispatchResult first = b.dispatch(ll_input(c, x, idx));
+      b.synchronize();
+      LowLatencyCombineInput y;
+      y.y = first.recv_x.view();
+      y.weighted = false;
+      try {
+        if (r == 1) b.reject(op, "binding: y is not contiguous");
+        if (op == LowLatencyOp::dispatch) b.dispatch(ll_input(c, x, idx));
+        else b.combine(y, first.handle);
+        b.synchronize();
+      } catch (const Error& e) {
+        raised[r] = e.what();
+      }
+      const LowLatencyDispatchResult res = b.dispatch(ll_input(c, x, idx));
+      b.synchronize();
+      after[r] = verify::check_ll_dispatch(p, all, r, 0.0f, host_copy(res));
+    });
+    const char* name = op == LowLatencyOp::dispatch ? "dispatch" : "combine";
+    EXPECT_EQ(errors[0], "") << name;
+    EXPECT_EQ(errors[1], "") << name;
+    EXPECT_EQ(raised[1], "binding: y is not contiguous") << name;
+    EXPECT_THAT(raised[0], testing::HasSubstr("rank 1 rejected its input")) << name;
+    EXPECT_EQ(after[0], "") << name;
+    EXPECT_EQ(after[1], "") << name;
+  }
+}
+
 // A rank that never calls: its peer's receive half gives up after timeout_ms, the next call says
 // so, and the buffer refuses every call after that.
 TEST(CudaLowLatencyErrors, AMissingPeerTimesOutInsteadOfHanging) {

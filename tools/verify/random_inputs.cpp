@@ -42,6 +42,18 @@ std::vector<uint16_t> random_bf16(int64_t count, uint64_t seed, bool exact_value
   return v;
 }
 
+namespace {
+
+// Pre-quantized input: x as fp8 codes and scales (the wire's own quantizer).
+void quantize_x(RankInput& in, int64_t hidden) {
+  in.x_fp8.resize(in.tokens * hidden);
+  in.x_scales.resize(in.tokens * (hidden / kFp8Block));
+  for (int64_t t = 0; t < in.tokens; ++t)
+    quantize_fp8_row(&in.x[t * hidden], hidden, false, &in.x_fp8[t * hidden], &in.x_scales[t * (hidden / kFp8Block)]);
+}
+
+}  // namespace
+
 Problem make_problem(const ProblemSpec& spec) {
   Problem p{spec.cfg, spec.ranks, spec.prequantized, {}};
   const BufferConfig& c = spec.cfg;
@@ -71,16 +83,20 @@ Problem make_problem(const ProblemSpec& spec) {
         in.weights[t * c.topk + k] = weight(rng);
       }
     }
-    if (spec.prequantized) {
-      in.x_fp8.resize(in.tokens * c.hidden);
-      in.x_scales.resize(in.tokens * (c.hidden / kFp8Block));
-      for (int64_t t = 0; t < in.tokens; ++t)
-        quantize_fp8_row(&in.x[t * c.hidden], c.hidden, false, &in.x_fp8[t * c.hidden],
-                         &in.x_scales[t * (c.hidden / kFp8Block)]);
-    }
+    if (spec.prequantized) quantize_x(in, c.hidden);
     p.inputs.push_back(std::move(in));
   }
   return p;
+}
+
+Problem with_fresh_x(const Problem& p, uint64_t seed) {
+  Problem fresh = p;
+  for (int r = 0; r < p.ranks; ++r) {
+    RankInput& in = fresh.inputs[r];
+    in.x = random_bf16(in.tokens * p.cfg.hidden, seed * 1000 + r);
+    if (p.prequantized) quantize_x(in, p.cfg.hidden);
+  }
+  return fresh;
 }
 
 DenseRouting dense_routing(const Problem& p) {

@@ -42,6 +42,9 @@ struct ProblemSpec {
 
 Problem make_problem(const ProblemSpec& spec);
 
+// The same problem (routing, tokens) with new token values (a cached dispatch's input).
+Problem with_fresh_x(const Problem& p, uint64_t seed);
+
 // The dense form of a problem's top-k routing (routing_map [T, E] + probs [T, E] per rank), and
 // the top-k problem it is equivalent to (each token's experts ascending, unused slots last).
 struct DenseRouting {

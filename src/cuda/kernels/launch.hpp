@@ -169,6 +169,21 @@ cudaGraphNode_t add_wait_peer_flags_node(cudaGraph_t graph, const cudaGraphNode_
 void set_wait_peer_flags_node(cudaGraphExec_t exec, cudaGraphNode_t node, const Ctx& ctx, int64_t flags,
                               int64_t stride, uint32_t peers);
 
+// Cached dispatch (cached_dispatch.cu). scan_x_finite: check_finite's scan of x alone, before
+// the call's plan exchange carries what it found to the peers. encode_to_rows: each token's wire
+// row at the start of its row of `staging` (rows `stride` bytes apart), for send_tokens to move.
+// split_wire_rows: rows of wire bytes into recv_x / recv_scales / recv_global_scale.
+struct WireSplit {
+  char* x;
+  char* scales;  // or null
+  char* global;  // or null
+  int64_t x_bytes, scale_bytes, global_bytes;
+};
+void scan_x_finite(const Ctx& ctx, const FiniteCheck& check, int64_t tokens);
+void encode_to_rows(const Ctx& ctx, const SendRows& rows, int64_t tokens, char* staging, int64_t stride);
+void split_wire_rows(const Ctx& ctx, const char* from, int64_t stride, int64_t rows, const WireSplit& to);
+void preload_cached_dispatch_kernels();
+
 // combine_backward's forward transfer: every bf16 row once to every rank holding one of its
 // slots (at its dispatch stream position send_pos), then signals kSignalForward.
 void send_tokens(const Ctx& ctx, const SendRows& rows, int64_t tokens, const int32_t* send_pos);

@@ -267,6 +267,7 @@ void preload_kernels() {
   preload_dispatch_kernels();
   preload_combine_kernels();
   preload_combine_backward_kernels();
+  preload_cached_dispatch_kernels();
   preload_broadcast_kernels();
 }
 

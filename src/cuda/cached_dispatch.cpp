@@ -1,0 +1,72 @@
+// Cached dispatch on the CUDA backend: a dispatch's rows once more, in its handle's layout.
+// No routing, positions or layout plan: the handle calls' header-only plan exchange (every rank
+// agrees on the call and the handle's dispatch), then combine_backward's transfer: send_tokens
+// moves each token's row once to each rank at its dispatch stream position, expand_grad
+// (unweighted) copies it into each of its output rows and zeroes the empty ones. A quantized
+// wire's rows travel encoded at the start of 2H-byte rows and are split into recv_x /
+// recv_scales / recv_global_scale at the receiver. The bits are the dispatch's: the same
+// encoder, the same placement.
+#include "core/validate_ops.hpp"
+#include "cuda/cuda_backend.hpp"
+#include "cuda/device_handle.hpp"
+#include "cuda/dispatch_input.hpp"
+#include "epx/codec.hpp"
+
+namespace epx::detail {
+
+DispatchResult CudaBackend::cached_dispatch(const DispatchInput& in, const Handle& handle,
+                                            const CachedDispatchOptions& opt) {
+  const Call call = begin_call(kCachedDispatch);
+  const BufferConfig& c = config();
+  kernels::SendRows rows;
+  const HandleState* h = &start_handle_call(call, handle, 0, [&](const HandleState& state) {
+    validate_cached_dispatch(in, state, c, opt, DeviceKind::cuda);
+    check_device_tensor(in.x, "cached_dispatch: x");
+    rows = send_rows(in, c.wire, opt.nvfp4_global_scale);
+    // Before the plan exchange, whose header carries what the scan finds to every peer.
+    if (c.check_finite) kernels::scan_x_finite(ctx(), finite_check(in, c.hidden), state.tokens);
+  });
+  const kernels::Ctx x = ctx();
+  const DeviceHandle& dh = device_of(*h);
+  const int64_t row_bytes = 2 * c.hidden, capacity = h->recv.capacity;
+  const bool as_given = wire_.format == WireFormat::bf16;  // bf16 rows travel as they are
+  Tensor encoded, expanded;  // a quantized wire's staging rows, 2H bytes each (freed stream-ordered)
+  kernels::SendRows forward = rows;
+  if (!as_given) {
+    encoded = device_tensor(DType::bf16, {h->tokens, c.hidden});
+    kernels::encode_to_rows(x, rows, h->tokens, encoded.data<char>(), row_bytes);
+    forward = kernels::SendRows{};
+    forward.x = encoded.data<char>();
+    forward.x_stride_bytes = row_bytes;
+  }
+  kernels::send_tokens(x, forward, h->tokens, dh.pos.send_pos);
+  wait(kSignalForward);
+
+  DispatchResult out;
+  OutputBlock outputs(*this, stream_);
+  if (as_given) outputs.add(&out.recv_x, DType::bf16, {capacity, c.hidden});
+  else if (wire_.format == WireFormat::nvfp4) outputs.add(&out.recv_x, DType::e2m1x2, {capacity, c.hidden / 2});
+  else outputs.add(&out.recv_x, DType::fp8_e4m3, {capacity, c.hidden});
+  if (wire_.format == WireFormat::nvfp4) outputs.add(&out.recv_scales, DType::fp8_e4m3, {capacity, c.hidden / kNvfp4Block});
+  else if (wire_.scale_bytes) outputs.add(&out.recv_scales, DType::f32, {capacity, c.hidden / kFp8Block});
+  if (wire_.global_bytes) outputs.add(&out.recv_global_scale, DType::f32, {capacity});
+  outputs.allocate();
+  if (!as_given) expanded = device_tensor(DType::bf16, {capacity, c.hidden});
+  kernels::expand_grad(x, dh.recv, h->layout, false, nullptr, 0,
+                       as_given ? out.recv_x.data<uint16_t>() : expanded.data<uint16_t>());
+  wait(kSignalReverse);  // as combine_backward: every rank's signal targets advance alike
+  if (!as_given) {
+    auto ptr = [](const Tensor& t) { return t.defined() ? t.data<char>() : nullptr; };
+    kernels::split_wire_rows(x, expanded.data<char>(), row_bytes, capacity,
+                             {ptr(out.recv_x), ptr(out.recv_scales), ptr(out.recv_global_scale), wire_.x_bytes,
+                              wire_.scale_bytes, wire_.global_bytes});
+  }
+  out.num_rows = h->recv.num_rows;
+  out.overflow = h->recv.num_rows > capacity;
+  out.handle = handle;
+  if (c.mode == CapacityMode::blocking) sync_and_check(call);
+  else kernels::publish_status(x, host_status_);
+  return out;
+}
+
+}  // namespace epx::detail

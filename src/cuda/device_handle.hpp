@@ -1,0 +1,26 @@
+// The CUDA backend's part of a dispatch handle (HandleState::device): the device arrays that
+// combine, the backward passes and a cached dispatch reuse.
+#pragma once
+#include <memory>
+
+#include "core/handle.hpp"
+#include "cuda/kernels/launch.hpp"
+
+namespace epx::detail {
+
+// Everything a dispatch leaves for combine and the backward passes, in one allocation.
+struct DeviceHandle {
+  std::shared_ptr<void> memory;
+  int32_t* slot_expert;   // [T*K]
+  float* slot_weight;     // [T*K]
+  int64_t* counts;        // [E] before dropping (the drop rule's plan)
+  int64_t* expert_prefix;  // [E]
+  int64_t* drop_capacity;  // [1]
+  int64_t* dropped;        // [1]
+  kernels::ChunkPositions pos;  // pos.send_pos: each token's stream position at each rank, or -1
+  kernels::RecvArrays recv;
+};
+
+inline const DeviceHandle& device_of(const HandleState& h) { return *static_cast<const DeviceHandle*>(h.device.get()); }
+
+}  // namespace epx::detail
