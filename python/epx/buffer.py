@@ -106,11 +106,22 @@ class Buffer:
     # --- the four calls ------------------------------------------------------------------------
 
     def dispatch(self, x, topk_idx=None, topk_weights=None, *, x_scales=None, routing_map=None, probs=None,
-                 layout=Layout.expert_major, nvfp4_global_scale=0.0, previous_event=None, async_finish=False,
+                 layout=None, nvfp4_global_scale=0.0, handle=None, previous_event=None, async_finish=False,
                  allocate_on_comm_stream=False):
         """Sends each token to the ranks of its experts. Routing: topk_idx [T, K] (int32/int64, -1 unused)
         with optional topk_weights [T, K] float32, or routing_map [T, E] bool with optional probs [T, E].
-        x: [T, H] bfloat16, or fp8 codes (float8_e4m3fn or uint8) with x_scales [T, H/128] (wire fp8)."""
+        x: [T, H] bfloat16, or fp8 codes (float8_e4m3fn or uint8) with x_scales [T, H/128] (wire fp8).
+        layout: expert_major (the default) or rank_major.
+
+        With ``handle`` (a cached dispatch, DeepEP's dispatch with a handle): no routing; x of the same T
+        goes out in the layout of the dispatch that made the handle, with no routing work and no plan
+        exchange. Only recv_x / recv_scales / recv_global_scale are new; the layout fields are None
+        (they are the handle's dispatch's) and ``handle`` is the one given."""
+        if handle is not None:
+            return self._cached_dispatch(x, x_scales, handle, layout, nvfp4_global_scale,
+                                         (topk_idx, topk_weights, routing_map, probs),
+                                         (previous_event, async_finish, allocate_on_comm_stream))
+        layout = Layout.expert_major if layout is None else layout
         layout_code = code_of(Layout, layout)
         if layout_code is None:
             self.reject(Op.dispatch, f"dispatch: layout: unknown {layout!r}; use one of {names_of(Layout)}")
@@ -124,6 +135,26 @@ class Buffer:
         event = self._finish(streams, (x, x_scales, topk_idx, topk_weights, routing_map, probs))
         weights = topk_weights if routing_map is None else probs
         return self.dispatch_output(result, layout_code, x.shape[0], weights, routing_map, event)
+
+    def _cached_dispatch(self, x, x_scales, handle, layout, nvfp4_global_scale, routing, stream_args):
+        op = Op.cached_dispatch
+        self._check_handle(op, handle, "dispatch")
+        if any(t is not None for t in routing):
+            self.reject(op, "dispatch: a handle and routing given; a cached dispatch takes the routing of the "
+                            "handle's dispatch: pass x (and x_scales) only")
+        if layout is not None and code_of(Layout, layout) != handle.layout:
+            self.reject(op, f"dispatch: layout {layout!r} given with a handle of a {Layout(handle.layout).name} "
+                            "dispatch; a cached dispatch has its handle's layout (leave layout out)")
+        inputs = self._inputs(op, (("dispatch: x", x, X_TYPES), ("dispatch: x_scales", x_scales, F32)))
+        streams = self._begin(op, *stream_args)
+        recv = self._c.cached_dispatch(*inputs, arg(handle.token), float(nvfp4_global_scale),
+                                       self._consumer(streams))
+        event = self._finish(streams, (x, x_scales))
+        wire = self._config.wire
+        recv_x, recv_scales, recv_global = recv
+        return DispatchOutput(out(recv_x, fp8=wire in (WireFormat.fp8, WireFormat.fp8_ue8m0)),
+                              out(recv_scales, fp8=wire == WireFormat.nvfp4), out(recv_global),
+                              *([None] * 8), handle, event)
 
     def combine(self, y, handle, *, shared_out=None, weighted=None, previous_event=None, async_finish=False,
                 allocate_on_comm_stream=False):

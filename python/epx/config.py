@@ -30,6 +30,7 @@ class Op(enum.IntEnum):
     combine = 1
     dispatch_backward = 2
     combine_backward = 3
+    cached_dispatch = 4
 
 
 class DType(enum.IntEnum):

@@ -1,5 +1,7 @@
 """epx.Group: the ranks that exchange tokens, and the backend that moves them."""
 
+import pickle
+
 import torch
 
 from . import _C
@@ -64,6 +66,22 @@ class Group:
         carrier = torch.device("cuda", index) if dist.get_backend(pg) == "nccl" else None
         dist.broadcast_object_list(box, src=src, group=pg, device=carrier)
         return Group(_C.cuda_group_init_rank(box[0], rank, size, index))
+
+    # --- small host-side collectives (the transport's own all-gather, on every backend) ---------
+
+    def all_gather_bytes(self, record, timeout_ms=0):
+        """Every rank's `record` (bytes, at most 1024), in rank order. Collective: every rank calls it at the
+        same point of its sequence of collective calls (buffer creations included); it blocks until all have.
+        timeout_ms: 0 means EPX_TIMEOUT_MS, else 60 s."""
+        return self._c.all_gather(bytes(record), int(timeout_ms))
+
+    def all_gather_object(self, obj, timeout_ms=0):
+        """Every rank's picklable `obj` (small: it travels as one all_gather_bytes record), in rank order."""
+        return [pickle.loads(r) for r in self.all_gather_bytes(pickle.dumps(obj), timeout_ms)]
+
+    def agree_max(self, value, timeout_ms=0):
+        """The largest of every rank's int `value` (collective), so that every rank derives the same number."""
+        return max(int(v) for v in self.all_gather_object(int(value), timeout_ms))
 
     def __repr__(self):
         return f"epx.Group(rank {self.rank} of {self.size}, {self.backend}, {self.device})"

@@ -76,7 +76,9 @@ class LowLatencyBuffer:
         self._stream = None
         self.dispatch_calls = 0  # calls started so far, of each kind
         self.combine_calls = 0
-        self._pending = ()  # the send half's inputs, alive until its receive half
+        # Each kind's send-half inputs, alive until its receive half (a dispatch may go out while a
+        # combine is in flight, and the other way round).
+        self._pending_dispatch_inputs = self._pending_combine_inputs = ()
 
     @property
     def config(self):
@@ -94,7 +96,7 @@ class LowLatencyBuffer:
         """x [T, H] bfloat16 (T <= max_tokens_per_rank), topk_idx [T, K]; num_tokens: optional [1] int32 on the
         device (rows that count; may change between graph replays); topk_weights: the combine's weights, sent now."""
         call = self._start_dispatch()
-        inputs = self._dispatch_inputs(True, x, topk_idx, num_tokens, topk_weights)
+        inputs = self._dispatch_inputs(x, topk_idx, num_tokens, topk_weights)
         self._use_current_stream()
         result = self._c.dispatch(*inputs, float(nvfp4_global_scale))
         return self._dispatch_output(result, call, topk_weights is not None, clone)
@@ -102,18 +104,18 @@ class LowLatencyBuffer:
     def dispatch_send(self, x, topk_idx, *, num_tokens=None, topk_weights=None, nvfp4_global_scale=0.0):
         """The send half: returns at once. Its dispatch_recv must come before the next dispatch_send."""
         call = self._start_dispatch()
-        inputs = self._dispatch_inputs(False, x, topk_idx, num_tokens, topk_weights)
+        inputs = self._dispatch_inputs(x, topk_idx, num_tokens, topk_weights)
         self._use_current_stream()
         self._c.dispatch_send(*inputs, float(nvfp4_global_scale))
         self._pending_dispatch = (call, topk_weights is not None)
-        self._pending = (x, topk_idx, num_tokens, topk_weights)
+        self._pending_dispatch_inputs = (x, topk_idx, num_tokens, topk_weights)
 
     def dispatch_recv(self, clone=False):
         """The receive half: waits for every peer."""
         self._use_current_stream()
         result = self._c.dispatch_recv()
         call, weights_at_dispatch = self._pending_dispatch
-        self._pending = ()
+        self._pending_dispatch_inputs = ()
         return self._dispatch_output(result, call, weights_at_dispatch, clone)
 
     # --- combine -------------------------------------------------------------------------------
@@ -121,23 +123,35 @@ class LowLatencyBuffer:
     def combine(self, y, handle, *, topk_weights=None, weighted=True, clone=False):
         """y [L, R*M, H] bfloat16 (contiguous): the expert outputs in the dispatch's rows. Returns [T, H] bfloat16."""
         self.combine_calls += 1  # as epx counts them: a refused call uses its set too
-        inputs = self._combine_inputs(True, y, handle, topk_weights)
+        inputs = self._combine_inputs(y, handle, topk_weights)
         self._use_current_stream()
         result = out(self._c.combine(inputs[0], arg(handle.token), inputs[1], bool(weighted)))
         return result.clone() if clone else result
 
     def combine_send(self, y, handle, *, topk_weights=None, weighted=True):
         self.combine_calls += 1
-        inputs = self._combine_inputs(False, y, handle, topk_weights)
+        inputs = self._combine_inputs(y, handle, topk_weights)
         self._use_current_stream()
         self._c.combine_send(inputs[0], arg(handle.token), inputs[1], bool(weighted))
-        self._pending = (y, handle, topk_weights)
+        self._pending_combine_inputs = (y, handle, topk_weights)
 
     def combine_recv(self, clone=False):
         self._use_current_stream()
         result = out(self._c.combine_recv())
-        self._pending = ()
+        self._pending_combine_inputs = ()
         return result.clone() if clone else result
+
+    def reject(self, op, reason):
+        """Joins this rank's next call `op` ("dispatch" or "combine", its send half) as a rank whose input is
+        bad: raises InvalidArgument here, and every peer's same call fails with PeerFailed quoting `reason`
+        (C++ LowLatencyBuffer::reject). The call uses its buffer set, as any call does."""
+        if op == "dispatch":
+            self._start_dispatch()
+            self._c.reject_dispatch(reason)
+        if op == "combine":
+            self.combine_calls += 1
+            self._c.reject_combine(reason)
+        raise InvalidArgument(f"reject: unknown op {op!r}; use 'dispatch' or 'combine'")
 
     # --- lifetimes -----------------------------------------------------------------------------
 
@@ -148,23 +162,23 @@ class LowLatencyBuffer:
 
     # --- helpers -------------------------------------------------------------------------------
 
-    def _dispatch_inputs(self, fused, x, topk_idx, num_tokens, topk_weights):
+    def _dispatch_inputs(self, x, topk_idx, num_tokens, topk_weights):
         specs = (("ll_dispatch: x", x, _BF16), ("ll_dispatch: topk_idx", topk_idx, _INDEX),
                  ("ll_dispatch: num_tokens", num_tokens, _I32), ("ll_dispatch: topk_weights", topk_weights, _F32))
         for what, t, allowed in specs:
             if t is not None:
                 reason = problem(t, what, allowed, self.device)
                 if reason is not None:
-                    self._c.reject_dispatch(fused, reason)
+                    self._c.reject_dispatch(reason)
         return [arg(t) for _, t, _ in specs]
 
-    def _combine_inputs(self, fused, y, handle, topk_weights):
+    def _combine_inputs(self, y, handle, topk_weights):
         reason = self._handle_problem(handle)
         for what, t, allowed in (("ll_combine: y", y, _BF16), ("ll_combine: topk_weights", topk_weights, _F32)):
             if reason is None and t is not None:
                 reason = problem(t, what, allowed, self.device)
         if reason is not None:
-            self._c.reject_combine(fused, reason)
+            self._c.reject_combine(reason)
         return arg(y), arg(topk_weights)
 
     def _handle_problem(self, handle):

@@ -4,18 +4,17 @@ A checkpointed forward runs twice: once without saving activations, once again i
 the recompute's router picks even one expert differently (non-determinism, a peer's different
 drop), its dispatch returns a different layout than the one the rest of the step was built on.
 A LayoutRecorder removes that: while recording it keeps each dispatch's routing and layout, in
-order; while replaying it serves them back (``take``), so every recomputed dispatch runs with the
-recorded routing and returns the identical layout, which it checks (``check=True``).
-
-What remains: epx has no cached dispatch in C++, so a replayed dispatch still runs the whole
-dispatch, its plan exchange included (the data must move again anyway); only its result is fixed.
-A C++ entry point that dispatches with a handle's routing and layout would skip the plan
-exchange (docs/python.md, "Layout replay").
+order; while replaying it serves them back (``take``): every recomputed dispatch is a cached
+dispatch (``Buffer.dispatch(x, handle=...)``) with the recorded handle, so it moves the
+recomputed rows in the recorded layout with no routing work and no plan exchange, and returns
+the recorded layout tensors. Gradients flow as through a dispatch: to x, and to the recompute's
+router weights (the weights' values are the recorded ones, which the recorded handle's combine
+uses too).
 
 Counters: ``recorded``, ``replayed``, ``misses`` (a recompute dispatch with nothing recorded: it
-runs as recorded nothing, and warns), ``routing_changes`` (the recompute's own routing differed
-from the recorded one, which was used). A recompute whose dispatch has another shape than the
-recorded one fails on every rank with ReplayError.
+runs as a plain dispatch, and warns), ``routing_changes`` (with ``check=True``: the recompute's
+own routing differed from the recorded one, which was used). A recompute whose dispatch has
+another shape than the recorded one fails on every rank with ReplayError.
 """
 
 import contextlib
@@ -52,7 +51,7 @@ class _Entry(NamedTuple):
     signature: tuple
     topk_idx: Optional[torch.Tensor]
     routing_map: Optional[torch.Tensor]
-    layout: tuple  # (num_rows, expert_offsets, tokens_per_expert, rank_offsets, recv_src)
+    output: object  # the DispatchOutput, its layout tensors cloned (not its rows: their memory goes)
 
 
 class LayoutRecorder:
@@ -95,8 +94,9 @@ class LayoutRecorder:
                 "routing_changes": self.routing_changes}
 
     def dispatch(self, buffer, x, topk_idx, topk_weights, *, x_scales, routing_map, probs, layout,
-                 nvfp4_global_scale, run):
-        """One dispatch through the recorder; `run` is the dispatch itself (epx.torch's)."""
+                 nvfp4_global_scale, run, replay):
+        """One dispatch through the recorder: `run` is the dispatch itself, `replay` the cached
+        dispatch with a recorded output (epx.torch's)."""
         signature = _signature(x, topk_idx, routing_map, layout)
         if self._mode == "record":
             d = run(buffer, x, topk_idx, topk_weights, x_scales, routing_map, probs, layout, nvfp4_global_scale)
@@ -113,17 +113,14 @@ class LayoutRecorder:
             reason = (f"layout replay: dispatch #{self._cursor - 1} of the recompute has another shape than the "
                       f"recorded one: recorded {entry.signature}, got {signature}")
             try:
-                buffer.reject(Op.dispatch, reason)  # every rank's dispatch fails, not only this one
+                buffer.reject(Op.cached_dispatch, reason)  # every rank's replay fails, not only this one
             except InvalidArgument as e:
                 raise ReplayError(reason) from e
         if self.check and not _same(topk_idx if routing_map is None else routing_map,
                                     entry.topk_idx if routing_map is None else entry.routing_map):
             self._count("routing_changes")
-        d = run(buffer, x, entry.topk_idx, topk_weights, x_scales, entry.routing_map, probs, layout,
-                nvfp4_global_scale)
-        if self.check and not all(_same(a, b) for a, b in zip(_layout_of(d), entry.layout)):
-            raise ReplayError(f"layout replay: dispatch #{self._cursor - 1} returned another layout than recorded "
-                              "although it ran with the recorded routing (did a peer not replay?)")
+        d = replay(buffer, x, x_scales, topk_weights if routing_map is None else probs, entry.output,
+                   nvfp4_global_scale)
         self._count("replayed")
         return d
 
@@ -153,8 +150,11 @@ def _keep(t):
 
 
 def _layout_of(d):
-    return (d.num_rows,) + tuple(_keep(t) for t in (d.expert_offsets, d.tokens_per_expert, d.rank_offsets,
-                                                     d.recv_src))
+    """d without its rows, its layout tensors cloned (views of the rows' allocation would keep it)."""
+    return d._replace(recv_x=None, recv_scales=None, recv_global_scale=None,
+                      **{f: _keep(getattr(d, f)) for f in ("recv_src", "recv_weights", "recv_topk_idx",
+                                                            "recv_topk_weights", "expert_offsets",
+                                                            "tokens_per_expert", "rank_offsets", "recv_info")})
 
 
 def _same(a, b):

@@ -13,7 +13,7 @@ rank runs the same backward calls in the same order, as in the forward.
 
 Under torch.compile these trace without graph breaks (the ops have fake kernels; capacity mode
 for static shapes). Under an active :class:`epx.LayoutRecorder` (epx.torch.checkpoint), a
-recomputed dispatch replays its recorded routing and checks its layout (replay.py).
+recomputed dispatch is a cached dispatch with the recorded handle (replay.py).
 """
 
 import torch as _torch
@@ -52,7 +52,7 @@ def dispatch(buffer, x, topk_idx=None, topk_weights=None, *, x_scales=None, rout
     if recorder is not None:
         return recorder.dispatch(buffer, x, topk_idx, topk_weights, x_scales=x_scales, routing_map=routing_map,
                                  probs=probs, layout=layout, nvfp4_global_scale=nvfp4_global_scale,
-                                 run=_plain_dispatch)
+                                 run=_plain_dispatch, replay=_replay_dispatch)
     return _plain_dispatch(buffer, x, topk_idx, topk_weights, x_scales, routing_map, probs, layout,
                            nvfp4_global_scale)
 
@@ -66,6 +66,19 @@ def _plain_dispatch(buffer, x, topk_idx, topk_weights, x_scales, routing_map, pr
     handle = Handle(outs[0], buffer.id, layout, x.shape[0], layout == Layout.expert_major and weights is not None,
                     weights, routing_map)
     return DispatchOutput(*tensors, handle, None)
+
+
+def _replay_dispatch(buffer, x, x_scales, weights, recorded, nvfp4_global_scale):
+    """A recompute's dispatch (replay.py): x in the recorded dispatch's layout by a cached dispatch,
+    the recorded layout tensors, and the router weight outputs new, so that gradients reach this
+    recompute's x and weights (their values are the recorded ones: the handle's combine uses those)."""
+    h = recorded.handle
+    weight_field = "recv_weights" if h.layout == Layout.expert_major else "recv_topk_weights"
+    recv_x, recv_scales, recv_global, recv_w = _CachedDispatch.apply(
+        buffer, h, float(nvfp4_global_scale), x, x_scales, weights, getattr(recorded, weight_field))
+    handle = h._replace(weights=weights if h.weights is not None else None)
+    return recorded._replace(recv_x=recv_x, recv_scales=recv_scales, recv_global_scale=recv_global,
+                             handle=handle, **{weight_field: recv_w})
 
 
 def combine(buffer, y, handle, *, shared_out=None, weighted=None):
@@ -152,6 +165,36 @@ class _Dispatch(_torch.autograd.Function):
             grad_probs = _probs_grad(grad_slots, routing_map, ctx.num_experts)
         return (None, None, None, None, grad_x if ctx.x_grad else None, None, None, grad_topk_weights, None,
                 grad_probs)
+
+
+class _CachedDispatch(_torch.autograd.Function):
+    """Buffer.dispatch with a handle; backward as a dispatch's (dispatch_backward with the handle)."""
+
+    @staticmethod
+    def forward(ctx, buffer, handle, gscale, x, x_scales, weights, recorded_weights):
+        d = buffer.dispatch(x, x_scales=x_scales, handle=handle, nvfp4_global_scale=gscale)
+        ctx.buffer_id, ctx.token, ctx.tokens, ctx.num_experts = buffer.id, handle.token, x.shape[0], buffer.num_experts
+        ctx.routing_map = handle.routing_map
+        ctx.x_grad = d.recv_x.dtype == _torch.bfloat16
+        ctx.weights_given = weights is not None
+        recv_w = None if recorded_weights is None else recorded_weights.clone()
+        ctx.mark_non_differentiable(*(t for t in (d.recv_scales, d.recv_global_scale) if t is not None))
+        if not ctx.x_grad:
+            ctx.mark_non_differentiable(d.recv_x)
+        return d.recv_x, d.recv_scales, d.recv_global_scale, recv_w
+
+    @staticmethod
+    def backward(ctx, grad_recv_x, _scales, _global, grad_recv_w):
+        if not ctx.x_grad:  # quantized recv_x: only the weights' gradient flows, as in _Dispatch
+            grad_recv_x = _torch.zeros(grad_recv_x.shape, dtype=_torch.bfloat16, device=grad_recv_x.device)
+        grad_x, grad_slots = _torch.ops.epx.dispatch_backward(
+            ctx.buffer_id, grad_recv_x.contiguous(), grad_recv_w.contiguous() if ctx.weights_given else None,
+            ctx.token, ctx.tokens)
+        grad_weights = None
+        if ctx.weights_given:
+            grad_weights = grad_slots if ctx.routing_map is None else _probs_grad(grad_slots, ctx.routing_map,
+                                                                                 ctx.num_experts)
+        return None, None, None, grad_x if ctx.x_grad else None, None, grad_weights, None
 
 
 class _Combine(_torch.autograd.Function):

@@ -64,7 +64,7 @@ class PyBuffer {
   }
 
   [[noreturn]] void reject(int op, const std::string& reason) {
-    if (op < 0 || op > 3) throw py::value_error("reject: unknown op code " + std::to_string(op));
+    if (op < 0 || op > 4) throw py::value_error("reject: unknown op code " + std::to_string(op));
     Buffer& b = buffer();
     py::gil_scoped_release release;
     b.reject(static_cast<Op>(op), reason);
@@ -125,6 +125,25 @@ py::tuple dispatch(PyBuffer& self, py::handle x, py::handle x_scales, py::handle
   result[0] = export_token(r.handle, r.num_rows, r.overflow, r.dropped_slots);
   for (size_t i = 0; i < out.size(); ++i) result[i + 1] = out[i];
   return result;
+}
+
+// Cached dispatch: (recv_x, recv_scales, recv_global_scale) in the layout of the token's dispatch.
+py::tuple cached_dispatch(PyBuffer& self, py::handle x, py::handle x_scales, py::handle token,
+                          float nvfp4_global_scale, std::uintptr_t consumer) {
+  DispatchInput in;
+  std::shared_ptr<TokenBox> box;
+  self.build(Op::cached_dispatch, [&] {
+    box = resolve_token(token, "cached_dispatch: handle");
+    in.x = input_view(x, "cached_dispatch: x");
+    in.x_scales = input_view(x_scales, "cached_dispatch: x_scales");
+  });
+  DispatchResult r;
+  {
+    py::gil_scoped_release release;
+    r = self.buffer().dispatch(in, box->handle, {nvfp4_global_scale});
+  }
+  auto out = self.export_all({&r.recv_x, &r.recv_scales, &r.recv_global_scale}, consumer);
+  return py::make_tuple(out[0], out[1], out[2]);
 }
 
 py::tuple combine(PyBuffer& self, py::handle y, py::handle token, py::handle shared_out, bool weighted,
@@ -240,6 +259,7 @@ void bind_buffer(py::module_& m) {
       .def("record_event", [](PyBuffer& b, std::uintptr_t e) { b.buffer().record_event(reinterpret_cast<void*>(e)); })
       .def("reject", &PyBuffer::reject, py::arg("op"), py::arg("reason"))
       .def("dispatch", &dispatch)
+      .def("cached_dispatch", &cached_dispatch)
       .def("combine", &combine)
       .def("dispatch_backward", &dispatch_backward)
       .def("combine_backward", &combine_backward);

@@ -25,6 +25,19 @@ std::vector<Group> host_world(int ranks) {
   return groups;
 }
 
+// Every rank's `record`, in rank order (Group::all_gather: collective, over the group's transport).
+py::list all_gather(const Group& g, const py::bytes& record, int64_t timeout_ms) {
+  const std::string mine = record;
+  std::vector<std::string> records;
+  {
+    py::gil_scoped_release release;  // waits for every rank
+    records = g.all_gather(mine, timeout_ms);
+  }
+  py::list out;
+  for (const std::string& r : records) out.append(py::bytes(r));
+  return out;
+}
+
 #ifdef EPX_HAS_CUDA
 std::vector<Group> groups_of(const CudaWorld& world) {
   std::vector<Group> groups;
@@ -50,7 +63,9 @@ void bind_group(py::module_& m) {
       .def_property_readonly("rank", &Group::rank)
       .def_property_readonly("size", &Group::size)
       .def_property_readonly("backend", [](const Group& g) { return static_cast<int>(g.backend()); })
-      .def_property_readonly("device", &group_device, "the GPU this rank drives; -1 on the CPU backend");
+      .def_property_readonly("device", &group_device, "the GPU this rank drives; -1 on the CPU backend")
+      .def("all_gather", &all_gather, py::arg("record"), py::arg("timeout_ms") = 0,
+           "every rank's record (bytes, at most 2044), in rank order; collective");
 
   m.def("host_world", &host_world, py::arg("ranks"));
 #ifdef EPX_HAS_CUDA

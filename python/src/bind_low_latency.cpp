@@ -18,8 +18,6 @@ namespace py = pybind11;
 
 namespace {
 
-enum class Half { fused, send };
-
 class PyLowLatency {
  public:
   PyLowLatency(const Group& group, const LowLatencyConfig& config)
@@ -40,32 +38,21 @@ class PyLowLatency {
     buffer().set_stream(reinterpret_cast<void*>(stream));
   }
 
-  // LowLatencyBuffer has no reject(): a refusal joins the call as an input epx itself refuses (no
-  // x; an empty handle), so the peers' same call fails as for any bad input, then this rank raises
-  // the real reason. The peers' message quotes epx's check, not the reason.
-  [[noreturn]] void reject_dispatch(Half half, const std::string& reason) {
+  // A refusal of the binding's own checks joins the call (LowLatencyBuffer::reject): every peer's
+  // same call fails with the reason too.
+  [[noreturn]] void reject_dispatch(const std::string& reason) {
     LowLatencyBuffer& b = buffer();
-    try {
-      py::gil_scoped_release release;
-      if (half == Half::fused) b.dispatch({});
-      else b.dispatch_send({});
-    } catch (const Error&) {
-    }
-    throw Error(ErrorCode::invalid_argument, reason);
+    py::gil_scoped_release release;
+    b.reject(LowLatencyOp::dispatch, reason);
   }
 
-  [[noreturn]] void reject_combine(Half half, const std::string& reason) {
+  [[noreturn]] void reject_combine(const std::string& reason) {
     LowLatencyBuffer& b = buffer();
-    try {
-      py::gil_scoped_release release;
-      if (half == Half::fused) b.combine({}, {});
-      else b.combine_send({}, {});
-    } catch (const Error&) {
-    }
-    throw Error(ErrorCode::invalid_argument, reason);
+    py::gil_scoped_release release;
+    b.reject(LowLatencyOp::combine, reason);
   }
 
-  LowLatencyDispatchInput dispatch_input(Half half, py::handle x, py::handle topk_idx, py::handle num_tokens,
+  LowLatencyDispatchInput dispatch_input(py::handle x, py::handle topk_idx, py::handle num_tokens,
                                          py::handle topk_weights, float nvfp4_global_scale) {
     LowLatencyDispatchInput in;
     try {
@@ -74,14 +61,14 @@ class PyLowLatency {
       in.num_tokens = input_view(num_tokens, "ll_dispatch: num_tokens");
       in.topk_weights = input_view(topk_weights, "ll_dispatch: topk_weights");
     } catch (const BindingError& e) {
-      reject_dispatch(half, e.what());
+      reject_dispatch(e.what());
     }
     in.nvfp4_global_scale = nvfp4_global_scale;
     return in;
   }
 
   // The handle's box and the combine's input.
-  std::shared_ptr<TokenBox> combine_input(Half half, LowLatencyCombineInput& in, py::handle y, py::handle token,
+  std::shared_ptr<TokenBox> combine_input(LowLatencyCombineInput& in, py::handle y, py::handle token,
                                           py::handle topk_weights, bool weighted) {
     std::shared_ptr<TokenBox> box;
     try {
@@ -89,7 +76,7 @@ class PyLowLatency {
       in.y = input_view(y, "ll_combine: y");
       in.topk_weights = input_view(topk_weights, "ll_combine: topk_weights");
     } catch (const BindingError& e) {
-      reject_combine(half, e.what());
+      reject_combine(e.what());
     }
     in.weighted = weighted;
     return box;
@@ -150,15 +137,15 @@ void bind_low_latency(py::module_& m) {
         py::gil_scoped_release release;
         b.buffer().synchronize();
       })
-      .def("reject_dispatch", [](PyLowLatency& b, bool fused, const std::string& reason) {
-        b.reject_dispatch(fused ? Half::fused : Half::send, reason);
+      .def("reject_dispatch", [](PyLowLatency& b, const std::string& reason) {
+        b.reject_dispatch(reason);
       })
-      .def("reject_combine", [](PyLowLatency& b, bool fused, const std::string& reason) {
-        b.reject_combine(fused ? Half::fused : Half::send, reason);
+      .def("reject_combine", [](PyLowLatency& b, const std::string& reason) {
+        b.reject_combine(reason);
       })
       .def("dispatch", [](PyLowLatency& b, py::handle x, py::handle idx, py::handle num_tokens, py::handle weights,
                           float gscale) {
-        const LowLatencyDispatchInput in = b.dispatch_input(Half::fused, x, idx, num_tokens, weights, gscale);
+        const LowLatencyDispatchInput in = b.dispatch_input(x, idx, num_tokens, weights, gscale);
         LowLatencyDispatchResult r;
         {
           py::gil_scoped_release release;
@@ -168,7 +155,7 @@ void bind_low_latency(py::module_& m) {
       })
       .def("dispatch_send", [](PyLowLatency& b, py::handle x, py::handle idx, py::handle num_tokens,
                                py::handle weights, float gscale) {
-        const LowLatencyDispatchInput in = b.dispatch_input(Half::send, x, idx, num_tokens, weights, gscale);
+        const LowLatencyDispatchInput in = b.dispatch_input(x, idx, num_tokens, weights, gscale);
         py::gil_scoped_release release;
         b.buffer().dispatch_send(in);
         b.pending_tokens = in.x.shape[0];
@@ -183,7 +170,7 @@ void bind_low_latency(py::module_& m) {
       })
       .def("combine", [](PyLowLatency& b, py::handle y, py::handle token, py::handle weights, bool weighted) {
         LowLatencyCombineInput in;
-        const auto box = b.combine_input(Half::fused, in, y, token, weights, weighted);
+        const auto box = b.combine_input(in, y, token, weights, weighted);
         Tensor out;
         {
           py::gil_scoped_release release;
@@ -193,7 +180,7 @@ void bind_low_latency(py::module_& m) {
       })
       .def("combine_send", [](PyLowLatency& b, py::handle y, py::handle token, py::handle weights, bool weighted) {
         LowLatencyCombineInput in;
-        const auto box = b.combine_input(Half::send, in, y, token, weights, weighted);
+        const auto box = b.combine_input(in, y, token, weights, weighted);
         py::gil_scoped_release release;
         b.buffer().combine_send(in, box->ll_handle);
       })

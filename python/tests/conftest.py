@@ -2,7 +2,10 @@
 
 import os
 
+import pytest
 import torch
+
+import epx
 
 # Before CUDA starts (torch starts it lazily): the shared-GPU transport needs every rank's streams
 # on their own hardware queues (docs/cuda.md), and the GPU tests poison outputs so that a row the
@@ -12,3 +15,17 @@ os.environ.setdefault("EPX_POISON_OUTPUTS", "1")
 
 # Two cores on CI, threads as ranks: torch's own thread pool only gets in the way.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def ep1_group():
+    """One process, world size 1, over NCCL: torch.distributed carries the unique id (gloo here)."""
+    import torch.distributed as dist
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    yield epx.Group.from_torch(dist.group.WORLD, device=0)
+    if started:
+        dist.destroy_process_group()

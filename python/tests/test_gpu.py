@@ -18,20 +18,6 @@ pytestmark = pytest.mark.skipif(not (epx.has_cuda and epx.cuda_available()), rea
 H, E, K, T = 256, 24, 4, 32  # E: a multiple of every rank count tested
 
 
-@pytest.fixture(scope="module")
-def ep1_group():
-    """One process, world size 1, over NCCL: torch.distributed carries the unique id (gloo here)."""
-    import torch.distributed as dist
-
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    torch.cuda.set_device(0)
-    yield epx.Group.from_torch(dist.group.WORLD, device=0)
-    if started:
-        dist.destroy_process_group()
-
-
 def full_run(group, p, r, config, layout="expert_major", stream=None):
     """Every call of one rank; host copies of every output. Closes its buffer (collective on a shared GPU)."""
     device = group.device

@@ -163,3 +163,26 @@ def test_fp8_wire_shapes():
     for d in runs:
         assert d.recv_x.dtype == fp8 and d.recv_x.shape == (L, R * M, 128)
         assert d.recv_scales.shape == (L, R * M, 1) and d.recv_scales.dtype == torch.float32
+
+
+def test_a_dispatch_send_between_a_combines_halves_keeps_the_combines_inputs():
+    """The send halves of both kinds may be in flight together: each keeps its own inputs alive."""
+    groups = epx.Group.host(R)
+    buffers = ll_buffers(groups)
+    p = Problem(R, H, E, K, M, seed=61)
+
+    def rank(g):
+        b, r = buffers[g.rank], g.rank
+        d = b.dispatch(p.x[r], p.idx[r])
+        y = random_bf16(tuple(d.recv_x.shape), 70 + r)
+        want = b.combine(y, d.handle, topk_weights=p.w[r], clone=True)
+        b.combine_send(y.clone(), d.handle, topk_weights=p.w[r].clone())  # held only by the buffer
+        b.dispatch_send(p.x[r], p.idx[r])
+        scratch = [torch.full((M, K), 1e9) for _ in range(8)]  # would take freed memory
+        got = b.combine_recv(clone=True)
+        b.dispatch_recv()
+        del scratch
+        return got, want
+
+    for got, want in run_all(groups, rank):
+        assert torch.equal(got, want)
