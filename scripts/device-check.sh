@@ -4,8 +4,9 @@
 # sanitizer serializes kernels, so ranks waiting on each other could not progress), epx-bench.
 # Logs and JSON go to $OUT; a short summary is printed last.
 #   usage: [EPX_GIT_COMMIT=$(git rev-parse --short=12 HEAD)] [GTEST_FILTER=...] [GTEST_REPEAT=n] [BENCH_ARGS=...] [SANITIZE_TOOLS=...] \
-#          [AB_ENV="VAR=value ...[;VAR=value ...]"] bash scripts/device-check.sh [tests|sanitize|python|bench|ab|interleave|procs|sweep|engines|ll|holdback|profile|chain|queues|syncs|calls|stores|copies|all]...
-#          (default: all but ab, interleave, procs, sweep, engines, profile, holdback, chain, queues, syncs, calls, stores, copies)
+#          [AB_ENV="VAR=value ...[;VAR=value ...]"] bash scripts/device-check.sh [tests|sanitize|python|bench|ab|interleave|procs|sweep|engines|ll|holdback|profile|chain|all]...
+#          (default: all but ab, interleave, procs, sweep, engines, profile, holdback, chain)
+# The driver probes (lab/) are built and run by hand (lab/README.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
@@ -36,7 +37,7 @@ fi
 note "built against NCCL in $NCCL_DIR"
 
 # Steps that run only when named ("all" leaves them out).
-optional_steps="ab interleave procs sweep engines profile holdback chain queues syncs calls stores copies"
+optional_steps="ab interleave procs sweep engines profile holdback chain"
 want() { [[ ( " $steps " == *" all "* && " $optional_steps " != *" $1 "* ) || " $steps " == *" $1 "* ]]; }
 gpus=$(nvidia-smi -L | wc -l)
 
@@ -57,20 +58,6 @@ if want tests; then
     rc=$?
     failed=$(grep -E '^\[  FAILED  \] .*\(' "$OUT/gpu_tests_$engine.log" | sed -E 's/^\[  FAILED  \] ([^ ,]*).*/\1/' | sort -u | tr '\n' ' ')
     note "gpu tests, $engine engines, rc=$rc: $(grep -E '^\[  PASSED' "$OUT/gpu_tests_$engine.log") failed: ${failed:-none}"
-  done
-  # The experiments that are off by default (docs/benchmarks.md), on, with copy engines forced, so
-  # their paths stay tested: a pass per ';'-separated set (KNOB_ENV="" skips them). The second set
-  # takes the paths the first one's graphs replace (EPX_ENCODE=pieces goes without the piece graphs).
-  knob_sets=${KNOB_ENV-EPX_RECEIVER_START=early EPX_RETURN_PIECES=halving EPX_OWN_ROWS=copies EPX_PEER_ROWS=copies EPX_PIECE_COPIES=graph EPX_PIECE_SPLIT=2;EPX_ENCODE=pieces EPX_OWN_ROWS=copies EPX_PEER_ROWS=copies EPX_PLACE_COPIES=calls}
-  IFS=';' read -ra knob_list <<< "$knob_sets"
-  for i in "${!knob_list[@]}"; do
-    read -ra knob_vars <<< "${knob_list[$i]}"
-    [ ${#knob_vars[@]} -eq 0 ] && continue
-    env "${knob_vars[@]}" EPX_DISPATCH_ENGINE=copy EPX_COMBINE_ENGINE=copy EPX_TIMEOUT_MS=${EPX_TIMEOUT_MS:-10000} timeout 300 \
-      ./build-gpu/tests/epx_gpu_tests --gtest_filter="${ENGINE_FILTER:-*Cuda*:-*LowLatency*}" > "$OUT/gpu_tests_knobs$i.log" 2>&1
-    rc=$?
-    failed=$(grep -E '^\[  FAILED  \] .*\(' "$OUT/gpu_tests_knobs$i.log" | sed -E 's/^\[  FAILED  \] ([^ ,]*).*/\1/' | sort -u | tr '\n' ' ')
-    note "gpu tests, copy engines with ${knob_list[$i]}, rc=$rc: $(grep -E '^\[  PASSED' "$OUT/gpu_tests_knobs$i.log") failed: ${failed:-none}"
   done
 fi
 if want python; then
@@ -142,9 +129,9 @@ PY
   fi
 fi
 if want ab; then
-  # The same benchmark once more with AB_ENV's variables set (e.g. AB_ENV="EPX_RECV_COPY=registers"):
+  # The same benchmark once more with AB_ENV's variables set (e.g. AB_ENV="EPX_DISPATCH_ENGINE=sm"):
   # two variants of one tree measured in one machine session (bench-ab.json).
-  env ${AB_ENV:?ab needs AB_ENV, e.g. AB_ENV=EPX_RECV_COPY=registers} timeout 400 ./build-gpu/epx-bench --backend cuda \
+  env ${AB_ENV:?ab needs AB_ENV, e.g. AB_ENV=EPX_DISPATCH_ENGINE=sm} timeout 400 ./build-gpu/epx-bench --backend cuda \
     --ranks "$gpus" ${BENCH_ARGS:---wire bf16,fp8} --json "$OUT/bench-ab.json" > "$OUT/bench-ab.log" 2>&1
   rc=$?
   tail -16 "$OUT/bench-ab.log"
@@ -201,7 +188,7 @@ if want chain; then
   # data) at one rank, copy engines forced so every one of them runs: each launch's duration by
   # ncu (kernels serialized, so no overlap hides one), the mean over CHAIN_CALLS calls (chain.log).
   timeout 300 env EPX_DISPATCH_ENGINE=copy ncu --clock-control none --metrics gpu__time_duration.sum \
-    -k 'regex:begin_call|canonicalize|count_chunks|scan_chunks|finalize_positions|exchange_plan|push_placing|receive_layout|broadcast_begin' \
+    -k 'regex:begin_call|canonicalize|count_chunks|scan_chunks|finalize_positions|exchange_plan|push_placing|broadcast_begin' \
     --launch-skip 30 --launch-count "$((9 * ${CHAIN_CALLS:-10}))" ./build-gpu/epx-bench --backend cuda --ranks 1 --wire bf16 \
     --layout rank_major --ops dispatch --warmup 4 --iters "$((${CHAIN_CALLS:-10} + 4))" > "$OUT/chain.log" 2>&1
   python3 - "$OUT/chain.log" <<'PY'
@@ -219,57 +206,6 @@ for k, v in sorted(times.items(), key=lambda kv: -sum(kv[1]) / len(kv[1])):
     print(f"chain kernel {k:32s} {sum(v) / len(v):8.1f} us (mean of {len(v)})")
 PY
   note "chain: $(grep -c 'Context' "$OUT/chain.log") kernel launches profiled"
-fi
-if want queues; then
-  # Which of 40 streams made in a row share a hardware queue with the first (and the sixth), with
-  # 8 and 32 connections, the wait on that stream or behind an event (queues.log; docs/cuda.md).
-  for connections in 8 32; do
-    for first in 0 5; do
-      for mode in "" event; do
-        CUDA_DEVICE_MAX_CONNECTIONS=$connections timeout 60 ./build-gpu/epx-queue-probe 40 $first 50 $mode >> "$OUT/queues.log" 2>&1
-      done
-    done
-    # More streams busy at once than queues (the "busy" form: 4 to 40 waiting streams, then a setter).
-    for busy in 5 8 9 10 17 32 33 34 41; do
-      CUDA_DEVICE_MAX_CONNECTIONS=$connections timeout 60 ./build-gpu/epx-queue-probe $busy 0 200 busy >> "$OUT/queues.log" 2>&1
-    done
-  done
-  cat "$OUT/queues.log"
-  note "queue probe: $(wc -l < "$OUT/queues.log") lines"
-fi
-if want copies; then
-  # What a copy costs beyond its bytes, per call on the host and per copy on the device (copies.log).
-  timeout 120 ./build-gpu/epx-copy-probe > "$OUT/copies.log" 2>&1
-  rc=$?
-  cat "$OUT/copies.log"
-  note "copy probe rc=$rc"
-fi
-if want syncs; then
-  # Which host calls wait for kernels already running, with lazy and eager module loading, and
-  # with the stack limit set again first (syncs.log; docs/cuda.md, the shared-GPU hold-back).
-  for run in "LAZY" "EAGER" "LAZY reserve"; do
-    read -r loading extra <<< "$run"
-    CUDA_MODULE_LOADING=$loading timeout 120 ./build-gpu/epx-sync-probe 300 $extra >> "$OUT/syncs.log" 2>&1
-  done
-  cat "$OUT/syncs.log"
-  note "sync probe: $(grep -c WAITS "$OUT/syncs.log") of $(grep -c ' call ' "$OUT/syncs.log") calls wait for running kernels"
-fi
-if want calls; then
-  # A dispatch's shape on the shared GPU without epx (8 ranks, 20 calls), whole and with each part
-  # left out, at 8 and 32 hardware queues (calls.log; docs/cuda.md, the hold-back).
-  for connections in 8 32; do
-    for variant in "" nomemset nopool noevent onestream; do
-      CUDA_DEVICE_MAX_CONNECTIONS=$connections timeout 60 ./build-gpu/epx-call-probe 8 20 200 $variant >> "$OUT/calls.log" 2>&1
-    done
-  done
-  cat "$OUT/calls.log"
-  note "call probe: $(grep -c 'timed out' "$OUT/calls.log") runs"
-fi
-if want stores; then
-  # What 8, 24 and 132 SMs write, by store kind (stores.log; docs/performance.md, the floors).
-  timeout 120 ./build-gpu/epx-store-probe ${STORE_ARGS:-} > "$OUT/stores.log" 2>&1
-  cat "$OUT/stores.log"
-  note "store probe: $(grep -c ' [0-9.]*$' "$OUT/stores.log") lines"
 fi
 if want holdback; then
   # The shared-GPU hold-back (docs/cuda.md, Known gaps): EP8 of the low-latency benchmark on one GPU,

@@ -3,7 +3,8 @@
 # once per argument set, verified, each run's records kept.
 #   SWEEP_SETS="--sms 8|--sms 16|--tokens 1024"   argument sets, '|'-separated (default: SM budgets)
 #   SWEEP_ARGS="..."                              epx-bench arguments common to every set
-# Environment such as EPX_PROFILE=1 (per-step times on stderr) or EPX_SEND_BLOCKS applies to all.
+# Environment such as EPX_PROFILE=1 (per-step times on stderr) applies to all; "--send-blocks N" in a
+# set tries another split of the SM budget (BufferConfig::send_blocks).
 # Output: $OUT/sweep.log and $OUT/sweep.json (every record of every set, one JSON list).
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -116,6 +116,8 @@ const std::vector<ConfigSpoil>& config_spoils() {
       {"capacity factor nan", false, [](BufferConfig& c) { c.capacity_factor = std::nan(""); }},
       {"timeout negative", false, [](BufferConfig& c) { c.timeout_ms = -5; }},
       {"num_sms negative", false, [](BufferConfig& c) { c.num_sms = -1; }},
+      {"send_blocks negative", false, [](BufferConfig& c) { c.send_blocks = -1; }},
+      {"send_blocks not below num_sms", false, [](BufferConfig& c) { c.num_sms = 8, c.send_blocks = 8; }},
       {"unknown wire", false, [](BufferConfig& c) { c.wire = static_cast<WireFormat>(9); }},
       {"unknown mode", false, [](BufferConfig& c) { c.mode = static_cast<CapacityMode>(4); }},
       {"other hidden", true, [](BufferConfig& c) { c.hidden *= 2; }},

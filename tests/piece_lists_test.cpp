@@ -1,6 +1,6 @@
 // The copy-engine transfers' piece lists (kernels::broadcast_pieces, kernels::return_pieces): plain
 // host code that only computes addresses, checked here without a GPU on made-up window addresses.
-// Both the copy calls and the piece graphs follow these lists.
+// The copy calls follow these lists.
 #include <gtest/gtest.h>
 
 #include <vector>
@@ -31,7 +31,7 @@ Ctx made_up_ctx(int rank, int ranks) {
   c.map.rev_rows = 0x2000000;
   c.map.rev_slots = 0x3000000;
   c.map.rev_piece_flag = 0x200;
-  return_piece_starts(c.shape.max_tokens, c.map.piece_tokens, false, c.map.return_start);
+  return_piece_starts(c.shape.max_tokens, c.map.piece_tokens, c.map.return_start);
   return c;
 }
 

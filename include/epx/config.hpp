@@ -42,6 +42,10 @@ struct BufferConfig {
   // first in row-major order), and the buffer stays usable. The CUDA backend scans x on the device
   // beside the routing check, so no host sync; off, nothing scans. docs/semantics.md.
   bool check_finite = false;
+  // CUDA: of the num_sms blocks, those that send in an SM-engine dispatch and return rows in an
+  // SM-engine combine (the rest receive or reduce); 0 = the split measured best (half, and at
+  // expert-major a third in dispatch, two thirds in combine; docs/cuda.md). At most num_sms - 1.
+  int64_t send_blocks = 0;
 };
 
 std::string_view wire_name(WireFormat w);

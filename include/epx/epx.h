@@ -70,6 +70,7 @@ typedef struct {
   int64_t timeout_ms;
   int64_t num_sms; /* CUDA: thread blocks of the data-moving kernels; 0 = the default (24) */
   int32_t check_finite; /* nonzero: dispatch refuses x holding a NaN or an infinity (BufferConfig::check_finite) */
+  int64_t send_blocks; /* CUDA: of the num_sms blocks, those that send; 0 = the default split (BufferConfig::send_blocks) */
 } epx_buffer_config;
 
 typedef struct epx_world epx_world;   /* a host group: ranks are threads */

@@ -31,7 +31,7 @@ class Buffer:
 
     def __init__(self, group, hidden, max_tokens_per_rank, num_experts, topk, *, wire="bf16",
                  expert_alignment=1, mode=None, capacity_rows=0, capacity_factor=0.0, timeout_ms=0,
-                 num_sms=0, check_finite=False):
+                 num_sms=0, check_finite=False, send_blocks=0):
         if mode is None:
             mode = CapacityMode.capacity if capacity_rows else CapacityMode.blocking
         wire_code, mode_code = code_of(WireFormat, wire), code_of(CapacityMode, mode)
@@ -39,7 +39,8 @@ class Buffer:
             hidden=hidden, max_tokens_per_rank=max_tokens_per_rank, num_experts=num_experts, topk=topk,
             wire=-1 if wire_code is None else wire_code, expert_alignment=expert_alignment,
             mode=-1 if mode_code is None else mode_code, capacity_rows=capacity_rows,
-            capacity_factor=capacity_factor, timeout_ms=timeout_ms, num_sms=num_sms, check_finite=check_finite)
+            capacity_factor=capacity_factor, timeout_ms=timeout_ms, num_sms=num_sms, check_finite=check_finite,
+            send_blocks=send_blocks)
         try:
             self._c = _C.Buffer(group._c, config)  # an unknown code fails on every rank (epx refuses it)
         except InvalidArgument as e:

@@ -131,6 +131,7 @@ void create(const epx::Group& group, const epx_buffer_config* cfg, epx_buffer** 
     c.timeout_ms = cfg->timeout_ms;
     c.num_sms = cfg->num_sms;
     c.check_finite = cfg->check_finite != 0;
+    c.send_blocks = cfg->send_blocks;
   }
   if (const char* missing = !cfg ? "cfg" : !out ? "out" : nullptr)
     epx::detail::agree_on_creation(group, "buffer", epx::describe(c), cat(fn, ": ", missing, " must not be NULL"),

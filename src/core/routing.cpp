@@ -30,6 +30,9 @@ void validate_config(const BufferConfig& c, int ranks) {
           "buffer: capacity_factor must be >= 0 (0 disables dropping), got ", c.capacity_factor);
   require(c.timeout_ms >= 0, "buffer: timeout_ms must be >= 0, got ", c.timeout_ms);
   require(c.num_sms >= 0 && c.num_sms <= 1024, "buffer: num_sms must be in [0, 1024] (0 = default), got ", c.num_sms);
+  require(c.send_blocks >= 0 && c.send_blocks < (c.num_sms > 0 ? c.num_sms : 1024),
+          "buffer: send_blocks must be in [0, num_sms - 1] (0 = default), got ", c.send_blocks, " with num_sms=",
+          c.num_sms);
   if (c.mode == CapacityMode::capacity)
     require(c.capacity_rows > 0, "buffer: capacity mode needs capacity_rows > 0 (receive rows per rank)");
   if (c.wire == WireFormat::fp8 || c.wire == WireFormat::fp8_ue8m0)

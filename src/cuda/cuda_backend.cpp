@@ -1,6 +1,5 @@
 // Host side of the CUDA backend: checks, the kernel sequence of each call, outputs, errors.
 #include "cuda/cuda_backend.hpp"
-#include "cuda/env_setting.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -12,10 +11,12 @@
 #include <iterator>
 
 #include "core/creation.hpp"
+#include "core/env.hpp"
 #include "core/routing.hpp"
 #include "core/timeout.hpp"
 #include "core/validate.hpp"
 #include "core/validate_ops.hpp"
+#include "cuda/copy_cuts.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/device_handle.hpp"
 #include "cuda/dispatch_input.hpp"
@@ -27,9 +28,9 @@ namespace epx::detail {
 namespace {
 
 constexpr int kDefaultBlocks = 24;
-
-// An engine variable: 'auto' when unset, else 'auto', 'sm' or 'copy'.
-std::string engine_setting(const char* name) { return env_choice(name, {"auto", "sm", "copy"}); }
+// Pieces per broadcast. Each piece costs the host two copy calls before anything else of the call
+// is enqueued (docs/performance.md).
+constexpr int64_t kBroadcastPieces = 4;
 
 // Copy-engine dispatch (kernels/broadcast.cu). EPX_DISPATCH_ENGINE=copy or sm forces an engine;
 // unset (auto), bf16 and fp8 wires at two ranks use the copy engines, where nearly every token
@@ -38,26 +39,16 @@ std::string engine_setting(const char* name) { return env_choice(name, {"auto", 
 // engine (docs/performance.md). Forced, the copy engines run at one rank too (nothing crosses,
 // every kernel of the path runs): what lets compute-sanitizer, which needs a single rank, check them.
 bool use_broadcast(const BufferConfig& c, int ranks) {
-  const std::string engine = engine_setting("EPX_DISPATCH_ENGINE");
-  return engine == "copy" || (engine == "auto" && ranks == 2 && c.wire != WireFormat::nvfp4);
+  const Engine engine = env_dispatch_engine();
+  return engine == Engine::copy || (engine == Engine::automatic && ranks == 2 && c.wire != WireFormat::nvfp4);
 }
 
 // Copy-engine combine and dispatch_backward (blocking calls): EPX_COMBINE_ENGINE=copy or sm forces
 // an engine (copy at any rank count, as above); unset (auto), two ranks return their rows by copy
 // engine (docs/performance.md).
 bool use_copy_combine(int ranks) {
-  const std::string engine = engine_setting("EPX_COMBINE_ENGINE");
-  return engine == "copy" || (engine == "auto" && ranks == 2);
-}
-
-// The dispatch's order of steps. lean (the default): the receiver's layout is computed by the plan
-// exchange's kernel, and a copy-engine dispatch enqueues its broadcast's first two pieces, launches its
-// routing and then enqueues the other pieces. classic (for measuring one against the other): the
-// layout as a kernel of its own after the plan, the whole broadcast before routing
-// (docs/performance.md).
-bool lean_dispatch() {
-  static const bool lean = env_choice("EPX_DISPATCH_ORDER", {"lean", "classic"}) == "lean";
-  return lean;
+  const Engine engine = env_combine_engine();
+  return engine == Engine::copy || (engine == Engine::automatic && ranks == 2);
 }
 
 WindowMap make_window_map(const BufferConfig& c, int ranks, const WireRow& wire, bool broadcast) {
@@ -86,16 +77,9 @@ WindowMap make_window_map(const BufferConfig& c, int ranks, const WireRow& wire,
   m.rev_piece_flag = take(4 * ranks * kMaxPieces);
   m.bcast_stride = round16(wire.bytes());
   m.bcast_rows = take(broadcast ? rows * m.bcast_stride : 0);
-  // Pieces per broadcast: 4, or EPX_BCAST_PIECES (tuning experiments). Each piece costs the host
-  // two copy calls before anything else of the call is enqueued (docs/performance.md).
-  const int64_t pieces = env_integer("EPX_BCAST_PIECES", 4, 1, kMaxPieces);
-  const int64_t piece = (c.max_tokens_per_rank + pieces - 1) / pieces;
+  const int64_t piece = (c.max_tokens_per_rank + kBroadcastPieces - 1) / kBroadcastPieces;
   m.piece_tokens = std::max<int64_t>(1, (piece + kChunkTokens - 1) / kChunkTokens * kChunkTokens);
-  // The copy-engine return's pieces: the broadcast's, or halving (EPX_RETURN_PIECES=halving), so
-  // what the reducers still have to do once the last piece lands is a sixteenth of the rows
-  // instead of a quarter, for one more copy call per rank.
-  return_piece_starts(c.max_tokens_per_rank, m.piece_tokens,
-                      env_choice("EPX_RETURN_PIECES", {"equal", "halving"}) == "halving", m.return_start);
+  return_piece_starts(c.max_tokens_per_rank, m.piece_tokens, m.return_start);  // the copy-engine return's: the same
   m.bcast_flag = take(4 * ranks * kMaxPieces);
   m.bcast_free = take(4 * ranks);
   m.bcast_epoch_src = take(4);
@@ -196,62 +180,23 @@ std::string input_error(int32_t code, int64_t a, int64_t b, int64_t c, const Buf
   return cat("error code ", code);
 }
 
-// The placing graphs' copies: own rows' runs (~17 at EP2 with top-8 of 256), and each piece's runs
-// of all sources (~5 at EP2); more go by copy calls. Every slot costs a launch ~0.25 us.
-constexpr int kOwnRunSlots = 32, kPeerRunSlots = 8;
-
-// Runs of rows by copy engine, one batched copy on `stream`: run r's rows from `from` (token t's
-// row at from + t * from_stride) to rows of `to` (row_bytes each). One entry per run where the
-// rows are packed, else one per row.
-void copy_row_runs(const std::vector<RowRun>& runs, const char* from, int64_t from_stride, char* to,
-                   int64_t row_bytes, cudaStream_t stream) {
-  std::vector<void*> dst;
-  std::vector<const void*> src;
-  std::vector<size_t> bytes;
-  const bool packed = from_stride == row_bytes;
-  for (const RowRun& run : runs)
-    for (int64_t i = 0; i < (packed ? 1 : run.count); ++i) {
-      dst.push_back(to + (run.row + i) * row_bytes);
-      src.push_back(from + (run.token + i) * from_stride);
-      bytes.push_back(static_cast<size_t>((packed ? run.count : 1) * row_bytes));
-    }
-  if (dst.empty()) return;
-  cudaMemcpyAttributes in_order{};  // the rows are read in stream order (after what made them)
-  in_order.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-  size_t attribute_of_all = 0;
-  EPX_CUDA(cudaMemcpyBatchAsync(dst.data(), src.data(), bytes.data(), dst.size(), &in_order, &attribute_of_all, 1,
-                                stream));
-}
-
 }  // namespace
 
 std::unique_ptr<Backend> make_cuda_backend(const Group& group, const BufferConfig& config) {
   return std::make_unique<CudaBackend>(group, config);
 }
 
-// The ways this buffer moves rows (env-selected experiments and their defaults), and the streams
-// they keep busy checked against the transport's limits.
+// The engines this buffer moves rows with (EPX_DISPATCH_ENGINE, EPX_COMBINE_ENGINE or the measured
+// defaults), the streams they keep busy checked against the transport's limits, and the measuring
+// and test switches. Read before the creation's agreement, so a bad value fails every rank
+// (core/creation.hpp).
 void CudaBackend::choose_paths(const CudaGroupState& state) {
-  // Tuning experiments (docs/performance.md); unset: the measured split (send_blocks()).
-  send_blocks_override_ = static_cast<int>(env_integer("EPX_SEND_BLOCKS", 0, 1, blocks_ - 1));
-  poison_outputs_ = std::getenv("EPX_POISON_OUTPUTS") != nullptr;
+  poison_outputs_ = env_poison_outputs();
+  timer_.start(env_profile());
   broadcast_ = use_broadcast(config(), ranks_);
-  // EPX_RECEIVER_START=early launches a copy-engine dispatch's receiver before the plan (an
-  // experiment: no gain measured at one rank nor at two, docs/performance.md; unset: after the plan).
-  early_receiver_ = std::string(state.transport_name()) != "shared-gpu" &&
-                    env_choice("EPX_RECEIVER_START", {"after_plan", "early"}) == "early";
   copy_combine_ = use_copy_combine(ranks_);
-  own_copies_ = broadcast_ && env_choice("EPX_OWN_ROWS", {"receiver", "copies"}) == "copies";
-  peer_copies_ = broadcast_ && env_choice("EPX_PEER_ROWS", {"receiver", "copies"}) == "copies";
-  // An experiment, off until measured at two ranks (docs/performance.md, "The fp8 encode").
-  piece_encode_ = broadcast_ && wire_.format != WireFormat::bf16 &&
-                  env_choice("EPX_ENCODE", {"whole", "pieces"}) == "pieces";
-  // Read here, before the creation's agreement, so a bad value fails every rank (core/creation.hpp).
-  piece_graphs_ = env_choice("EPX_PIECE_COPIES", {"calls", "graph"}) == "graph";
-  piece_split_ = static_cast<int>(env_integer("EPX_PIECE_SPLIT", 1, 1, 4));
-  place_graphs_ = env_choice("EPX_PLACE_COPIES", {"graph", "calls"}) == "graph";
-  // The call's stream, the receiver's side stream, the copy engines' and the placing copies' streams.
-  state.check_streams(2 + (broadcast_ || copy_combine_ ? 1 : 0) + (own_copies_ || peer_copies_ ? 1 : 0));
+  // The call's stream, the receiver's side stream and the copy engines' stream.
+  state.check_streams(2 + (broadcast_ || copy_combine_ ? 1 : 0));
 }
 
 CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
@@ -278,9 +223,11 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
     // block must be resident at once, and each role needs one.
     require(blocks_ >= 2 && blocks_ <= sms, "buffer: num_sms must be in [2, ", sms, "] on cuda:", device_,
             " (at least one block sends and one receives; all must fit on the GPU at once), got ", blocks_);
+    require(config.send_blocks < blocks_, "buffer: send_blocks must be in [0, ", blocks_ - 1,
+            "] (0 = the measured split; at least one of the ", blocks_, " blocks receives), got ", config.send_blocks);
     timeout_ = resolve_timeout(config.timeout_ms);  // EPX_TIMEOUT_MS may be bad on one rank's host
     choose_paths(*state);
-    map_ = make_window_map(config, ranks_, wire_, broadcast_);  // reads EPX_BCAST_PIECES, EPX_RETURN_PIECES
+    map_ = make_window_map(config, ranks_, wire_, broadcast_);
   });
   // Everything that may synchronize the device comes before the collective window allocation:
   // once a rank returns from it, peers may already wait inside a call, and on a GPU shared by
@@ -301,19 +248,6 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   EPX_CUDA(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
   if (broadcast_ || copy_combine_) EPX_CUDA(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
   if (broadcast_) EPX_CUDA(cudaEventCreateWithFlags(&broadcast_begun_, cudaEventDisableTiming));
-  if (own_copies_ || peer_copies_) {
-    EPX_CUDA(cudaStreamCreateWithFlags(&place_stream_, cudaStreamNonBlocking));
-    EPX_CUDA(cudaEventCreateWithFlags(&positions_ready_, cudaEventDisableTiming));
-    EPX_CUDA(cudaEventCreateWithFlags(&outputs_ready_, cudaEventDisableTiming));
-    EPX_CUDA(cudaEventCreateWithFlags(&own_placed_, cudaEventDisableTiming));
-    EPX_CUDA(cudaEventCreateWithFlags(&layout_ready_, cudaEventDisableTiming));
-    const size_t positions = static_cast<size_t>(config.max_tokens_per_rank) * ranks_;
-    EPX_CUDA(cudaHostAlloc(&host_pos_, 4 * positions, cudaHostAllocDefault));
-    if (peer_copies_) {
-      EPX_CUDA(cudaHostAlloc(&host_peer_pos_, 4 * positions * ranks_, cudaHostAllocDefault));
-      EPX_CUDA(cudaHostAlloc(&host_layout_, sizeof(int64_t) * (2 * ranks_ + 1), cudaHostAllocDefault));
-    }
-  }
   EPX_CUDA(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
   EPX_CUDA(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
   EPX_CUDA(cudaEventCreateWithFlags(&copies_done_, cudaEventDisableTiming));
@@ -329,27 +263,6 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   EPX_CUDA(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
   // The pool goes when the buffer and every tensor allocated from it are gone.
   pool_ = std::shared_ptr<CUmemPoolHandle_st>(pool, [](cudaMemPool_t p) { cudaMemPoolDestroy(p); });
-  if (piece_graphs_ && ranks_ > 1) {
-    const int split = piece_split_;
-    int return_pieces = 0;
-    while (return_pieces < kMaxPieces && map_.return_start[return_pieces] < config.max_tokens_per_rank) ++return_pieces;
-    const bool window = state->window_mapped();
-    for (int mapped = 0; mapped < 2; ++mapped) {  // rows from plain memory, from mapped memory
-      if (broadcast_)  // the epoch from this rank's window
-        broadcast_graphs_.of_kind[mapped] =
-            std::make_unique<PieceGraph>(peer_pieces() * (ranks_ - 1), split, mapped == 1, window, window, pool);
-      if (copy_combine_)  // the epoch from the call state (cudaMalloc)
-        return_graphs_.of_kind[mapped] =
-            std::make_unique<PieceGraph>(return_pieces * (ranks_ - 1), split, mapped == 1, false, window, pool);
-    }
-  }
-  // The placing copies' graphs: outputs come from the pool; own rows from x (most often plain
-  // cudaMalloc memory), peer rows from the window.
-  if (place_graphs_) {
-    if (own_copies_) own_graph_ = std::make_unique<PlacementGraph>(1, kOwnRunSlots, pool, false);
-    if (peer_copies_)  // from this rank's window
-      peer_graph_ = std::make_unique<PlacementGraph>(peer_pieces(), kPeerRunSlots, pool, state->window_mapped());
-  }
   EPX_CUDA(cudaDeviceSynchronize());
   window_ = state->allocate(rank_, static_cast<size_t>(map_.total), timeout_);
 }
@@ -377,7 +290,6 @@ CudaBackend::~CudaBackend() {
   cudaStreamSynchronize(stream_);
   cudaStreamSynchronize(side_stream_);
   if (copy_stream_) cudaStreamSynchronize(copy_stream_);
-  if (place_stream_) cudaStreamSynchronize(place_stream_);
   window_->await_peers_release(timeout_);  // before any cudaFree (a shared GPU: cuda_group.hpp)
   {
     std::lock_guard<std::mutex> lock(block_cache_->mutex);
@@ -398,148 +310,6 @@ CudaBackend::~CudaBackend() {
   cudaStreamDestroy(side_stream_);
   if (copy_stream_) cudaStreamDestroy(copy_stream_);
   if (broadcast_begun_) cudaEventDestroy(broadcast_begun_);
-  if (place_stream_) {
-    cudaStreamDestroy(place_stream_);
-    cudaEventDestroy(positions_ready_);
-    cudaEventDestroy(outputs_ready_);
-    cudaEventDestroy(own_placed_);
-    cudaEventDestroy(layout_ready_);
-    cudaFreeHost(host_pos_);
-    if (host_peer_pos_) cudaFreeHost(host_peer_pos_);
-    if (host_layout_) cudaFreeHost(host_layout_);
-  }
-}
-
-// Runs of rows into `to` (row_bytes each) by the copy engines, on place_stream_, stage by stage: each
-// job's runs from `from` (token t's row at from + t * from_stride) in its stage, behind that stage's
-// gate when gates[stage] names ranks (it waits for their flag at window offset gate_flags + stage * 4
-// + d * gate_stride * 4). Through the buffer's PlacementGraph, or by copy calls for what a stage
-// cannot hold and for everything with EPX_PLACE_COPIES=calls (placement_graph.hpp says why not).
-void CudaBackend::place_runs(PlacementGraph* graph, const std::vector<RunJob>& jobs, const std::vector<uint32_t>& gates,
-                             int64_t gate_flags, int64_t gate_stride, char* to, int64_t row_bytes) {
-  const kernels::Ctx place = ctx(place_stream_);
-  const int stages = static_cast<int>(std::max<size_t>(1, gates.size()));
-  const int64_t flag_bytes = sizeof(uint32_t);
-  std::vector<RunJob> left;  // by copy calls
-  for (int q = 0; q < stages; ++q) {
-    const uint32_t peers = q < static_cast<int>(gates.size()) ? gates[q] : 0u;
-    if (graph && peers) graph->gate(q, gate_flags + q * flag_bytes, gate_stride, peers);
-    if (!graph && peers) kernels::wait_peer_flags(place, gate_flags + q * flag_bytes, gate_stride, peers);
-    for (const RunJob& job : jobs) {
-      if (job.stage != q) continue;
-      if (!graph) {
-        copy_row_runs(job.runs, job.from, job.from_stride, to, row_bytes, place_stream_);
-        continue;
-      }
-      RunJob rest{job.stage, job.from, job.from_stride, {}};
-      for (const RowRun& run : job.runs)
-        if (!graph->add(q, to + run.row * row_bytes, row_bytes, job.from + run.token * job.from_stride, job.from_stride,
-                        row_bytes, run.count))
-          rest.runs.push_back(run);
-      if (!rest.runs.empty()) left.push_back(std::move(rest));
-    }
-  }
-  const size_t refused = graph ? graph->launch(place) : 0;
-  // EPX_PROFILE=host tells which way the copies went (a refusal is correct, only slower).
-  if (graph) host_steps_.mark(refused || !left.empty() ? "placing graph launched, some copies by calls"
-                                                       : "placing graph launched");
-  for (const RunJob& job : left)  // after the whole graph, so after every gate
-    copy_row_runs(job.runs, job.from, job.from_stride, to, row_bytes, place_stream_);
-}
-
-// EPX_OWN_ROWS=copies: this rank's own bf16 rows from x to rows anchor + pos of recv_x by the copy
-// engines, on place_stream_ once the outputs exist, in runs of consecutive tokens with consecutive
-// rows. The positions come to the host first (one read, once the positions kernels are done: no
-// other rank is waited for).
-void CudaBackend::place_own_rows(const int32_t* send_pos, int64_t tokens, int64_t anchor, int64_t capacity,
-                                 const kernels::SendRows& rows, char* recv_x, int64_t row_bytes) {
-  EPX_CUDA(cudaStreamWaitEvent(place_stream_, positions_ready_, 0));
-  EPX_CUDA(cudaMemcpyAsync(host_pos_, send_pos, static_cast<size_t>(4 * tokens * ranks_), cudaMemcpyDeviceToHost,
-                           place_stream_));
-  EPX_CUDA(cudaStreamSynchronize(place_stream_));
-  host_steps_.mark("own positions read");
-  RunJob own{0, rows.x, rows.x_stride_bytes, {}};
-  if (!cut_row_runs(host_pos_, tokens, ranks_, rank_, -1, anchor, capacity, 0, own.runs))
-    fail(ErrorCode::internal, "dispatch: an own row's place is outside the outputs (rank ", rank_, ")");
-  EPX_CUDA(cudaStreamWaitEvent(place_stream_, outputs_ready_, 0));
-  place_runs(own_graph_.get(), {own}, {}, 0, 0, recv_x, row_bytes);
-  EPX_CUDA(cudaEventRecord(own_placed_, place_stream_));
-  EPX_CUDA(cudaStreamWaitEvent(stream_, own_placed_, 0));
-  host_steps_.mark("own rows' copies enqueued");
-}
-
-// EPX_PEER_ROWS=copies: the other ranks' bf16 rows from this rank's bcast_rows to rows
-// rank_offsets[s] + pos of recv_x by the copy engines, on place_stream_ (shifted as the receiver
-// shifts them when own rows went from own_anchor >= 0: place_own_rows). The host reads the layout
-// and every source's positions (its placing data, once there), cuts each source's rows into runs
-// that stay within one piece of its broadcast, and places each piece's runs behind a device wait for
-// that piece (place_runs). Then the sources are told their rows here were read (the receiver, which
-// places none of them, does not).
-void CudaBackend::place_peer_rows(const kernels::RecvArrays& layout, int64_t own_anchor, int64_t capacity,
-                                  char* recv_x, int64_t row_bytes) {
-  const kernels::Ctx place = ctx(place_stream_);
-  const int64_t max_tokens = config().max_tokens_per_rank;
-  const uint32_t peers = ((1u << ranks_) - 1) & ~(1u << rank_);
-  EPX_CUDA(cudaStreamWaitEvent(place_stream_, layout_ready_, 0));
-  kernels::wait_peer_flags(place, map_.meta_flag, 1, peers);
-  kernels::publish_status(place, host_status_);
-  int64_t* offsets = host_layout_;
-  auto* chunks = reinterpret_cast<int32_t*>(host_layout_ + ranks_ + 1);
-  EPX_CUDA(cudaMemcpyAsync(offsets, layout.rank_offsets, (ranks_ + 1) * sizeof(int64_t), cudaMemcpyDeviceToHost,
-                           place_stream_));
-  EPX_CUDA(cudaMemcpyAsync(chunks, layout.chunks_from, ranks_ * sizeof(int32_t), cudaMemcpyDeviceToHost, place_stream_));
-  const int64_t positions = max_tokens * ranks_;  // a source's part of meta_pos
-  EPX_CUDA(cudaMemcpyAsync(host_peer_pos_, window_->local() + map_.meta_pos, 4 * positions * ranks_,
-                           cudaMemcpyDeviceToHost, place_stream_));
-  EPX_CUDA(cudaStreamSynchronize(place_stream_));
-  host_steps_.mark("peer positions read");
-  // After a failed wait what was read is not this call's: nothing is placed, the call's sync raises.
-  DeviceStatus st;
-  std::memcpy(&st, host_status_, sizeof st);
-  const int64_t shift = own_anchor >= 0 ? own_anchor - offsets[rank_] : 0;
-  std::vector<RunJob> jobs;  // a job per (source, piece)
-  std::vector<uint32_t> landing(static_cast<size_t>(peer_pieces()), 0u);  // per piece: the sources with rows in it
-  bool cut = true;
-  for (int s = 0; s < ranks_ && st.code == kStatusOk && cut; ++s) {
-    if (s == rank_) continue;
-    const int64_t tokens = std::min<int64_t>(int64_t{chunks[s]} * kChunkTokens, max_tokens);
-    std::vector<RowRun> runs;
-    cut = cut_row_runs(host_peer_pos_ + s * positions, tokens, ranks_, rank_, offsets[s + 1] - offsets[s],
-                       offsets[s] + shift, capacity, map_.piece_tokens, runs);
-    const char* from = window_->local() + map_.bcast_rows + s * max_tokens * map_.bcast_stride;
-    for (const RowRun& run : runs) {
-      const int q = static_cast<int>(run.token / map_.piece_tokens);
-      if (jobs.empty() || jobs.back().stage != q || jobs.back().from != from)
-        jobs.push_back(RunJob{q, from, map_.bcast_stride, {}});
-      jobs.back().runs.push_back(run);
-      landing[static_cast<size_t>(q)] |= 1u << s;
-    }
-  }
-  EPX_CUDA(cudaStreamWaitEvent(place_stream_, outputs_ready_, 0));
-  if (cut && st.code == kStatusOk)
-    place_runs(peer_graph_.get(), jobs, landing, map_.bcast_flag, kMaxPieces, recv_x, row_bytes);
-  kernels::release_broadcast(place);  // also when nothing was copied: the sources' next broadcasts wait for it
-  EPX_CUDA(cudaEventRecord(own_placed_, place_stream_));
-  EPX_CUDA(cudaStreamWaitEvent(stream_, own_placed_, 0));
-  host_steps_.mark("peer rows' copies enqueued");
-  if (!cut) fail(ErrorCode::internal, "dispatch: the positions of rows sent to rank ", rank_, " do not fit its layout");
-}
-
-// EPX_PIECE_COPIES=graph: the pieces through the graph of their rows' memory kind (the kind that
-// served last is tried first). False: by copy calls (also while the caller captures the call into a
-// graph of its own).
-bool CudaBackend::by_graph(PieceGraphs& graphs, const std::vector<kernels::FlaggedPiece>& pieces, cudaStream_t stream) {
-  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;  // a caller's graph: none launched
-  EPX_CUDA(cudaStreamIsCapturing(stream, &capturing));
-  if (!graphs.of_kind[0] || capturing != cudaStreamCaptureStatusNone) return false;
-  for (int i = 0; i < 2; ++i) {
-    const int mapped = i == 0 ? graphs.last : 1 - graphs.last;
-    if (graphs.of_kind[mapped]->launch(pieces, stream)) {
-      graphs.last = mapped;
-      return true;
-    }
-  }
-  return false;
 }
 
 int CudaBackend::send_blocks(bool dispatch, Layout layout) const {
@@ -548,7 +318,7 @@ int CudaBackend::send_blocks(bool dispatch, Layout layout) const {
   // expert-major combine senders sum ~4 rows per token, so they get two thirds there.
   int send = blocks_ / 2;
   if (layout == Layout::expert_major) send = dispatch ? blocks_ / 3 : blocks_ * 2 / 3;
-  if (send_blocks_override_ > 0) send = send_blocks_override_;
+  if (config().send_blocks > 0) send = static_cast<int>(config().send_blocks);  // BufferConfig::send_blocks
   return std::clamp(send, 1, blocks_ - 1);
 }
 
@@ -802,108 +572,59 @@ const HandleState& CudaBackend::state_of(const Handle& h, const Call& call) cons
   return h.state();
 }
 
-DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOptions& opt) {
-  const auto host_call = std::chrono::steady_clock::now();
-  const Call call = begin_call(kDispatch);
+CudaBackend::DispatchRequest CudaBackend::read_dispatch(const DispatchInput& in, const DispatchOptions& opt) const {
   const BufferConfig& c = config();
-  std::string error;
-  int64_t tokens = 0;
-  kernels::RoutingInput routing;
-  kernels::SendRows rows;
-  kernels::FiniteCheck finite;  // check_finite: scanned beside the routing check
-  bool has_weights = false;
+  DispatchRequest rq;
   try {
     validate_dispatch_options(opt);
     validate_dispatch_x(in, c, DeviceKind::cuda);
     check_device_tensor(in.x, "dispatch: x");
-    tokens = in.x.shape[0];
-    validate_routing_tensors(in, c, tokens, DeviceKind::cuda);
-    routing = routing_input(in);
-    has_weights = in.topk_idx.defined() ? in.topk_weights.defined() : in.probs.defined();
-    rows = send_rows(in, c.wire, opt.nvfp4_global_scale);
-    if (c.check_finite) finite = finite_check(in, c.hidden);
+    rq.tokens = in.x.shape[0];
+    validate_routing_tensors(in, c, rq.tokens, DeviceKind::cuda);
+    rq.routing = routing_input(in);
+    rq.has_weights = in.topk_idx.defined() ? in.topk_weights.defined() : in.probs.defined();
+    rq.rows = send_rows(in, c.wire, opt.nvfp4_global_scale);
+    rq.rows.broadcast = broadcast_;
+    if (c.check_finite) rq.finite = finite_check(in, c.hidden);
   } catch (const Error& e) {
-    error = e.what();
+    rq.error = e.what();
   }
-  host_steps_.mark("validated");
-  const int64_t signature = signature_of({static_cast<int64_t>(opt.layout), broadcast_ ? 1 : 0});
-  if (!error.empty()) {
-    if (broadcast_) kernels::release_broadcast(ctx());  // peers' next broadcasts wait for this rank's receiver
-    reject(call, c.capacity_factor > 0.0 ? 2 : 1, error, tokens, signature);
-  }
-  const bool lean = lean_dispatch();
-  // Where the copy engines may place rows: a lean, blocking, rank-major bf16 dispatch.
-  const bool copies_may_place = lean && c.mode != CapacityMode::capacity && opt.layout == Layout::rank_major &&
-                                wire_.format == WireFormat::bf16;
-  // EPX_OWN_ROWS=copies: own rows by the copy engines (place_own_rows), from row own_anchor of the
-  // outputs on; the receiver places the other ranks' rows.
-  const bool own_by_copies = own_copies_ && copies_may_place;
-  // EPX_PEER_ROWS=copies: the other ranks' rows too (place_peer_rows), once the plan and their
-  // placing data are here; the receiver then writes only the rows' data.
-  const bool peer_by_copies = peer_copies_ && ranks_ > 1 && copies_may_place;
-  const int64_t own_anchor = rank_ * c.max_tokens_per_rank;
-  const char* bcast_from = rows.x;  // bf16: x itself
-  int64_t bcast_stride = rows.x_stride_bytes, bcast_row_bytes = wire_.bytes();
-  // The rows' pieces sent as they are encoded (EPX_ENCODE=pieces; not through the broadcast's
-  // graph, which sends every piece at once).
-  const bool encode_by_piece = piece_encode_ && !broadcast_graphs_.of_kind[0];
-  // Pieces [first, end) of the broadcast by copy calls on the copy stream (the broadcast's graph
-  // is the other way), each behind a wait for its rows when they are encoded by piece; after the
-  // last, copies_done_.
-  auto enqueue_pieces = [&](int64_t first, int64_t end) {
-    for (int64_t q = first; q < end; q = encode_by_piece ? q + 1 : end) {
-      const int64_t q_end = encode_by_piece ? q + 1 : end;
-      if (encode_by_piece && q * map_.piece_tokens < tokens)  // this rank's own flag of piece q
-        kernels::wait_peer_flags(ctx(copy_stream_), map_.bcast_flag + q * sizeof(uint32_t), kMaxPieces, 1u << rank_);
-      kernels::copy_pieces(
-          kernels::broadcast_pieces(ctx(), bcast_from, bcast_stride, bcast_row_bytes, tokens, q, q_end), copy_stream_);
-    }
-    if (end < kMaxPieces) return;
-    timer_.mark(7, copy_stream_);
-    EPX_CUDA(cudaEventRecord(copies_done_, copy_stream_));
-  };
-  bool broadcast_graphed = false;
-  if (broadcast_) {  // the copy engines start on the rows now; they need no plan
-    rows.broadcast = true;
-    EPX_CUDA(cudaEventRecord(fork_, stream_));
-    EPX_CUDA(cudaStreamWaitEvent(copy_stream_, fork_, 0));
-    timer_.mark(6, copy_stream_);
-    kernels::begin_broadcast(ctx(), copy_stream_);
-    if (c.wire != WireFormat::bf16) {  // quantized (or given fp8) rows wait in this rank's window
-      if (!encode_by_piece) {
-        kernels::encode_rows(ctx(copy_stream_), rows, tokens, false);
-        timer_.mark(11, copy_stream_);
-      }
-      bcast_from = window_->local() + map_.bcast_rows + rank_ * c.max_tokens_per_rank * map_.bcast_stride;
-      bcast_stride = bcast_row_bytes = map_.bcast_stride;
-    }
-    // The placing data and the receivers wait for this: the peers read this rank's previous
-    // broadcast, and its own encoded rows are in place (encoded by piece: on the side stream, which
-    // places and receives after them).
-    EPX_CUDA(cudaEventRecord(broadcast_begun_, copy_stream_));
-    if (encode_by_piece) {
-      EPX_CUDA(cudaStreamWaitEvent(side_stream_, broadcast_begun_, 0));
-      kernels::encode_rows(ctx(side_stream_), rows, tokens, true);
-      timer_.mark(11, side_stream_);
-    }
-    // Lean: two pieces keep the copy engines busy (~100 us at V3, more than the host takes to
-    // launch the routing, which the receiver waits for); the other pieces follow the routing.
-    // With EPX_PIECE_COPIES=graph all pieces go at once, in one launch.
-    broadcast_graphed = broadcast_graphs_.of_kind[0] &&
-                        by_graph(broadcast_graphs_,
-                                 kernels::broadcast_pieces(ctx(), bcast_from, bcast_stride, bcast_row_bytes, tokens, 0,
-                                                           kMaxPieces),
-                                 copy_stream_);
-    if (broadcast_graphed) {
-      timer_.mark(7, copy_stream_);
-      EPX_CUDA(cudaEventRecord(copies_done_, copy_stream_));
-    } else {
-      enqueue_pieces(0, lean ? 2 : kMaxPieces);
-    }
-    host_steps_.mark(broadcast_graphed ? "broadcast graph launched" : "broadcast enqueued");
-  }
+  return rq;
+}
 
-  // The handle's arrays, sized for this call, zeroed (the chunk counts are sums).
+CudaBackend::BroadcastRows CudaBackend::start_broadcast(const kernels::SendRows& rows, int64_t tokens) {
+  BroadcastRows b{rows.x, rows.x_stride_bytes, wire_.bytes()};  // bf16: x itself
+  EPX_CUDA(cudaEventRecord(fork_, stream_));
+  EPX_CUDA(cudaStreamWaitEvent(copy_stream_, fork_, 0));
+  timer_.mark(6, copy_stream_);
+  kernels::begin_broadcast(ctx(), copy_stream_);
+  if (config().wire != WireFormat::bf16) {  // quantized (or given fp8) rows wait in this rank's window
+    kernels::encode_rows(ctx(copy_stream_), rows, tokens);
+    timer_.mark(11, copy_stream_);
+    b.from = window_->local() + map_.bcast_rows + rank_ * config().max_tokens_per_rank * map_.bcast_stride;
+    b.stride = b.row_bytes = map_.bcast_stride;
+  }
+  // The placing data and the receivers wait for this: the peers read this rank's previous
+  // broadcast, and its own encoded rows are in place.
+  EPX_CUDA(cudaEventRecord(broadcast_begun_, copy_stream_));
+  // Two pieces keep the copy engines busy (~100 us at V3, more than the host takes to launch the
+  // routing, which the receiver waits for); the other pieces follow the routing.
+  enqueue_broadcast(b, tokens, 0, 2);
+  host_steps_.mark("broadcast enqueued");
+  return b;
+}
+
+void CudaBackend::enqueue_broadcast(const BroadcastRows& b, int64_t tokens, int64_t first, int64_t end) {
+  if (first < end)
+    kernels::copy_pieces(kernels::broadcast_pieces(ctx(), b.from, b.stride, b.row_bytes, tokens, first, end),
+                         copy_stream_);
+  if (end < kMaxPieces) return;
+  timer_.mark(7, copy_stream_);
+  EPX_CUDA(cudaEventRecord(copies_done_, copy_stream_));
+}
+
+std::shared_ptr<DeviceHandle> CudaBackend::make_device_handle(int64_t tokens) {
+  const BufferConfig& c = config();
   auto dh = std::make_shared<DeviceHandle>();
   Carver measure(nullptr);
   carve_handle(*dh, measure, tokens, c, ranks_, map_.max_chunks);
@@ -913,31 +634,129 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   Carver carve(block.data<char>());
   carve_handle(*dh, carve, tokens, c, ranks_, map_.max_chunks);
   host_steps_.mark("handle allocated");
+  return dh;
+}
 
-  // Sender's half of the layout; with dropping, a first plan exchange fixes what is kept.
+int CudaBackend::route(const Call& call, int64_t signature, const DispatchRequest& rq, DeviceHandle& dh) {
+  const BufferConfig& c = config();
+  const int64_t tokens = rq.tokens;
   timer_.mark(0, stream_);
   const kernels::Ctx x = ctx();
-  const int64_t width = c.num_experts + ranks_;
-  kernels::canonicalize_routing(x, routing, tokens, dh->slot_expert, dh->slot_weight,
-                                c.capacity_factor > 0.0 ? dh->counts : nullptr, finite);
+  kernels::canonicalize_routing(x, rq.routing, tokens, dh.slot_expert, dh.slot_weight,
+                                c.capacity_factor > 0.0 ? dh.counts : nullptr, rq.finite);
   int phase = 0;
-  if (c.capacity_factor > 0.0) {
-    exchange_plan(call, phase++, tokens, signature, dh->counts, c.num_experts, dh->expert_prefix, dh->drop_capacity);
-    kernels::drop_slots(x, tokens, dh->slot_expert, dh->slot_weight, dh->expert_prefix, dh->drop_capacity, dh->dropped);
+  if (c.capacity_factor > 0.0) {  // a first plan exchange fixes what is kept
+    exchange_plan(call, phase++, tokens, signature, dh.counts, c.num_experts, dh.expert_prefix, dh.drop_capacity);
+    kernels::drop_slots(x, tokens, dh.slot_expert, dh.slot_weight, dh.expert_prefix, dh.drop_capacity, dh.dropped);
   }
   host_steps_.mark("routing launched");
   timer_.mark(8, stream_);
-  kernels::chunk_positions(x, tokens, dh->slot_expert, dh->pos);
-  if (broadcast_) kernels::finalize_positions(x, tokens, dh->slot_expert, dh->pos);
-  if (own_by_copies) EPX_CUDA(cudaEventRecord(positions_ready_, stream_));
+  kernels::chunk_positions(x, tokens, dh.slot_expert, dh.pos);
+  if (broadcast_) kernels::finalize_positions(x, tokens, dh.slot_expert, dh.pos);
   timer_.mark(9, stream_);
   host_steps_.mark("positions launched");
-  if (broadcast_ && lean && !broadcast_graphed) {
-    enqueue_pieces(2, kMaxPieces);
-    host_steps_.mark("broadcast's other pieces enqueued");
+  return phase;
+}
+
+void CudaBackend::launch_receiver(DispatchResult& out, const DeviceHandle& dh, const kernels::SendRows& rows,
+                                  const kernels::Placing& mine, Layout layout, int64_t capacity, int senders,
+                                  int phase) {
+  const BufferConfig& c = config();
+  OutputBlock outputs(*this, side_stream_);
+  if (wire_.format == WireFormat::bf16) outputs.add(&out.recv_x, DType::bf16, {capacity, c.hidden});
+  else if (wire_.format == WireFormat::nvfp4) outputs.add(&out.recv_x, DType::e2m1x2, {capacity, c.hidden / 2});
+  else outputs.add(&out.recv_x, DType::fp8_e4m3, {capacity, c.hidden});
+  if (wire_.format == WireFormat::nvfp4) outputs.add(&out.recv_scales, DType::fp8_e4m3, {capacity, c.hidden / kNvfp4Block});
+  else if (wire_.scale_bytes) outputs.add(&out.recv_scales, DType::f32, {capacity, c.hidden / kFp8Block});
+  if (wire_.global_bytes) outputs.add(&out.recv_global_scale, DType::f32, {capacity});
+  outputs.add(&out.recv_src, DType::i32, {capacity, 2});
+  if (layout == Layout::expert_major) {
+    outputs.add(&out.recv_weights, DType::f32, {capacity});
+  } else {
+    outputs.add(&out.recv_topk_idx, DType::i32, {capacity, c.topk});
+    outputs.add(&out.recv_topk_weights, DType::f32, {capacity, c.topk});
   }
+  outputs.allocate();
+  host_steps_.mark("outputs allocated");
+  auto ptr = [](const Tensor& t) { return t.defined() ? t.data<char>() : nullptr; };
+  const kernels::RecvOutputs ro{ptr(out.recv_x), ptr(out.recv_scales), ptr(out.recv_global_scale), wire_.x_bytes,
+                                wire_.scale_bytes, wire_.global_bytes, out.recv_src.data<int32_t>(),
+                                reinterpret_cast<float*>(ptr(out.recv_weights)),
+                                reinterpret_cast<int32_t*>(ptr(out.recv_topk_idx)),
+                                reinterpret_cast<float*>(ptr(out.recv_topk_weights))};
+  timer_.mark(4, side_stream_);
+  kernels::dispatch_receive(ctx(side_stream_), blocks_ - senders, dh.recv, ro, layout, rows, mine, phase);
+  host_steps_.mark("receiver launched");
+  timer_.mark(5, side_stream_);
+}
+
+DispatchResult CudaBackend::finish_dispatch(const Call& call, DispatchResult out, std::shared_ptr<DeviceHandle> dh,
+                                            std::shared_ptr<HandleState> h, Layout layout, int64_t capacity,
+                                            std::chrono::steady_clock::time_point host_call) {
+  // Small outputs: views into the handle's arrays (they live as long as the handle's memory).
+  auto view = [&](int64_t* p, int64_t n) {
+    return Tensor(dh->memory, TensorView::of(p, DType::i64, {n}, DeviceKind::cuda, device_));
+  };
+  if (layout == Layout::expert_major) out.expert_offsets = view(dh->recv.expert_offsets, local_experts_ + 1);
+  out.tokens_per_expert = view(dh->recv.tokens_per_expert, local_experts_);
+  out.rank_offsets = view(dh->recv.rank_offsets, ranks_ + 1);
+  out.recv_info = view(dh->recv.info, 4);
+  h->device = dh;
+  if (config().mode == CapacityMode::capacity) {
+    out.num_rows = -1;
+    h->recv.num_rows = -1;
+    h->recv.capacity = capacity;
+    out.handle = Handle(std::move(h));
+    kernels::publish_status(ctx(), host_status_);
+    return out;
+  }
+  // Blocking: the call's sync, then the sizes.
+  EPX_CUDA(cudaMemcpyAsync(host_info_, dh->recv.info, 4 * sizeof(int64_t), cudaMemcpyDeviceToHost, stream_));
+  EPX_CUDA(cudaMemcpyAsync(host_info_ + 4, dh->dropped, sizeof(int64_t), cudaMemcpyDeviceToHost, stream_));
+  if (copy_combine_)  // combine copies by source
+    EPX_CUDA(cudaMemcpyAsync(host_info_ + 8, dh->recv.rank_offsets, (ranks_ + 1) * sizeof(int64_t),
+                             cudaMemcpyDeviceToHost, stream_));
+  sync_and_check(call);
+  host_steps_.mark("synced");
+  out.num_rows = host_info_[1];
+  out.overflow = host_info_[3] != 0;
+  out.dropped_slots = host_info_[4];
+  h->recv.tokens = host_info_[0];
+  h->recv.num_rows = host_info_[1];
+  h->recv.capacity = host_info_[2];
+  if (copy_combine_) h->recv.rank_offsets.assign(host_info_ + 8, host_info_ + 8 + ranks_ + 1);
+  for (Tensor* t : {&out.recv_x, &out.recv_scales, &out.recv_global_scale, &out.recv_src, &out.recv_weights,
+                    &out.recv_topk_idx, &out.recv_topk_weights})
+    if (t->defined()) *t = row_range(*t, 0, h->recv.capacity);
+  out.handle = Handle(std::move(h));
+  if (timer_.on()) report_dispatch_profile(config().wire != WireFormat::bf16, host_call);
+  return out;
+}
+
+// The receiver's layout comes from the plan exchange's kernel. A copy-engine dispatch enqueues its
+// broadcast's first two pieces, launches its routing and then enqueues the other pieces; an SM
+// dispatch's senders start once the plan is posted, beside the receiver.
+DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOptions& opt) {
+  const auto host_call = std::chrono::steady_clock::now();
+  const Call call = begin_call(kDispatch);
+  const BufferConfig& c = config();
+  const DispatchRequest rq = read_dispatch(in, opt);
+  const int64_t tokens = rq.tokens;
+  host_steps_.mark("validated");
+  const int64_t signature = signature_of({static_cast<int64_t>(opt.layout), broadcast_ ? 1 : 0});
+  if (!rq.error.empty()) {
+    if (broadcast_) kernels::release_broadcast(ctx());  // peers' next broadcasts wait for this rank's receiver
+    reject(call, c.capacity_factor > 0.0 ? 2 : 1, rq.error, tokens, signature);
+  }
+  BroadcastRows broadcast{};
+  if (broadcast_) broadcast = start_broadcast(rq.rows, tokens);  // the copy engines start on the rows now
+  const std::shared_ptr<DeviceHandle> dh = make_device_handle(tokens);
+  const int phase = route(call, signature, rq, *dh);
   const kernels::Placing mine{dh->slot_expert, dh->slot_weight, dh->pos.send_pos, dh->pos.slot_pos};
-  if (broadcast_) {  // the placing data goes out on the side stream while the plans are exchanged
+  if (broadcast_) {
+    enqueue_broadcast(broadcast, tokens, 2, kMaxPieces);
+    host_steps_.mark("broadcast's other pieces enqueued");
+    // The placing data goes out on the side stream while the plans are exchanged.
     EPX_CUDA(cudaEventRecord(fork_, stream_));
     EPX_CUDA(cudaStreamWaitEvent(side_stream_, fork_, 0));
     EPX_CUDA(cudaStreamWaitEvent(side_stream_, broadcast_begun_, 0));
@@ -955,9 +774,8 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   h->tokens = tokens;
   h->topk = c.topk;
   h->hidden = c.hidden;
-  h->has_weights = has_weights;
+  h->has_weights = rq.has_weights;
   h->recv.layout = opt.layout;
-  DispatchResult out;
   // Output rows. Capacity mode: capacity_rows. Blocking, rank-major: at most every source's
   // max_tokens, no larger than the window's staging, so the outputs are allocated at that bound
   // and cut to num_rows after the call's one sync. Blocking, expert-major: the bound would be
@@ -965,66 +783,19 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   const bool sizes_first = !capacity_mode && opt.layout == Layout::expert_major;
   int64_t capacity = capacity_mode ? c.capacity_rows : ranks_ * c.max_tokens_per_rank;
   const int senders = broadcast_ ? 0 : send_blocks(true, opt.layout);  // a broadcast needs no sender
-  const kernels::Ctx side = ctx(side_stream_);
-  // The outputs (one allocation, on the side stream; the receiver writes every row, padding and
-  // empty rows too) and the receiver, which waits on the device for the layout when it goes first.
-  auto launch_receiver = [&](bool wait_layout) {
-    OutputBlock outputs(*this, side_stream_);
-    if (wire_.format == WireFormat::bf16) outputs.add(&out.recv_x, DType::bf16, {capacity, c.hidden});
-    else if (wire_.format == WireFormat::nvfp4) outputs.add(&out.recv_x, DType::e2m1x2, {capacity, c.hidden / 2});
-    else outputs.add(&out.recv_x, DType::fp8_e4m3, {capacity, c.hidden});
-    if (wire_.format == WireFormat::nvfp4) outputs.add(&out.recv_scales, DType::fp8_e4m3, {capacity, c.hidden / kNvfp4Block});
-    else if (wire_.scale_bytes) outputs.add(&out.recv_scales, DType::f32, {capacity, c.hidden / kFp8Block});
-    if (wire_.global_bytes) outputs.add(&out.recv_global_scale, DType::f32, {capacity});
-    outputs.add(&out.recv_src, DType::i32, {capacity, 2});
-    if (opt.layout == Layout::expert_major) {
-      outputs.add(&out.recv_weights, DType::f32, {capacity});
-    } else {
-      outputs.add(&out.recv_topk_idx, DType::i32, {capacity, c.topk});
-      outputs.add(&out.recv_topk_weights, DType::f32, {capacity, c.topk});
-    }
-    outputs.allocate();
-    host_steps_.mark("outputs allocated");
-    if (own_by_copies || peer_by_copies) EPX_CUDA(cudaEventRecord(outputs_ready_, side_stream_));
-    auto ptr = [](const Tensor& t) { return t.defined() ? t.data<char>() : nullptr; };
-    kernels::RecvOutputs ro{ptr(out.recv_x), ptr(out.recv_scales), ptr(out.recv_global_scale), wire_.x_bytes,
-                            wire_.scale_bytes, wire_.global_bytes, out.recv_src.data<int32_t>(),
-                            reinterpret_cast<float*>(ptr(out.recv_weights)),
-                            reinterpret_cast<int32_t*>(ptr(out.recv_topk_idx)),
-                            reinterpret_cast<float*>(ptr(out.recv_topk_weights))};
-    ro.own_placed = own_by_copies;
-    if (own_by_copies) ro.own_anchor = own_anchor;
-    ro.peer_placed = peer_by_copies;
-    timer_.mark(4, side_stream_);
-    kernels::dispatch_receive(side, blocks_ - senders, dh->recv, ro, opt.layout, rows, mine, phase, wait_layout);
-    host_steps_.mark("receiver launched");
-    timer_.mark(5, side_stream_);
-  };
-  // Early receiver: launched behind the placing data, before the plan, so the host's launches
-  // after it (the plan) no longer hold back its start; it waits on the device for the layout.
-  // Not on the shared-GPU transport (a waiting kernel there can hold back another rank's, the
-  // hazard of docs/cuda.md) nor where the output sizes come from the plan.
-  const bool early_receiver = broadcast_ && lean && !sizes_first && early_receiver_;
-  if (early_receiver) launch_receiver(true);
-  exchange_plan(call, phase, tokens, signature, dh->pos.totals, width, nullptr, nullptr, lean ? &layout : nullptr);
-  if (peer_by_copies) EPX_CUDA(cudaEventRecord(layout_ready_, stream_));  // lean: the plan kernel writes it
+  exchange_plan(call, phase, tokens, signature, dh->pos.totals, c.num_experts + ranks_, nullptr, nullptr, &layout);
   host_steps_.mark("plan posted");
 
-  // Senders start now on the call's stream; the receiver's layout, the output allocation (after
-  // one host read of the sizes in blocking mode) and the receiver follow on the side stream.
+  // Senders start now on the call's stream; the output allocation (after one host read of the
+  // sizes in blocking expert-major mode) and the receiver follow on the side stream.
   timer_.mark(1, stream_);
-  if (!early_receiver) {
-    EPX_CUDA(cudaEventRecord(fork_, stream_));
-    EPX_CUDA(cudaStreamWaitEvent(side_stream_, fork_, 0));
-  }
+  EPX_CUDA(cudaEventRecord(fork_, stream_));
+  EPX_CUDA(cudaStreamWaitEvent(side_stream_, fork_, 0));
   if (senders > 0)
-    kernels::dispatch_send(x, senders, rows, tokens, kernels::SendPlan{dh->slot_expert, dh->slot_weight, dh->pos});
+    kernels::dispatch_send(ctx(), senders, rq.rows, tokens,
+                           kernels::SendPlan{dh->slot_expert, dh->slot_weight, dh->pos});
   host_steps_.mark("senders launched");
   timer_.mark(2, stream_);
-  if (!lean) {
-    kernels::receive_layout(side, phase, layout);
-    host_steps_.mark("layout launched");
-  }
   timer_.mark(3, side_stream_);
   if (sizes_first) {
     EPX_CUDA(cudaMemcpyAsync(host_info_, dh->recv.info, 4 * sizeof(int64_t), cudaMemcpyDeviceToHost, side_stream_));
@@ -1032,56 +803,12 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     capacity = host_info_[2];
     host_steps_.mark("sizes read");
   }
-  if (!early_receiver) launch_receiver(false);
-  // After the receiver's launch, so that the host's read of the positions does not delay it.
-  if (own_by_copies)
-    place_own_rows(dh->pos.send_pos, tokens, own_anchor, capacity, rows, out.recv_x.data<char>(), 2 * c.hidden);
-  if (peer_by_copies)  // after the own rows' copies, which need no other rank
-    place_peer_rows(dh->recv, own_by_copies ? own_anchor : -1, capacity, out.recv_x.data<char>(), 2 * c.hidden);
+  DispatchResult out;
+  launch_receiver(out, *dh, rq.rows, mine, opt.layout, capacity, senders, phase);
   EPX_CUDA(cudaEventRecord(join_, side_stream_));
   EPX_CUDA(cudaStreamWaitEvent(stream_, join_, 0));
   if (broadcast_) EPX_CUDA(cudaStreamWaitEvent(stream_, copies_done_, 0));  // x is read until then
-
-  // Small outputs: views into the handle's arrays (they live as long as the handle's memory).
-  auto view = [&](int64_t* p, int64_t n) {
-    return Tensor(dh->memory, TensorView::of(p, DType::i64, {n}, DeviceKind::cuda, device_));
-  };
-  if (opt.layout == Layout::expert_major) out.expert_offsets = view(dh->recv.expert_offsets, local_experts_ + 1);
-  out.tokens_per_expert = view(dh->recv.tokens_per_expert, local_experts_);
-  out.rank_offsets = view(dh->recv.rank_offsets, ranks_ + 1);
-  out.recv_info = view(dh->recv.info, 4);
-  h->device = dh;
-  if (capacity_mode) {
-    out.num_rows = -1;
-    h->recv.num_rows = -1;
-    h->recv.capacity = capacity;
-    out.handle = Handle(std::move(h));
-    kernels::publish_status(x, host_status_);
-    return out;
-  }
-  // Blocking: the call's sync, then the sizes.
-  EPX_CUDA(cudaMemcpyAsync(host_info_, dh->recv.info, 4 * sizeof(int64_t), cudaMemcpyDeviceToHost, stream_));
-  EPX_CUDA(cudaMemcpyAsync(host_info_ + 4, dh->dropped, sizeof(int64_t), cudaMemcpyDeviceToHost, stream_));
-  const bool offsets_to_host = copy_combine_ || own_by_copies;  // combine copies by source; recv_x's first row
-  if (offsets_to_host)
-    EPX_CUDA(cudaMemcpyAsync(host_info_ + 8, dh->recv.rank_offsets, (ranks_ + 1) * sizeof(int64_t),
-                             cudaMemcpyDeviceToHost, stream_));
-  sync_and_check(call);
-  host_steps_.mark("synced");
-  out.num_rows = host_info_[1];
-  out.overflow = host_info_[3] != 0;
-  out.dropped_slots = host_info_[4];
-  h->recv.tokens = host_info_[0];
-  h->recv.num_rows = host_info_[1];
-  h->recv.capacity = host_info_[2];
-  if (offsets_to_host) h->recv.rank_offsets.assign(host_info_ + 8, host_info_ + 8 + ranks_ + 1);
-  const int64_t x_first = own_by_copies ? own_anchor - host_info_[8 + rank_] : 0;  // recv_x's first row
-  for (Tensor* t : {&out.recv_x, &out.recv_scales, &out.recv_global_scale, &out.recv_src, &out.recv_weights,
-                    &out.recv_topk_idx, &out.recv_topk_weights})
-    if (t->defined()) *t = row_range(*t, t == &out.recv_x ? x_first : 0, h->recv.capacity);
-  out.handle = Handle(std::move(h));
-  if (timer_.on()) report_dispatch_profile(c.wire != WireFormat::bf16, host_call);
-  return out;
+  return finish_dispatch(call, std::move(out), dh, std::move(h), opt.layout, capacity, host_call);
 }
 
 // EPX_PROFILE: the call's device steps (its events' marks) and host steps, added to the means
@@ -1212,7 +939,7 @@ bool CudaBackend::start_copy_return(const HandleState& h, const TensorView& rows
                               from_slots.defined() ? from_slots.strides[0] * 4 : 0};
   const auto pieces = kernels::return_pieces(ctx(), r, h.recv.rank_offsets,
                                              reinterpret_cast<const char*>(call_state_) + offsetof(CallState, call));
-  if (!by_graph(return_graphs_, pieces, copy_stream_)) kernels::copy_pieces(pieces, copy_stream_);
+  kernels::copy_pieces(pieces, copy_stream_);
   timer_.mark(5, copy_stream_);
   EPX_CUDA(cudaEventRecord(copies_done_, copy_stream_));
   if (h.layout == Layout::expert_major) {  // this rank's own partials, while the copies run

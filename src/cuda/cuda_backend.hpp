@@ -11,15 +11,14 @@
 #include "core/backend.hpp"
 #include "core/handle.hpp"
 #include "core/wire.hpp"
-#include "cuda/piece_graph.hpp"
-#include "cuda/copy_cuts.hpp"
 #include "cuda/cuda_group.hpp"
 #include "cuda/host_steps.hpp"
 #include "cuda/kernels/launch.hpp"
 #include "cuda/phase_timer.hpp"
-#include "cuda/placement_graph.hpp"
 
 namespace epx::detail {
+
+struct DeviceHandle;  // what a dispatch leaves on the device for the calls on its handle (device_handle.hpp)
 
 class CudaBackend final : public Backend {
  public:
@@ -49,9 +48,44 @@ class CudaBackend final : public Backend {
     int plan_slot(int phase) const { return static_cast<int>(index % 2) * 2 + phase; }
   };
 
-  void choose_paths(const CudaGroupState& state);  // constructor: the paths and their streams
+  void choose_paths(const CudaGroupState& state);  // constructor: the engines and their streams
   Call begin_call(CallKind kind);
   kernels::Ctx ctx(cudaStream_t stream = nullptr) const;  // on the call's stream unless given
+  // dispatch()'s steps, in the order it takes them.
+  // A dispatch's input as the kernels read it, or why it was refused (error).
+  struct DispatchRequest {
+    std::string error;
+    int64_t tokens = 0;
+    kernels::RoutingInput routing;
+    kernels::SendRows rows;
+    kernels::FiniteCheck finite;  // check_finite: scanned beside the routing check
+    bool has_weights = false;
+  };
+  DispatchRequest read_dispatch(const DispatchInput& in, const DispatchOptions& opt) const;
+  // Copy-engine dispatch: the rows the broadcast sends (x itself, or bf16 rows encoded into this
+  // rank's window), row_bytes each, stride apart.
+  struct BroadcastRows {
+    const char* from;
+    int64_t stride, row_bytes;
+  };
+  // The broadcast's start (the copy engines need no plan): its first two pieces on the copy stream.
+  BroadcastRows start_broadcast(const kernels::SendRows& rows, int64_t tokens);
+  // Pieces [first, end) of the broadcast by copy calls on the copy stream; after the last, copies_done_.
+  void enqueue_broadcast(const BroadcastRows& b, int64_t tokens, int64_t first, int64_t end);
+  // The handle's arrays, sized for `tokens`, zeroed (the chunk counts are sums).
+  std::shared_ptr<DeviceHandle> make_device_handle(int64_t tokens);
+  // The sender's half of the layout: routing, the drop rule (with its plan exchange) and the
+  // positions. Returns the phase of the plan exchange that follows.
+  int route(const Call& call, int64_t signature, const DispatchRequest& rq, DeviceHandle& dh);
+  // The outputs (one allocation, on the side stream; the receiver writes every row, padding and
+  // empty rows too) and the receiver, with `senders` of the blocks sending beside it.
+  void launch_receiver(DispatchResult& out, const DeviceHandle& dh, const kernels::SendRows& rows,
+                       const kernels::Placing& mine, Layout layout, int64_t capacity, int senders, int phase);
+  // The call's end once every kernel is enqueued: small outputs as views into the handle, then
+  // capacity mode's return, or blocking mode's sync and the outputs cut to their sizes.
+  DispatchResult finish_dispatch(const Call& call, DispatchResult out, std::shared_ptr<DeviceHandle> dh,
+                                 std::shared_ptr<HandleState> h, Layout layout, int64_t capacity,
+                                 std::chrono::steady_clock::time_point host_call);
   void report_dispatch_profile(bool quantized, std::chrono::steady_clock::time_point host_call);
   PlanHeader plan_header(const Call& call, const std::string& error, int64_t tokens, int64_t signature) const;
   // A host-side input error: posts the rejection in each of the call's `phases` plan exchanges
@@ -111,7 +145,6 @@ class CudaBackend final : public Backend {
 
   int rank_, ranks_, device_;
   int blocks_ = 0;       // the SM budget: blocks of the data-moving kernels
-  int send_blocks_override_ = 0;  // EPX_SEND_BLOCKS
   // Of the blocks, those that send (the rest receive or reduce) in a dispatch or a combine.
   int send_blocks(bool dispatch, Layout layout) const;
   bool poison_outputs_ = false;  // EPX_POISON_OUTPUTS: fill outputs with 0xa5 first (tests)
@@ -133,53 +166,8 @@ class CudaBackend final : public Backend {
   cudaStream_t copy_stream_ = nullptr;  // copy-engine dispatch and combine (made only for them)
   cudaEvent_t fork_ = nullptr, join_ = nullptr, copies_done_ = nullptr;
   cudaEvent_t broadcast_begun_ = nullptr;  // copy-engine dispatch: the peers' regions are free
-  // EPX_PIECE_COPIES=graph: the broadcast's and the combine's return pieces as graphs
-  // (piece_graph.hpp), one per memory kind of the rows (plain, mapped).
-  struct PieceGraphs {
-    std::unique_ptr<PieceGraph> of_kind[2];
-    int last = 0;  // the kind that served last
-  };
-  PieceGraphs broadcast_graphs_, return_graphs_;
-  bool piece_graphs_ = false;  // EPX_PIECE_COPIES=graph
-  int piece_split_ = 1;         // EPX_PIECE_SPLIT
-  bool place_graphs_ = true;    // EPX_PLACE_COPIES (graph unless "calls")
-  bool by_graph(PieceGraphs& graphs, const std::vector<kernels::FlaggedPiece>& pieces, cudaStream_t stream);
   bool broadcast_ = false;  // dispatch moves its rows by copy engine (kernels/broadcast.cu)
-  bool early_receiver_ = false;  // EPX_RECEIVER_START=early: a broadcast's receiver goes before the plan (dispatch())
   bool copy_combine_ = false;  // blocking combine and dispatch_backward return their rows by copy engine
-  // EPX_ENCODE=pieces: a quantized copy-engine dispatch encodes its rows on the side stream, and
-  // each piece's copies wait on the device for that piece's rows only (encode_rows' piece flags).
-  bool piece_encode_ = false;
-  // EPX_OWN_ROWS=copies: a blocking rank-major bf16 copy-engine dispatch places this rank's own rows
-  // by copy engine, in runs read back from the positions (place_own_rows(), dispatch()).
-  bool own_copies_ = false;
-  // EPX_PEER_ROWS=copies: the same dispatch places the other ranks' rows by copy engine too, from
-  // bcast_rows, piece by piece, in runs read back from their placing data (place_peer_rows()).
-  bool peer_copies_ = false;
-  cudaStream_t place_stream_ = nullptr;  // own and peer rows' copies
-  cudaEvent_t positions_ready_ = nullptr, outputs_ready_ = nullptr, own_placed_ = nullptr;
-  cudaEvent_t layout_ready_ = nullptr;  // peer rows: the plan kernel has written the layout
-  int32_t* host_pos_ = nullptr;  // pinned: [max_tokens][R] positions
-  int32_t* host_peer_pos_ = nullptr;  // pinned: [R][max_tokens][R] the sources' positions (meta_pos)
-  int64_t* host_layout_ = nullptr;    // pinned: rank_offsets [R+1], then chunks_from [R] (int32)
-  // The placing copies as graphs updated per call (placement_graph.hpp), unless
-  // EPX_PLACE_COPIES=calls (copy calls, for A/B runs): own rows (one stage), peer rows (a stage per piece).
-  std::unique_ptr<PlacementGraph> own_graph_, peer_graph_;
-  int peer_pieces() const {
-    return static_cast<int>((config().max_tokens_per_rank + map_.piece_tokens - 1) / map_.piece_tokens);
-  }
-  struct RunJob {  // runs of one source's rows, all in one stage
-    int stage;
-    const char* from;
-    int64_t from_stride;
-    std::vector<RowRun> runs;
-  };
-  void place_runs(PlacementGraph* graph, const std::vector<RunJob>& jobs, const std::vector<uint32_t>& gates,
-                  int64_t gate_flags, int64_t gate_stride, char* to, int64_t row_bytes);
-  void place_own_rows(const int32_t* send_pos, int64_t tokens, int64_t anchor, int64_t capacity,
-                      const kernels::SendRows& rows, char* recv_x, int64_t row_bytes);
-  void place_peer_rows(const kernels::RecvArrays& layout, int64_t own_anchor, int64_t capacity, char* recv_x,
-                       int64_t row_bytes);
   std::shared_ptr<CUmemPoolHandle_st> pool_;  // outputs and handles; kept alive by every tensor from it
   // Dispatch output blocks whose tensors are gone, for the next dispatch: a pool allocation
   // costs tens of microseconds of host time (docs/performance.md).

@@ -162,7 +162,6 @@ struct NcclGroupState final : CudaGroupState {
     }
   }
   std::string creation_failed;  // why an all-gather timed out, once one did
-  bool window_mapped() const override { return true; }  // ncclMemAlloc: cuMem
   std::unique_ptr<SymmetricWindow> allocate(int rank, size_t bytes, std::chrono::milliseconds) override {
     return std::make_unique<NcclWindow>(comms[rank], devices[rank], bytes);
   }
@@ -200,7 +199,6 @@ struct SharedGpuGroupState final : CudaGroupState {
     return gather.gather(rank, record, timeout, what);
   }
   const char* transport_name() const override { return "shared-gpu"; }
-  bool window_mapped() const override { return false; }  // one cudaMalloc for every rank's window
 
   // The GPU's hardware queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 unless set before CUDA starts) are
   // handed to streams as they get work. With every queue taken by a stream that holds a waiting

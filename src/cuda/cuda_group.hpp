@@ -36,10 +36,6 @@ class SymmetricWindow {
 struct CudaGroupState : GroupState {
   virtual int device(int rank) const = 0;
   virtual const char* transport_name() const = 0;
-  // Whether its windows are mapped memory (cuMem: NCCL's ncclMemAlloc) or plain cudaMalloc memory
-  // (the shared GPU's): a graph's copy node may be given only memory of the kinds it was made with
-  // (placement_graph.hpp).
-  virtual bool window_mapped() const = 0;
   // Collective: every rank calls it once per Buffer, in the same order.
   virtual std::unique_ptr<SymmetricWindow> allocate(int rank, size_t bytes, std::chrono::milliseconds timeout) = 0;
   // Throws where a buffer whose ranks each keep `streams_per_rank` streams busy at once could

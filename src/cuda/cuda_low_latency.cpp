@@ -12,13 +12,13 @@
 
 #include "core/creation.hpp"
 #include "core/check.hpp"
+#include "core/env.hpp"
 #include "core/low_latency_backend.hpp"
 #include "core/timeout.hpp"
 #include "core/validate.hpp"
 #include "core/wire.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/cuda_group.hpp"
-#include "cuda/env_setting.hpp"
 #include "cuda/kernels/launch.hpp"
 #include "cuda/kernels/ll_launch.hpp"
 #include "cuda/stream_switch.hpp"
@@ -37,6 +37,7 @@ class CudaLowLatency final : public LowLatencyBackend {
       : LowLatencyBackend(group, c), chunks_((c.max_tokens_per_rank + ll::kChunk - 1) / ll::kChunk) {
     // This backend's own checks, then the creation's agreement (core/creation.hpp).
     CudaGroupState* state = nullptr;
+    bool stamped = false;  // EPX_PROFILE=ll
     agree_after_checks(group, "low-latency buffer", describe(c), c.timeout_ms, [&] {
       state = dynamic_cast<CudaGroupState*>(group.state().get());
       require(state != nullptr, "low-latency buffer: group is not a CUDA group");
@@ -52,6 +53,10 @@ class CudaLowLatency final : public LowLatencyBackend {
       // low-latency kernels do): latency falls with the warps moving rows.
       blocks_ = std::string(state->transport_name()) == "shared-gpu" ? std::max(1, std::min(16, sms / (2 * ranks_))) : sms;
       state->check_streams(1);  // each call runs on one stream (the caller's, or the buffer's own)
+      // EPX_PROFILE read before the agreement, so that a bad value fails every rank.
+      const Profile profile = env_profile();
+      timer_.start(profile);
+      stamped = profile == Profile::ll;
     });
     kernels::preload_kernels();  // every kernel of the backend (docs/cuda.md: lazy loading)
 
@@ -90,8 +95,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     EPX_CUDA(cudaMemset(status_, 0, sizeof(DeviceStatus)));
     EPX_CUDA(cudaMalloc(&done_, 2 * sizeof(uint32_t)));
     EPX_CUDA(cudaMemset(done_, 0, 2 * sizeof(uint32_t)));
-    const char* profile = std::getenv("EPX_PROFILE");
-    if (profile && std::string(profile) == "ll") {
+    if (stamped) {
       EPX_CUDA(cudaMalloc(&stamps_, stamp_bytes()));
       EPX_CUDA(cudaMemset(stamps_, 0, stamp_bytes()));
     }

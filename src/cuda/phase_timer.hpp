@@ -1,23 +1,27 @@
-// EPX_PROFILE=1: CUDA events between the steps of each call, averaged per step and printed to
-// stderr when the buffer goes, with the host's steps (steady clock). EPX_PROFILE=host: the host's
+// EPX_PROFILE=1 (or ll): CUDA events between the steps of each call, averaged per step and printed
+// to stderr when the buffer goes, with the host's steps (steady clock). EPX_PROFILE=host: the host's
 // steps only, without the events' own host cost (~2-5 us per record, and the reads at the end of
-// a call). A measuring aid for docs/performance.md; off by default.
+// a call). A measuring aid for docs/performance.md; off by default (core/env.hpp).
 #pragma once
 #include <cuda_runtime.h>
 
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <map>
 #include <string>
+
+#include "core/env.hpp"
 
 namespace epx::detail {
 
 class PhaseTimer {
  public:
   static constexpr int kMarks = 12;
-  PhaseTimer() : on_(std::getenv("EPX_PROFILE") != nullptr) {
-    events_ = on_ && std::string(std::getenv("EPX_PROFILE")) != "host";
+  PhaseTimer() = default;
+  // Turns the timer on as `profile` says (once, on the buffer's device).
+  void start(Profile profile) {
+    on_ = profile != Profile::off;
+    events_ = on_ && profile != Profile::host;
     if (events_)
       for (cudaEvent_t& e : marks_) cudaEventCreate(&e);
   }
@@ -58,7 +62,7 @@ class PhaseTimer {
   }
 
  private:
-  bool on_;
+  bool on_ = false;
   bool events_ = false;  // GPU marks too (EPX_PROFILE set, not "host")
   cudaEvent_t marks_[kMarks] = {};
   std::map<std::string, std::pair<double, int>> totals_;

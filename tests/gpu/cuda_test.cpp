@@ -121,8 +121,8 @@ INSTANTIATE_TEST_SUITE_P(
         // fp8 by copy engines at two ranks: rows of 640 channels (the encode's last 512-channel
         // step partly past the row), 200 tokens (the last broadcast piece short)
         GpuCase{S, 2, 640, 200, 32, 8, W::fp8_ue8m0, L::rank_major, 1, K, 0.0},
-        // Rank-major bf16, where copy engines may place the rows (EPX_OWN_ROWS, EPX_PEER_ROWS): four
-        // pieces, the last one short; rows of 2008 bytes, not 16-byte multiples (a copy per row)
+        // Rank-major bf16: four broadcast pieces, the last one short; rows of 2008 bytes, not 16-byte
+        // multiples (the receiver's register loop)
         GpuCase{S, 2, 2048, 300, 32, 8, W::bf16, L::rank_major, 1, U, 0.0},
         GpuCase{S, 4, 1004, 130, 64, 4, W::bf16, L::rank_major, 1, K, 0.0, CapacityMode::blocking, 0.3}),
     gpu_case_name);

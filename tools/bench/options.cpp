@@ -27,6 +27,8 @@ const char* kUsage = R"(epx-bench: dispatch and combine of one MoE layer over N 
   --ops LIST              comma list of dispatch,combine,dispatch_backward,combine_backward,
                           ll_dispatch,ll_combine (default: the first four; with --preset ll all six)
   --sms N                 SM budget for GPU kernels (recorded; host ignores it)
+  --send-blocks N         CUDA: BufferConfig::send_blocks, the budget's sending blocks (default 0: the
+                          measured split)
   --shared-gpu            CUDA: all ranks on GPU 0 over the tests' shared-GPU transport (records say
                           "transport": "shared-gpu"; a test transport's times, real host steps)
   --ll-eager              time low-latency calls one by one with events (host launch included)
@@ -120,6 +122,7 @@ Options parse_options(int argc, char** argv) {
     else if (flag == "--topk") o.topk = to_int(flag, v);
     else if (flag == "--alignment") o.alignment = to_int(flag, v);
     else if (flag == "--sms") o.sms = static_cast<int>(to_int(flag, v));
+    else if (flag == "--send-blocks") o.send_blocks = to_int(flag, v);
     else if (flag == "--warmup") o.warmup = static_cast<int>(to_int(flag, v));
     else if (flag == "--iters") o.iters = static_cast<int>(to_int(flag, v));
     else if (flag == "--seed") o.seed = static_cast<uint64_t>(to_int(flag, v));

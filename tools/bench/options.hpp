@@ -19,6 +19,7 @@ struct Options {
   int64_t topk = -1;
   int64_t alignment = 1;
   int sms = 0;  // SM budget for GPU kernels (0 = backend default); recorded
+  int64_t send_blocks = 0;  // BufferConfig::send_blocks (0 = backend default)
   verify::Routing routing = verify::Routing::uniform;
   std::vector<WireFormat> wires;
   std::vector<Layout> layouts;

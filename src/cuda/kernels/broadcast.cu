@@ -45,35 +45,14 @@ __global__ void broadcast_begin_kernel(PeerWindows w, WindowMap m, CallState* cs
 
 // Warp per token: this rank's wire rows (quantized from bf16 x, or fp8 codes and scales as given)
 // into its own part of bcast_rows, from where the copy engines send them and its receivers read
-// its own tokens. With flag_pieces, a warp counts the rows it wrote of each piece once it moves
-// past the piece (a warp's tokens only grow), and the warp that completes a piece raises this
-// rank's own flag of it (encode_rows).
-__global__ void encode_rows_kernel(PeerWindows w, WindowMap m, Shape s, SendRows rows, int64_t tokens, CallState* cs,
-                                   bool flag_pieces) {
+// its own tokens.
+__global__ void encode_rows_kernel(PeerWindows w, WindowMap m, Shape s, SendRows rows, int64_t tokens) {
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
-  int64_t piece = -1;
-  uint32_t written = 0;  // rows of `piece` this warp wrote
-  auto count_piece = [&]() {
-    __syncwarp();  // the lanes' stores, then lane 0's fence covers them
-    if (lane != 0 || written == 0) return;
-    __threadfence();
-    const uint32_t rows_in_piece = static_cast<uint32_t>(min(m.piece_tokens, tokens - piece * m.piece_tokens));
-    if (atomicAdd(&cs->encoded_rows[piece], written) + written != rows_in_piece) return;
-    cs->encoded_rows[piece] = 0;  // every row is counted: zero for the next call
-    set_flag(at_window<uint32_t>(w, w.rank, m.bcast_flag) + w.rank * kMaxPieces + piece, call_epoch(cs));
-  };
   for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32; t < tokens; t += warps) {
-    if (flag_pieces && t / m.piece_tokens != piece) {
-      count_piece();
-      piece = t / m.piece_tokens;
-      written = 0;
-    }
     char* dst = at_window<char>(w, w.rank, m.bcast_rows + (w.rank * s.max_tokens + t) * m.bcast_stride);
     encode_wire_row(rows, t, s.hidden, &dst, 1, lane);
-    ++written;
   }
-  if (flag_pieces) count_piece();
 }
 
 // Thread per token: the positions the SM sender would have written, in place: send_pos becomes
@@ -141,13 +120,6 @@ __global__ void push_placing_kernel(PeerWindows w, WindowMap m, Shape s, Placing
   if (d < w.ranks && d != w.rank) set_flag(at_window<uint32_t>(w, d, m.meta_flag) + w.rank, call_epoch(cs));
 }
 
-__global__ void wait_peer_flags_kernel(PeerWindows w, int64_t flags, int64_t stride, uint32_t peers, CallState* cs,
-                                       uint64_t timeout_ns, DeviceStatus* st) {
-  const int d = threadIdx.x;
-  uint32_t* flag = d < w.ranks && (peers >> d & 1u) ? at_window<uint32_t>(w, w.rank, flags) + d * stride : nullptr;
-  warp_wait_lane_flags(flag, d, call_epoch(cs), timeout_ns, st, kSignalForward);
-}
-
 __global__ void broadcast_release_kernel(PeerWindows w, WindowMap m, const CallState* cs) {
   release_broadcast_rows(w, m, call_epoch(cs), threadIdx.x);
 }
@@ -159,11 +131,10 @@ void begin_broadcast(const Ctx& ctx, cudaStream_t copies) {
   EPX_CUDA(cudaGetLastError());
 }
 
-void encode_rows(const Ctx& ctx, const SendRows& rows, int64_t tokens, bool flag_pieces) {
+void encode_rows(const Ctx& ctx, const SendRows& rows, int64_t tokens) {
   if (tokens == 0) return;
   const int blocks = static_cast<int>(std::min<int64_t>(ctx.blocks, (tokens + 15) / 16));
-  encode_rows_kernel<<<blocks, 512, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, rows, tokens, ctx.state,
-                                                     flag_pieces);
+  encode_rows_kernel<<<blocks, 512, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, rows, tokens);
   EPX_CUDA(cudaGetLastError());
 }
 
@@ -206,63 +177,9 @@ void release_broadcast(const Ctx& ctx) {
   broadcast_release_kernel<<<1, 32, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.state);
 }
 
-void wait_peer_flags(const Ctx& ctx, int64_t flags, int64_t stride, uint32_t peers) {
-  wait_peer_flags_kernel<<<1, 32, 0, ctx.stream>>>(ctx.peers, flags, stride, peers, ctx.state, ctx.timeout_ns, ctx.status);
-  EPX_CUDA(cudaGetLastError());
-}
-
-namespace {
-
-// The wait kernel's arguments as a graph node takes them (kernelParams points into this object).
-struct WaitNodeArgs {
-  WaitNodeArgs() = default;
-  WaitNodeArgs(const WaitNodeArgs&) = delete;
-  WaitNodeArgs& operator=(const WaitNodeArgs&) = delete;
-  PeerWindows w{};
-  int64_t flags = 0, stride = 0;
-  uint32_t peers = 0;
-  CallState* cs = nullptr;
-  uint64_t timeout_ns = 0;
-  DeviceStatus* st = nullptr;
-  void* args[7] = {&w, &flags, &stride, &peers, &cs, &timeout_ns, &st};
-  cudaKernelNodeParams params() {
-    cudaKernelNodeParams p{};
-    p.func = reinterpret_cast<void*>(wait_peer_flags_kernel);
-    p.gridDim = dim3(1);
-    p.blockDim = dim3(32);
-    p.kernelParams = args;
-    return p;
-  }
-};
-
-}  // namespace
-
-// The same wait as a node of a graph (placement_graph.hpp); its arguments are set per launch.
-cudaGraphNode_t add_wait_peer_flags_node(cudaGraph_t graph, const cudaGraphNode_t* after, size_t count) {
-  WaitNodeArgs a;
-  const cudaKernelNodeParams p = a.params();
-  cudaGraphNode_t node = nullptr;
-  EPX_CUDA(cudaGraphAddKernelNode(&node, graph, after, count, &p));
-  return node;
-}
-
-void set_wait_peer_flags_node(cudaGraphExec_t exec, cudaGraphNode_t node, const Ctx& ctx, int64_t flags,
-                              int64_t stride, uint32_t peers) {
-  WaitNodeArgs a;
-  a.w = ctx.peers;
-  a.flags = flags;
-  a.stride = stride;
-  a.peers = peers;
-  a.cs = ctx.state;
-  a.timeout_ns = ctx.timeout_ns;
-  a.st = ctx.status;
-  const cudaKernelNodeParams p = a.params();
-  EPX_CUDA(cudaGraphExecKernelNodeSetParams(exec, node, &p));
-}
-
 void preload_broadcast_kernels() {
   preload(broadcast_begin_kernel, encode_rows_kernel, finalize_positions_kernel, push_placing_kernel,
-          broadcast_release_kernel, wait_peer_flags_kernel);
+          broadcast_release_kernel);
 }
 
 }  // namespace epx::detail::kernels

@@ -9,7 +9,6 @@
 // included, where the returning warps write bf16(0 + y): the same sums, since a sum from +0 never
 // tells -0 from +0.
 #include "cuda/cuda_check.hpp"
-#include "cuda/env_setting.hpp"
 #include "cuda/kernels/launch.hpp"
 #include "cuda/kernels/row_copy.cuh"
 #include "cuda/kernels/staged_sum.cuh"
@@ -110,8 +109,7 @@ __device__ void reduce_token(const PeerWindows& w, const WindowMap& m, const Sha
     return pos >= 0;
   };
   if (a.out && staged) sum_rows_staged(w.ranks + 1, term, false, a.out + t * s.hidden, s.hidden, lane);
-  else if (a.out && a.paired_terms) sum_rows<2>(w.ranks + 1, term, false, a.out + t * s.hidden, s.hidden, wide, lane);
-  else if (a.out) sum_rows(w.ranks + 1, term, false, a.out + t * s.hidden, s.hidden, wide, lane);
+  else if (a.out) sum_rows<2>(w.ranks + 1, term, false, a.out + t * s.hidden, s.hidden, wide, lane);
   if (a.slot_out) {
     const float* rev_slots = at_window<const float>(w, w.rank, m.rev_slots);
     for (int64_t k = lane; k < s.topk; k += 32) {
@@ -159,7 +157,9 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PeerWindows w, Window
     }
     return;
   }
-  const bool staged = a.staged_terms && wide && w.ranks + 1 <= 32;  // a term per lane
+  // The reducers stage a token's rows in their warp's shared memory (14 KiB in flight per warp
+  // instead of two rows' 4 KiB; docs/performance.md), a term per lane.
+  const bool staged = wide && w.ranks + 1 <= 32;
   const int64_t reducer = (blockIdx.x - send_blocks) * static_cast<int64_t>(kThreads / 32) + warp;
   const int64_t reducers = static_cast<int64_t>(gridDim.x - send_blocks) * (kThreads / 32);
   for (int64_t t = reducer; t < tokens; t += reducers) {
@@ -181,73 +181,46 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PeerWindows w, Window
 // partials into a local buffer in rank-major order (partials [M, H], partial_slots [M, K]), which
 // the copy engines then return like a rank-major y. Warp j takes row first + j, skipping `gap`
 // rows at gap_at (this rank's own rows while the other ranks' are reduced first). The sums are
-// bound by the bytes an SM keeps in flight and the instructions per value: by registers, 24 warps
-// (80 registers, no spills; 32 warps spilled at 64) of 2 KiB each; staged (the default), 16 warps
-// of 14 KiB each in their stages of shared memory (EPX_PARTIALS_COPY=registers keeps the register
-// loop).
-template <bool kStaged>
-constexpr int kPartialWarps = kStaged ? 16 : 24;
-template <bool kStaged>
-__global__ void __launch_bounds__(kPartialWarps<kStaged> * 32) reduce_partials_kernel(Shape s, RecvArrays r, CombineArgs a,
-                                                                                      PartialRows p, const DeviceStatus* st) {
+// bound by the bytes an SM keeps in flight and the instructions per value: 16 warps stage 14 KiB
+// each in shared memory where the rows allow it (through registers, 24 warps of 2 KiB each, the
+// most without spills, were slower: docs/lab/2026-12-01-experiments.md).
+constexpr int kPartialWarps = 16;
+__global__ void __launch_bounds__(kPartialWarps * 32) reduce_partials_kernel(Shape s, RecvArrays r, CombineArgs a,
+                                                                             PartialRows p, const DeviceStatus* st) {
   if (failed(st)) return;
   const int lane = threadIdx.x % 32;
   const bool wide = s.hidden % 8 == 0 && aligned16(a.y) && a.y_stride % 8 == 0 && aligned16(p.rows);
-  const bool staged = kStaged && wide && s.topk <= 32;  // a term per lane
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kPartialWarps<kStaged>;
-  for (int64_t j = blockIdx.x * static_cast<int64_t>(kPartialWarps<kStaged>) + threadIdx.x / 32; j < p.count; j += warps) {
+  const bool staged = wide && s.topk <= 32;  // a term per lane
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kPartialWarps;
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(kPartialWarps) + threadIdx.x / 32; j < p.count; j += warps) {
     const int64_t i = p.first + j + (j >= p.gap_at ? p.gap : 0);
     partial_row(s, r, Layout::expert_major, a, wide, staged, i, p.rows + i * s.hidden,
                 p.slots ? p.slots + i * s.topk : nullptr, lane);
   }
 }
 
-bool staged_partials() {
-  static const bool staged = env_choice("EPX_PARTIALS_COPY", {"staged", "registers"}) == "staged";
-  return staged;
-}
-
-// EPX_SUM_GROUP=1: the reducers add a token's rows one load round at a time (for measuring).
-bool paired_terms() {
-  static const bool paired = env_choice("EPX_SUM_GROUP", {"2", "1"}) == "2";
-  return paired;
-}
-
-// The reducers stage a token's rows in their warp's shared memory (14 KiB in flight per warp
-// instead of two rows' 4 KiB; docs/performance.md); EPX_REDUCE_COPY=registers: sum_rows<2>.
-bool staged_terms() {
-  static const bool staged = env_choice("EPX_REDUCE_COPY", {"staged", "registers"}) == "staged";
-  return staged;
-}
-
 }  // namespace
 
 void combine(const Ctx& ctx, int send_blocks, const RecvArrays& r, Layout layout, int64_t tokens,
              const int32_t* send_pos, const int32_t* slot_expert, const CombineArgs& a) {
-  CombineArgs args = a;
-  args.paired_terms = paired_terms();
-  args.staged_terms = staged_terms();
-  const size_t smem = args.staged_terms ? static_cast<size_t>(bulk_stage_smem(kThreads / 32)) : 0;
+  const size_t smem = static_cast<size_t>(bulk_stage_smem(kThreads / 32));
   combine_kernel<<<ctx.blocks, kThreads, smem, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, layout, tokens, send_pos,
-                                                             slot_expert, args, send_blocks, ctx.state, ctx.timeout_ns,
+                                                             slot_expert, a, send_blocks, ctx.state, ctx.timeout_ns,
                                                              ctx.status);
 }
 
 void reduce_partials(const Ctx& ctx, const RecvArrays& r, const CombineArgs& a, const PartialRows& p) {
   if (p.count == 0) return;
-  if (staged_partials())
-    reduce_partials_kernel<true><<<ctx.blocks, kPartialWarps<true> * 32, bulk_stage_smem(kPartialWarps<true>),
-                                   ctx.stream>>>(ctx.shape, r, a, p, ctx.status);
-  else
-    reduce_partials_kernel<false><<<ctx.blocks, kPartialWarps<false> * 32, 0, ctx.stream>>>(ctx.shape, r, a, p, ctx.status);
+  reduce_partials_kernel<<<ctx.blocks, kPartialWarps * 32, bulk_stage_smem(kPartialWarps), ctx.stream>>>(ctx.shape, r, a,
+                                                                                                         p, ctx.status);
 }
 
 void preload_combine_kernels() {
-  preload(combine_kernel, reduce_partials_kernel<false>, reduce_partials_kernel<true>);
+  preload(combine_kernel, reduce_partials_kernel);
   EPX_CUDA(cudaFuncSetAttribute(combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 static_cast<int>(bulk_stage_smem(kThreads / 32))));
-  EPX_CUDA(cudaFuncSetAttribute(reduce_partials_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                static_cast<int>(bulk_stage_smem(kPartialWarps<true>))));
+  EPX_CUDA(cudaFuncSetAttribute(reduce_partials_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                static_cast<int>(bulk_stage_smem(kPartialWarps))));
 }
 
 }  // namespace epx::detail::kernels

@@ -109,8 +109,6 @@ struct CallState {
   uint32_t bcast_epoch;            // the epoch of this rank's last broadcast (copy-engine dispatch)
   uint32_t recv_blocks_done;       // dispatch receive blocks finished in this call (the last resets it)
   uint32_t placing_blocks_done;    // copy-engine dispatch: placing blocks finished (the last resets it)
-  uint32_t layout_epoch;           // the epoch of the last call whose receive layout the plan kernel wrote
-  uint32_t encoded_rows[kMaxPieces];  // EPX_ENCODE=pieces: rows of each piece encoded (the last adder resets it)
 };
 
 // Sizes every kernel needs.

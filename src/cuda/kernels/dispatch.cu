@@ -6,7 +6,6 @@
 // (broadcast.cu) there is no sender: the receiver takes every source's tokens from the copies of
 // its rows and placing data, each once flagged.
 #include "cuda/cuda_check.hpp"
-#include "cuda/env_setting.hpp"
 #include "cuda/kernels/bulk_copy.cuh"
 #include "cuda/kernels/empty_rows.cuh"
 #include "cuda/kernels/launch.hpp"
@@ -24,12 +23,6 @@ constexpr int kSendThreads = (kSendWarps + 1) * 32;
 template <bool kBroadcast>
 constexpr int kRecvWarps = kBroadcast ? 16 : 24;
 
-// The copy-engine receiver moves rows by bulk copy unless EPX_RECV_COPY=registers (the register
-// copy loop, for measuring one against the other).
-bool bulk_receive() {
-  static const bool bulk = env_choice("EPX_RECV_COPY", {"bulk", "registers"}) == "bulk";
-  return bulk;
-}
 constexpr int kRowGroup = 8;  // output rows one read of a received row is written to at once
 
 __device__ int64_t stream_slot(const Shape& s, int source, int64_t pos) {
@@ -185,9 +178,8 @@ __device__ void slot_of(const RowSlots& rs, const Shape& s, int64_t k, int32_t& 
   }
 }
 
-// Rank-major, one warp: received row `pos` of `source`'s stream to output row i (its codes only
-// when payload is not null: else copy engines place them). Every load is issued before the row
-// is copied and every store after, so their latencies overlap the copy.
+// Rank-major, one warp: received row `pos` of `source`'s stream to output row i. Every load is
+// issued before the row is copied and every store after, so their latencies overlap the copy.
 __device__ void receive_row_rank_major(const Shape& s, const RecvArrays& r, const RecvOutputs& out, const SendRows* own,
                                        const char* payload, int32_t token, const RowSlots& slots, int source,
                                        int64_t pos, int lane) {
@@ -203,7 +195,7 @@ __device__ void receive_row_rank_major(const Shape& s, const RecvArrays& r, cons
     if (k < s.topk) slot_of(slots, s, k, l[b], weight[b], index);
   }
   const bool kept = i < r.info[2];
-  if (kept && payload) place_row(own, payload, token, out, &i, 1, lane);
+  if (kept) place_row(own, payload, token, out, &i, 1, lane);
   if (lane == 0) {
     r.src_rank[i] = source;
     r.src_token[i] = token;
@@ -349,12 +341,9 @@ __device__ bool receive_broadcast(const PeerWindows& w, const WindowMap& m, cons
   // Own tokens' bf16 rows come from x; every other row (and own quantized rows, which encode_rows
   // wrote before this kernel) from bcast_rows.
   const bool from_x = source == w.rank && own.wire == WireFormat::bf16;
-  // Rows the copy engines place (rank-major only) have no payload for the receiver.
-  const bool placed = source == w.rank ? out.own_placed : out.peer_placed;
-  const char* payload =
-      placed ? nullptr : at_window<const char>(w, w.rank, m.bcast_rows + (source * s.max_tokens + t) * m.bcast_stride);
+  const char* payload = at_window<const char>(w, w.rank, m.bcast_rows + (source * s.max_tokens + t) * m.bcast_stride);
   const int64_t q = t / m.piece_tokens;
-  if (source != w.rank && !placed && !(seen.pieces >> q & 1u)) {
+  if (source != w.rank && !(seen.pieces >> q & 1u)) {
     uint32_t* piece = at_window<uint32_t>(w, w.rank, m.bcast_flag) + source * kMaxPieces + q;
     if (!warp_wait_flags(piece, 0, 1, source, epoch, timeout_ns, st, kSignalForward, lane)) return false;
     seen.pieces |= 1u << q;
@@ -362,17 +351,6 @@ __device__ bool receive_broadcast(const PeerWindows& w, const WindowMap& m, cons
   const RowSlots slots{p.expert, p.weight, p.index, t * s.topk, w.rank};
   receive_row(s, r, out, layout, from_x ? &own : nullptr, payload, static_cast<int32_t>(t), slots, source, pos, lane);
   return true;
-}
-
-// A receiver launched before the plan exchange's kernel (wait_layout): thread 0 waits until that
-// kernel has written this call's layout, the block's other threads at the barrier. False when the
-// call failed first or after twice the timeout (the plan's own wait for a peer, which names the
-// missing rank, times out first; this one reports only a plan kernel that never ran).
-__device__ bool layout_ready(CallState* cs, uint32_t epoch, int rank, uint64_t timeout_ns, DeviceStatus* st) {
-  int ok = 1;
-  if (threadIdx.x < 32)  // the epoch only grows: at least this call's is this call's
-    ok = warp_wait_lane_flags(threadIdx.x == 0 ? &cs->layout_epoch : nullptr, rank, epoch, 2 * timeout_ns, st, kSignalPlan);
-  return __syncthreads_and(ok) != 0;
 }
 
 // Warps take rows (chunk, source, row in chunk) in chunk order, so they follow the senders;
@@ -383,8 +361,8 @@ template <bool kBroadcast>
 __global__ void __launch_bounds__(kRecvWarps<kBroadcast> * 32) dispatch_receive_kernel(PeerWindows w, WindowMap m, Shape s,
                                                                           RecvArrays r, RecvOutputs given, Layout layout,
                                                                           SendRows own, Placing mine, int phase,
-                                                                          bool wait_layout, CallState* cs,
-                                                                          uint64_t timeout_ns, DeviceStatus* st) {
+                                                                          CallState* cs, uint64_t timeout_ns,
+                                                                          DeviceStatus* st) {
   const uint32_t epoch = call_epoch(cs);
   RecvOutputs out = given;
   if constexpr (!kBroadcast) out.bulk = false;  // compiled out of the SM engine's receiver
@@ -392,11 +370,9 @@ __global__ void __launch_bounds__(kRecvWarps<kBroadcast> * 32) dispatch_receive_
   const int64_t warp = blockIdx.x * static_cast<int64_t>(kRecvWarps<kBroadcast>) + threadIdx.x / 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kRecvWarps<kBroadcast>;
   if (out.bulk) init_bulk_stage(lane);
-  const bool ready = !wait_layout || layout_ready(cs, epoch, w.rank, timeout_ns, st);
-  if (kBroadcast && ready && out.own_anchor >= 0) out.x += (out.own_anchor - r.rank_offsets[w.rank]) * out.x_bytes;
-  if (ready) fill_empty_rows(s, r, out, layout, warp, warps, lane);
+  fill_empty_rows(s, r, out, layout, warp, warps, lane);
   int64_t chunks = 0;
-  for (int p = 0; p < w.ranks && ready; ++p) chunks = max(chunks, static_cast<int64_t>(r.chunks_from[p]));
+  for (int p = 0; p < w.ranks; ++p) chunks = max(chunks, static_cast<int64_t>(r.chunks_from[p]));
   const int64_t per_source = chunks * kChunkTokens;
   const int slot = plan_slot(cs, phase);
   SourceSeen seen;
@@ -415,8 +391,8 @@ __global__ void __launch_bounds__(kRecvWarps<kBroadcast> * 32) dispatch_receive_
   if (out.bulk) finish_bulk_copies(lane);
   if constexpr (!kBroadcast) return;
   // The last block to finish tells every source that its broadcast rows here are read (also in
-  // a failed call: the sources' next broadcasts wait for it); the host does when copies read them.
-  if (out.peer_placed || !last_block(&cs->recv_blocks_done) || threadIdx.x >= 32) return;
+  // a failed call: the sources' next broadcasts wait for it).
+  if (!last_block(&cs->recv_blocks_done) || threadIdx.x >= 32) return;
   __threadfence_system();
   release_broadcast_rows(w, m, epoch, lane);
 }
@@ -430,14 +406,14 @@ void dispatch_send(const Ctx& ctx, int blocks, const SendRows& rows, int64_t tok
 }
 
 void dispatch_receive(const Ctx& ctx, int blocks, const RecvArrays& r, const RecvOutputs& out, Layout layout,
-                      const SendRows& own, const Placing& mine, int phase, bool wait_layout) {
+                      const SendRows& own, const Placing& mine, int phase) {
   auto* kernel = own.broadcast ? dispatch_receive_kernel<true> : dispatch_receive_kernel<false>;
   const int threads = 32 * (own.broadcast ? kRecvWarps<true> : kRecvWarps<false>);
   RecvOutputs o = out;
-  o.bulk = own.broadcast && bulk_receive();
+  o.bulk = own.broadcast;
   const size_t smem = o.bulk ? static_cast<size_t>(bulk_stage_smem(kRecvWarps<true>)) : 0;
   kernel<<<blocks, threads, smem, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, o, layout, own, mine, phase,
-                                                wait_layout, ctx.state, ctx.timeout_ns, ctx.status);
+                                                ctx.state, ctx.timeout_ns, ctx.status);
 }
 
 void preload_dispatch_kernels() {

@@ -54,7 +54,6 @@ struct FiniteCheck {
 void preload_kernels();
 void preload_plan_kernels();
 void preload_positions_kernels();
-void preload_receive_layout_kernels();
 void preload_dispatch_kernels();
 void preload_combine_kernels();
 void preload_combine_backward_kernels();
@@ -131,10 +130,7 @@ struct SendRows {
 void begin_broadcast(const Ctx& ctx, cudaStream_t copies);
 // Copy-engine dispatch of a quantized wire, on ctx.stream after begin_broadcast: this rank's wire
 // rows [0, tokens) into its own part of bcast_rows (the broadcast then sends them from there).
-// With `flag_pieces`, each broadcast piece's own flag (bcast_flag[rank][piece] in this rank's
-// window, which no copy writes) takes the call's epoch once the piece's rows are written, so a
-// copy stream can send each piece behind a wait_peer_flags on it while the rest is encoded.
-void encode_rows(const Ctx& ctx, const SendRows& rows, int64_t tokens, bool flag_pieces);
+void encode_rows(const Ctx& ctx, const SendRows& rows, int64_t tokens);
 // One piece of a copy-engine transfer to a peer's window: its parts (rows of row_bytes from src to
 // dst, each its stride apart: a piece's rows, then its slot values if any), then the call's epoch
 // (the 4 bytes at `epoch`) into the piece's flag there, which says the parts have landed.
@@ -157,17 +153,8 @@ std::vector<FlaggedPiece> broadcast_pieces(const Ctx& ctx, const char* x, int64_
 // By copy calls on stream `copies`, in order (the engine queue keeps each flag after its parts).
 void copy_pieces(const std::vector<FlaggedPiece>& pieces, cudaStream_t copies);
 // Tells every rank that this rank read their broadcasts of this call (a dispatch whose receiver
-// does not run: its input was rejected on the host; or whose rows the copy engines placed).
+// does not run: its input was rejected on the host).
 void release_broadcast(const Ctx& ctx);
-// One warp on ctx.stream: waits (with timeout) until this call's epoch is in the uint32 flag at
-// window offset flags + d * stride (d's placing data or piece of rows) for every rank d in `peers`
-// (a bit per rank), so that copies enqueued behind it on the stream read what the flags cover.
-void wait_peer_flags(const Ctx& ctx, int64_t flags, int64_t stride, uint32_t peers);
-// The same as a kernel node of `graph` after `after[0..count)`, and its arguments for the next launch
-// of `exec` (PlacementGraph).
-cudaGraphNode_t add_wait_peer_flags_node(cudaGraph_t graph, const cudaGraphNode_t* after, size_t count);
-void set_wait_peer_flags_node(cudaGraphExec_t exec, cudaGraphNode_t node, const Ctx& ctx, int64_t flags,
-                              int64_t stride, uint32_t peers);
 
 // Cached dispatch (cached_dispatch.cu). scan_x_finite: check_finite's scan of x alone, before
 // the call's plan exchange carries what it found to the peers. encode_to_rows: each token's wire
@@ -204,14 +191,14 @@ struct RecvArrays {
   int64_t* slot_row;        // output row of the pair (expert-major), the row itself (rank-major), or -1
 };
 // From the dispatch plans (of this call's `phase`): offsets, counts and sizes of this rank's
-// receive layout (receive_layout.cuh). capacity_rows > 0: capacity mode's fixed output rows.
+// receive layout (receive_layout.cuh), computed by the plan exchange's kernel (exchange_plan).
+// capacity_rows > 0: capacity mode's fixed output rows.
 struct LayoutJob {
   RecvArrays r;
   Layout layout;
   int64_t alignment;
   int64_t capacity_rows;
 };
-void receive_layout(const Ctx& ctx, int phase, const LayoutJob& job);
 
 // The dispatch's transfer, split in two kernels that run at the same time on different
 // streams: the sender (ctx.stream, `blocks` blocks) moves rows into every destination's window
@@ -233,23 +220,12 @@ struct RecvOutputs {
   int32_t* topk_idx;  // rank-major [capacity, K]
   float* topk_weights;
   bool bulk = false;  // set by dispatch_receive: rows' codes go by bulk copy (bulk_copy.cuh)
-  bool own_placed = false;  // this rank's own rows (from x) are placed by copy engines: not by the receiver
-  // >= 0 (with own_placed): the copy engines put own row pos at x's row own_anchor + pos, which needs
-  // no other rank's count, so x's row i of the layout is row own_anchor - rank_offsets[rank] + i of
-  // the allocation (the host returns recv_x from there).
-  int64_t own_anchor = -1;
-  // Rank-major copy-engine dispatch: the other ranks' rows are placed by copy engines from
-  // bcast_rows too, so the receiver writes only the rows' data and no piece's flag is waited for;
-  // the host tells the sources their rows were read once those copies are done.
-  bool peer_placed = false;
 };
 // `own`: this rank's input rows, which the receiver places itself (no sender copies them). With
 // own.broadcast every row's place comes from its source's Placing (this rank's: `mine`) and the
-// plans of this call's `phase` give each source's token count. wait_layout: launched before the plan
-// exchange's kernel, the receiver waits on the device until that kernel has written the layout.
+// plans of this call's `phase` give each source's token count.
 void dispatch_receive(const Ctx& ctx, int blocks, const RecvArrays& r, const RecvOutputs& out, Layout layout,
-                      const SendRows& own, const Placing& mine, int phase,
-                      bool wait_layout = false);
+                      const SendRows& own, const Placing& mine, int phase);
 
 // Combine and dispatch_backward in one kernel: `send_blocks` blocks return each received chunk
 // (partial sums of y in slot order; per-slot values from slot_values when not null: expert-major
@@ -273,8 +249,6 @@ struct CombineArgs {
   bool by_copy = false;
   const uint16_t* own_rows = nullptr;
   const float* own_slot_values = nullptr;
-  bool paired_terms = true;  // the reducers load two rows of a token before adding (EPX_SUM_GROUP, combine.cu)
-  bool staged_terms = true;  // the reducers stage a token's rows in shared memory (EPX_REDUCE_COPY, combine.cu)
 };
 void combine(const Ctx& ctx, int send_blocks, const RecvArrays& r, Layout layout, int64_t tokens,
              const int32_t* send_pos, const int32_t* slot_expert, const CombineArgs& a);

@@ -181,11 +181,6 @@ __global__ void exchange_plan_kernel(PeerWindows w, WindowMap m, Shape s, PlanHe
   if (!with_layout) return;
   __syncthreads();  // thread 0's verdict (a mismatch or a peer's rejection fails the call) for every thread
   receive_layout_block(w, m, s, phase, layout, cs, st);
-  // For a receiver launched before this kernel (waiting in layout_ready, dispatch.cu): the layout is
-  // written, also in a failed call (empty: the receiver then moves nothing).
-  __syncthreads();
-  if (threadIdx.x == 0)  // device scope: only this GPU's receiver reads it
-    cuda::atomic_ref<uint32_t, cuda::thread_scope_device>(cs->layout_epoch).store(call_epoch(cs), cuda::memory_order_release);
 }
 
 // Block e: this rank's (token, slot) pairs of expert e in order; keep while the global
@@ -263,7 +258,6 @@ void preload_kernels() {
   ll::preload_kernels();  // a peer may wait inside a low-latency call too
   preload_plan_kernels();
   preload_positions_kernels();
-  preload_receive_layout_kernels();
   preload_dispatch_kernels();
   preload_combine_kernels();
   preload_combine_backward_kernels();

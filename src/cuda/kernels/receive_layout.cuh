@@ -2,7 +2,7 @@
 // rows start (rank-major), how many rows each local expert gets and from whom (expert-major), the
 // output sizes. Known before any row arrives, so rows can be placed as they land. One block; the
 // plan exchange's kernel runs it right after checking the plans (no launch of its own on the
-// dispatch's critical path), receive_layout_kernel where the plans were exchanged earlier.
+// dispatch's critical path).
 #pragma once
 #include "cuda/kernels/block_scan.cuh"
 #include "cuda/kernels/device_common.cuh"
