@@ -138,6 +138,12 @@ void carve_handle(DeviceHandle& h, Carver& c, int64_t tokens, const BufferConfig
   h.recv.slot_row = c.take<int64_t>(rows * k);
 }
 
+// The int64 words from the handle's recv.info to the end of its expert_offsets: the layout arrays
+// a dispatch returns (carve_handle puts them one after the other).
+int64_t layout_words(const DeviceHandle& h, int64_t local_experts) {
+  return h.recv.expert_offsets + local_experts + 1 - h.recv.info;
+}
+
 // Rows [first, first + rows) of a tensor (same memory).
 Tensor row_range(const Tensor& t, int64_t first, int64_t rows) {
   TensorView v = t.view();
@@ -676,6 +682,8 @@ void CudaBackend::launch_receiver(DispatchResult& out, const DeviceHandle& dh, c
     outputs.add(&out.recv_topk_idx, DType::i32, {capacity, c.topk});
     outputs.add(&out.recv_topk_weights, DType::f32, {capacity, c.topk});
   }
+  // Room for the copy of the handle's layout arrays, which finish_dispatch cuts the small outputs from.
+  outputs.add(&out.recv_info, DType::i64, {layout_words(dh, local_experts_)});
   outputs.allocate();
   host_steps_.mark("outputs allocated");
   auto ptr = [](const Tensor& t) { return t.defined() ? t.data<char>() : nullptr; };
@@ -693,9 +701,15 @@ void CudaBackend::launch_receiver(DispatchResult& out, const DeviceHandle& dh, c
 DispatchResult CudaBackend::finish_dispatch(const Call& call, DispatchResult out, std::shared_ptr<DeviceHandle> dh,
                                             std::shared_ptr<HandleState> h, Layout layout, int64_t capacity,
                                             std::chrono::steady_clock::time_point host_call) {
-  // Small outputs: views into the handle's arrays (they live as long as the handle's memory).
+  // Small outputs: one copy of the handle's layout arrays (info, rank_offsets, tokens_per_expert,
+  // expert_offsets, consecutive in its memory), so that no output aliases what later calls on the
+  // handle read: a caller may write into its outputs, and torch.compile reuses a dead output's memory.
+  const Tensor words = out.recv_info;
+  EPX_CUDA(cudaMemcpyAsync(words.data<void>(), dh->recv.info, static_cast<size_t>(layout_words(*dh, local_experts_)) * sizeof(int64_t),
+                           cudaMemcpyDeviceToDevice, stream_));
   auto view = [&](int64_t* p, int64_t n) {
-    return Tensor(dh->memory, TensorView::of(p, DType::i64, {n}, DeviceKind::cuda, device_));
+    return Tensor(words.storage(), TensorView::of(words.data<int64_t>() + (p - dh->recv.info), DType::i64, {n},
+                                                  DeviceKind::cuda, device_));
   };
   if (layout == Layout::expert_major) out.expert_offsets = view(dh->recv.expert_offsets, local_experts_ + 1);
   out.tokens_per_expert = view(dh->recv.tokens_per_expert, local_experts_);
