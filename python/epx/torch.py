@@ -216,3 +216,12 @@ class _Combine(_torch.autograd.Function):
             grad_weights = grad_slots if routing_map is None else _probs_grad(grad_slots, routing_map,
                                                                               ctx.num_experts)
         return (None, None, None, None, None, grad_y, grad_weights, None, grad_out if ctx.has_shared else None)
+
+
+def __getattr__(name):
+    """epx.torch.TokenDispatcher and its DispatcherConfig, from epx.dispatcher (which builds on this module)."""
+    if name in ("TokenDispatcher", "DispatcherConfig"):
+        from . import dispatcher
+
+        return getattr(dispatcher, name)
+    raise AttributeError(f"module 'epx.torch' has no attribute {name!r}")
