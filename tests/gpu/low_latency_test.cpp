@@ -289,14 +289,15 @@ TEST(CudaLowLatencyErrors, ABadIdOnTheDeviceFailsEveryRankAndTheBufferGoesOn) {
   EXPECT_EQ(after[1], "");
 }
 
-// A front end's own refusal (LowLatencyBuffer::reject) fails the peers' same call with its words,
-// for dispatch and for combine, and the buffer goes on.
+// A front end's own refusal (LowLatencyBuffer::reject), for dispatch and for combine: the refusing
+// rank throws its reason at once; as for any error found on the device, the next call raises the
+// group's failure on every rank (the peers: the rank that refused), and the call after that works.
 TEST(CudaLowLatencyErrors, RejectJoinsThePeersCall) {
   const LlGpuCase c{true, 2, 256, 16, 8, 4, WireFormat::bf16};
   const verify::Problem p = ll_problem(c, 37);
   const std::vector<int64_t> all(c.ranks, c.tokens);
   for (LowLatencyOp op : {LowLatencyOp::dispatch, LowLatencyOp::combine}) {
-    std::vector<std::string> raised(c.ranks), after(c.ranks);
+    std::vector<std::string> raised(c.ranks), next(c.ranks), after(c.ranks);
     const auto errors = on_ranks(c, p, 20000, [&](int r, LowLatencyBuffer& b, const DeviceArray& x, const DeviceArray& idx) {
       const LowLatencyDispatchResult first = b.dispatch(ll_input(c, x, idx));
       b.synchronize();
@@ -307,9 +308,14 @@ TEST(CudaLowLatencyErrors, RejectJoinsThePeersCall) {
         if (r == 1) b.reject(op, "binding: y is not contiguous");
         if (op == LowLatencyOp::dispatch) b.dispatch(ll_input(c, x, idx));
         else b.combine(y, first.handle);
-        b.synchronize();
       } catch (const Error& e) {
         raised[r] = e.what();
+      }
+      b.synchronize();  // the device's findings are raised by the next call
+      try {
+        b.dispatch(ll_input(c, x, idx));
+      } catch (const Error& e) {
+        next[r] = e.what();
       }
       const LowLatencyDispatchResult res = b.dispatch(ll_input(c, x, idx));
       b.synchronize();
@@ -319,7 +325,9 @@ TEST(CudaLowLatencyErrors, RejectJoinsThePeersCall) {
     EXPECT_EQ(errors[0], "") << name;
     EXPECT_EQ(errors[1], "") << name;
     EXPECT_EQ(raised[1], "binding: y is not contiguous") << name;
-    EXPECT_THAT(raised[0], testing::HasSubstr("rank 1 rejected its input")) << name;
+    EXPECT_EQ(raised[0], "") << name;
+    EXPECT_THAT(next[0], testing::HasSubstr("rank 1 rejected its input")) << name;
+    EXPECT_THAT(next[1], testing::HasSubstr("rank 1 rejected its input")) << name;
     EXPECT_EQ(after[0], "") << name;
     EXPECT_EQ(after[1], "") << name;
   }
