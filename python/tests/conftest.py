@@ -12,6 +12,10 @@ import epx
 # kernels never write fails the comparison, as tests/gpu does.
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 os.environ.setdefault("EPX_POISON_OUTPUTS", "1")
+# The shared-GPU tests run torch kernels between epx calls; the first launch of a kernel not loaded
+# yet waits for every running kernel, a peer's spinning wait included (docs/cuda.md, "shared GPU"):
+# load them all when CUDA starts.
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 # Two cores on CI, threads as ranks: torch's own thread pool only gets in the way.
 torch.set_num_threads(1)

@@ -279,10 +279,15 @@ def test_compiled_moe_layer_on_gpu(ep1_group):
     want = layer(x)
     want.float().sum().backward()
     want_grad, x.grad = x.grad.clone(), None
+    traced = torch.compile(layer, backend="aot_eager", fullgraph=True)(x)  # epx's ops traced, torch's run as is
+    assert torch.equal(traced, want)
     compiled = torch.compile(layer, fullgraph=True)  # inductor
     got = compiled(x)
     got.float().sum().backward()
-    assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    diff = (got.float() - want.float()).abs()
+    assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2), \
+        f"out: {int((diff > 2e-2 + 2e-2 * want.float().abs()).sum())} of {diff.numel()} off, max {float(diff.max())}, " \
+        f"rows off {torch.nonzero((diff > 0.1).any(dim=1)).flatten().tolist()[:16]}"
     assert torch.allclose(x.grad.float(), want_grad.float(), rtol=2e-2, atol=2e-2)
     explain = torch._dynamo.explain(layer)(x)
     assert explain.graph_break_count == 0, explain.break_reasons

@@ -175,6 +175,7 @@ class CudaLowLatency final : public LowLatencyBackend {
       // runs, so the set's arrival words are consumed (and reset) like those of any call.
       ll::reject(ctx(ll::kDispatch), ll::kDispatch, set, kStatusHostRejected);
       ll::dispatch(ctx(ll::kDispatch), ll::kRecvPhase, set, {}, {}, sets_[set]);
+      own_rejection_ = error;
       throw Error(ErrorCode::invalid_argument, error);
     }
     mark(0);
@@ -255,6 +256,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     if (!error.empty()) {  // as in dispatch_send: reject, then consume this call's arrival words
       ll::reject(ctx(ll::kCombine), ll::kCombine, set, kStatusHostRejected);
       ll::combine(ctx(ll::kCombine), ll::kRecvPhase, set, 0, sets_[0], nullptr, ll::Sums{nullptr, 0, false, 0, sets_[set].out, false});
+      own_rejection_ = error;
       throw Error(ErrorCode::invalid_argument, error);
     }
     const LowLatencyHandleState& h = handle.state();
@@ -406,6 +408,15 @@ class CudaLowLatency final : public LowLatencyBackend {
     last_begin_ = now;
     if (broken_) fail(ErrorCode::peer_failed, name, " (rank ", rank_, "): the low-latency buffer already failed: ", broken_reason_);
     EPX_CUDA(cudaSetDevice(device_));
+    if (!own_rejection_.empty()) {
+      // This rank refused its previous call's input on the host (and threw then); its peers find
+      // the refusal on the device and raise it at their next call, so this call raises it too:
+      // every rank skips it alike and the calls stay paired.
+      const std::string reason = std::move(own_rejection_);
+      own_rejection_.clear();
+      fail(ErrorCode::peer_failed, "a low-latency call before ", name, " (rank ", rank_, "): rank ", rank_,
+           " rejected its input, so the group stops: ", reason);
+    }
     DeviceStatus st;
     std::memcpy(&st, host_status_, sizeof st);
     if (st.code == kStatusOk) return;
@@ -492,6 +503,7 @@ class CudaLowLatency final : public LowLatencyBackend {
   uint64_t* stamps_ = nullptr;  // EPX_PROFILE=ll (ll::Ctx::stamps)
   cudaStream_t own_stream_ = nullptr;
   cudaEvent_t stream_switch_ = nullptr;  // set_stream's order between the old and the new stream
+  std::string own_rejection_;  // this rank's last host-side refusal, raised again by its next call (begin())
   cudaStream_t stream_ = nullptr;  // the calls' stream: own_stream_ or the caller's
   bool dispatch_pending_ = false, combine_pending_ = false;
   bool fusing_ = false;

@@ -42,6 +42,10 @@ class _LowLatencyState:
         self.combined = [None, None]  # per set: the last combine's output
         self.zero_copy = [None, None]  # per combine set: get_next_low_latency_combine_buffer's tensor
 
+    def close(self):
+        """Destroys the epx buffer now (collective on the shared GPU)."""
+        self.ll.close()
+
     def received(self, d):
         """DeepEP's form of an epx dispatch output."""
         outputs = {"recv_x": d.recv_x, "recv_count": d.recv_count, "src_info": d.recv_src[..., 1].contiguous(),
