@@ -151,12 +151,17 @@ def test_streams_async_finish_and_previous_event(ep1_group):
     b.close()
 
 
+# One capture at a time: torch.cuda.graph starts with a device synchronize, which CUDA refuses while
+# another thread's stream is capturing. A capture launches nothing, so ranks need not capture together.
+_capture_lock = threading.Lock()
+
+
 def _capture(fn, stream):
     graph = torch.cuda.CUDAGraph()
     kwargs = {"stream": stream}
     if "capture_error_mode" in inspect.signature(torch.cuda.graph).parameters:
-        kwargs["capture_error_mode"] = "thread_local"  # ranks that are threads capture side by side
-    with torch.cuda.graph(graph, **kwargs):
+        kwargs["capture_error_mode"] = "thread_local"  # other ranks' threads go on while this one captures
+    with _capture_lock, torch.cuda.graph(graph, **kwargs):
         outputs = fn()
     return graph, outputs
 
