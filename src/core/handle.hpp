@@ -26,6 +26,12 @@ struct RecvLayout {
   bool overflow() const { return num_rows > capacity; }
 };
 
+// What a device backend keeps of a dispatch beside the backend-free state (its device arrays);
+// each backend derives its own and reads it back through that type.
+struct BackendPayload {
+  virtual ~BackendPayload() = default;
+};
+
 struct HandleState {
   const void* owner = nullptr;  // the backend instance that made it
   // The number of the dispatch call that made it (the buffer's call count then). Every call on a
@@ -48,7 +54,7 @@ struct HandleState {
 
   RecvLayout recv;  // receiver side (the CPU backend fills all of it; CUDA only layout and capacity)
 
-  std::shared_ptr<const void> device;  // a device backend's copy of the arrays above
+  std::shared_ptr<const BackendPayload> device;  // a device backend's copy of the arrays above
 };
 
 // Fills slot_row, expert_offsets, tokens_per_expert, num_rows and capacity of `r` from its

@@ -9,7 +9,7 @@
 namespace epx::detail {
 
 // Everything a dispatch leaves for combine and the backward passes, in one allocation.
-struct DeviceHandle {
+struct DeviceHandle final : BackendPayload {
   std::shared_ptr<void> memory;
   int32_t* slot_expert;   // [T*K]
   float* slot_weight;     // [T*K]
@@ -21,6 +21,7 @@ struct DeviceHandle {
   kernels::RecvArrays recv;
 };
 
-inline const DeviceHandle& device_of(const HandleState& h) { return *static_cast<const DeviceHandle*>(h.device.get()); }
+// The CUDA backend's payload of a handle it made (state_of checked the owner, so the type is its own).
+inline const DeviceHandle& device_of(const HandleState& h) { return static_cast<const DeviceHandle&>(*h.device); }
 
 }  // namespace epx::detail
