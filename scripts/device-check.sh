@@ -69,9 +69,14 @@ if want python; then
   grep -E "passed|failed|error|Error" "$OUT/python_tests.log" | tail -15
   note "python tests rc=$rc: $(grep -E '[0-9]+ (passed|failed)' "$OUT/python_tests.log" | tail -1)"
   py=$(cat build-gpu/python/interpreter)
+  # The examples run whatever the tests said (python-test.sh stops at a failing test).
+  PYTHONPATH=build-gpu/python:python timeout 120 "$py" examples/moe_layer.py --device cuda > "$OUT/example_cuda.log" 2>&1
+  note "example on the GPU rc=$?: $(tail -1 "$OUT/example_cuda.log")"
   for round in 1 2 3; do
-    PYTHONPATH=build-gpu/python:python timeout 300 "$py" python/bench/bench_ht.py ${PY_BENCH_ARGS:-} \
-      >> "$OUT/python_bench_ep1.jsonl" 2>> "$OUT/python_bench_ep1.err"
+    for stream in own default; do  # own: the same call as epx-bench's; default: torch's legacy stream
+      PYTHONPATH=build-gpu/python:python timeout 300 "$py" python/bench/bench_ht.py --stream $stream ${PY_BENCH_ARGS:-} \
+        >> "$OUT/python_bench_ep1.jsonl" 2>> "$OUT/python_bench_ep1.err"
+    done
     timeout 300 ./build-gpu/epx-bench --backend cuda --ranks 1 --preset v3 --ops dispatch,combine --wire bf16 \
       --layout expert_major --json "$OUT/epx_bench_ep1_$round.json" > "$OUT/epx_bench_ep1_$round.log" 2>&1
   done
@@ -81,11 +86,12 @@ out = sys.argv[1]
 py = [json.loads(l) for l in open(f"{out}/python_bench_ep1.jsonl") if l.startswith("{")]
 cpp = [r for f in sorted(glob.glob(f"{out}/epx_bench_ep1_*.json")) for r in json.load(open(f))]
 for op in ("dispatch", "combine"):
-    p = [r["median_us"] for r in py if r.get("op") == op]
     c = [r["time_us"] for r in cpp if r.get("op") == op]
-    if p and c:
-        print(f"python vs epx-bench {op}: python {sorted(p)} us, epx-bench {sorted(c)} us, "
-              f"ratio of medians {sorted(p)[len(p)//2] / sorted(c)[len(c)//2]:.3f}")
+    for stream in ("own", "default"):
+        p = [r["median_us"] for r in py if r.get("op") == op and r.get("stream", "default") == stream]
+        if p and c:
+            print(f"python ({stream} stream) vs epx-bench {op}: python {sorted(p)} us, epx-bench {sorted(c)} us, "
+                  f"ratio of medians {sorted(p)[len(p)//2] / sorted(c)[len(c)//2]:.3f}")
 PY
 fi
 if want sanitize; then

@@ -2,8 +2,9 @@
 
 epx-bench (tools/bench) records CUDA events on the buffer's stream around each call, after every
 rank arrived, and reports the median of the timed calls (2 warm-up, 20 timed). This does the same
-through epx.Buffer on torch's current stream, so the difference is what Python adds: its checks,
-the DLPack crossings and the outputs' wrapping (no copies). Defaults: the V3 shape (4096
+through epx.Buffer on torch's current stream (by default a stream of its own, as epx-bench's
+buffer stream; --stream default: torch's legacy default stream), so the difference is what Python
+adds: its checks, the DLPack crossings and the outputs' wrapping (no copies). Defaults: the V3 shape (4096
 tokens/rank, hidden 7168, top-8 of 256 experts), uniform routing, bf16 wire, expert-major.
 
     torchrun --nproc-per-node 2 python/bench/bench_ht.py          # EP2, one process per GPU
@@ -37,7 +38,12 @@ def main():
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--sms", type=int, default=0)
+    parser.add_argument("--stream", choices=("own", "default"), default="own",
+                        help="own: the calls run on a torch stream of their own, as epx-bench's run on the buffer's "
+                             "own stream (the same call); default: on torch's default (legacy) stream")
     args = parser.parse_args()
+    if args.stream == "own":
+        torch.cuda.set_stream(torch.cuda.Stream())
 
     if "RANK" in os.environ:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -81,7 +87,8 @@ def main():
             print(json.dumps({"op": op, "median_us": round(median, 2), "min_us": round(t[0], 2),
                               "max_us": round(t[-1], 2), "ranks": ranks, "tokens": args.tokens,
                               "hidden": args.hidden, "experts": args.experts, "topk": args.topk,
-                              "wire": args.wire, "layout": args.layout, "api": "python"}))
+                              "wire": args.wire, "layout": args.layout, "api": "python",
+                              "stream": args.stream}))
     buffer.close()
     dist.destroy_process_group()
 
