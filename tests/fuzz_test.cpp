@@ -310,6 +310,39 @@ CaseResult run_case(uint64_t seed) {
     if (!wrong.empty()) return {cat("dispatch (", kind, "), rank ", r, ": accepted but wrong: ", wrong), kind};
   }
 
+  // Step 2b: a cached dispatch of the same rows, with a spoiled input or handle on some ranks;
+  // accepted, its rows are the dispatch's.
+  {
+    std::vector<DispatchInput> again(ranks);
+    std::vector<Handle> with(ranks);
+    for (int q = 0; q < ranks; ++q) {
+      again[q].x = data[q].in.x;
+      again[q].x_scales = data[q].in.x_scales;
+      with[q] = got[q].handle;
+    }
+    refusing.assign(ranks, false);
+    const int q = pick(rng, ranks);
+    std::string cached_kind = "cached as is";
+    switch (pick(rng, 8)) {
+      case 0: again[q].topk_idx = data[q].in.topk_idx, refusing[q] = true, cached_kind = "cached: routing given"; break;
+      case 1: again[q].x.shape[0] += 1, refusing[q] = true, cached_kind = "cached: a token too many"; break;
+      case 2: again[q].x.dtype = DType::f32, refusing[q] = true, cached_kind = "cached: x f32"; break;
+      case 3: with[q] = Handle{}, refusing[q] = true, cached_kind = "cached: empty handle"; break;
+      default: break;
+    }
+    std::vector<DispatchResult> cached(ranks);
+    const auto done = on_ranks(
+        ranks, [&](int w) { cached[w] = buffers[w]->dispatch(again[w], with[w]); }, "cached dispatch", timing);
+    verdict = judge(done, refusing, false, "cached dispatch (" + kind + ", " + cached_kind + ")");
+    if (!verdict.empty() || !timing.empty()) return {verdict.empty() ? timing : verdict, kind};
+    for (int w = 0; w < ranks && done[0].ok; ++w) {
+      const Tensor& a = cached[w].recv_x;
+      const Tensor& b = got[w].recv_x;
+      if (a.numel() != b.numel() || std::memcmp(a.data<char>(), b.data<char>(), a.numel() * dtype_size(a.dtype())) != 0)
+        return {cat("cached dispatch (", kind, "), rank ", w, ": accepted but its rows differ from the dispatch's"), kind};
+    }
+  }
+
   // Step 3: combine, with a spoiled input or handle on some ranks.
   bool weighted = layout == Layout::expert_major;  // where every rank has weights
   for (const auto& in : p.inputs) weighted &= in.has_weights;
