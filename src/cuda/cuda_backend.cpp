@@ -352,6 +352,12 @@ CudaBackend::Call CudaBackend::begin_call(CallKind kind) {
 // The host-mapped status is the previous call's (published at its end, cleared by this call's
 // begin kernel); a failure there was not raised yet when that call ran without a host sync.
 void CudaBackend::check_earlier_calls(const Call& call) {
+  if (!own_rejection_.empty()) {
+    const std::string reason = std::move(own_rejection_);
+    own_rejection_.clear();
+    fail(ErrorCode::peer_failed, "the call before ", call.name, " (rank ", rank_, ", it ran without a host sync): rank ",
+         rank_, " rejected its input, so the group stops: ", reason);
+  }
   DeviceStatus st;
   std::memcpy(&st, host_status_, sizeof st);
   if (st.code == kStatusOk) return;
@@ -446,6 +452,9 @@ void CudaBackend::reject(const Call& call, int phases, const std::string& error,
     kernels::post_plan(ctx(), h, nullptr, 0, phase);
     kernels::wait_signals(ctx(), kSignalPlan, 1, /*wait=*/false);  // keeps this rank's targets in step
   }
+  // In capacity mode the peers find the rejection on the device and raise it at their next call
+  // (no host sync): this rank's next call raises it too, so that every rank skips that call alike.
+  if (config().mode == CapacityMode::capacity) own_rejection_ = error;
   throw Error(ErrorCode::invalid_argument, error);
 }
 

@@ -186,6 +186,7 @@ class CudaBackend final : public Backend {
   int64_t calls_ = 0;
   bool broken_ = false;
   std::string broken_reason_;
+  std::string own_rejection_;  // capacity mode: this rank's last host-side refusal, raised again by its next call
 };
 
 }  // namespace epx::detail

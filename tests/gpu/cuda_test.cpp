@@ -314,6 +314,48 @@ TEST(CudaErrors, RejectJoinsThePeersCall) {
   EXPECT_EQ(after[1], "");
 }
 
+// In capacity mode (no host sync) a front end's refusal is raised at once on its rank and, found on
+// the device, by the peers' next call; the refusing rank's next call raises it too, so every rank
+// skips that call alike and the call after it works.
+TEST(CudaErrors, RejectInCapacityModeFailsTheNextCallOnEveryRank) {
+  auto cfg = small_config(256, 32, 16, 4);
+  cfg.mode = CapacityMode::capacity;
+  cfg.capacity_rows = 32 * 4;
+  const auto p = two_ranks(cfg);
+  std::vector<std::string> raised(2), next(2), after(2);
+  on_shared_gpu(p, [&](int r, const Group& g, const DeviceArray& x, const DeviceArray& idx) {
+    Buffer b(g, p.cfg);
+    DispatchInput in;
+    in.x = device_view(x, DType::bf16, {32, 256}, 0);
+    in.topk_idx = device_view(idx, DType::i32, {32, 4}, 0);
+    try {
+      if (r == 1) b.reject(Op::dispatch, "binding: x is not contiguous");
+      b.dispatch(in);
+    } catch (const Error& e) {
+      raised[r] = e.what();
+    }
+    b.synchronize();  // the device's findings are raised by the next call
+    try {
+      b.dispatch(in);
+    } catch (const Error& e) {
+      next[r] = e.what();
+    }
+    try {
+      b.dispatch(in);
+      b.synchronize();
+      b.dispatch(in);  // raises what the previous one found, if anything
+    } catch (const Error& e) {
+      after[r] = e.what();
+    }
+  });
+  EXPECT_EQ(raised[1], "binding: x is not contiguous");
+  EXPECT_EQ(raised[0], "");
+  EXPECT_THAT(next[0], testing::HasSubstr("rank 1 rejected its input"));
+  EXPECT_THAT(next[1], testing::HasSubstr("rank 1 rejected its input"));
+  EXPECT_EQ(after[0], "");
+  EXPECT_EQ(after[1], "");
+}
+
 // Cached dispatches on handles of different dispatches fail every rank with config_mismatch,
 // and the buffer goes on (the next cached dispatch returns the first dispatch's rows again).
 TEST(CudaErrors, CachedDispatchesOnHandlesOfDifferentDispatchesFailEveryRank) {
