@@ -245,7 +245,7 @@ class Buffer:
     def _use_stream(self, stream):
         handle = handle_of(stream)
         if handle != self._stream:
-            self._c.set_stream(handle)  # synchronizes the previous stream: keep one stream per buffer
+            self._c.set_stream(handle)  # orders the new stream after the previous one (an event, no host wait)
             self._stream = handle
 
     @staticmethod

@@ -21,12 +21,14 @@ blocking mode and measure the rows each rank receives; the ranks then agree on t
 rows than that is never silently truncated: see ``on_overflow`` and :class:`CapacityOverflow`.
 """
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from . import registry, replay
 from . import torch as epx_torch
 from .buffer import Buffer
 from .config import Layout
@@ -140,6 +142,8 @@ class BufferPool:
         if self._overflow_count is None:
             count, needed = 0, 0
         else:
+            if self._overflow_count.is_cuda:  # the counts grow on the calls' stream (the comm stream when async)
+                torch.cuda.synchronize(self._overflow_count.device)
             count, needed = int(self._overflow_count), int(self._overflow_needed)
             self._overflow_count.zero_()
             self._overflow_needed.zero_()
@@ -220,7 +224,6 @@ class _Pending:
     event: EventOverlap = NO_EVENT
     rows: Optional[torch.Tensor] = None  # rank-major path: the received row of each permuted row
     positions: Optional[torch.Tensor] = None  # and its position among the permuted rows
-    permuted_rows: int = 0
     combine_event: EventOverlap = NO_EVENT
 
 
@@ -300,18 +303,23 @@ class TokenDispatcher:
             raise InvalidArgument("dispatcher: dispatch_all_to_all before dispatch_preprocess")
         topk_idx, topk_weights, routing_map, probs_dense = self._routing
         self._routing = None
-        x = hidden_states if hidden_states.dtype == torch.bfloat16 else hidden_states.bfloat16()
-        buffer, calibrating = self.pool.buffer_for(x.shape[1], x.shape[0])
+        hidden, tokens = hidden_states.shape[1], hidden_states.shape[0]
+        buffer, calibrating = self.pool.buffer_for(hidden, tokens)
         layout = Layout.expert_major if self.config.fused_permute else Layout.rank_major
 
-        def run():
+        def run():  # on the stream the call runs on: the cast too, after previous_event
+            x = hidden_states if hidden_states.dtype == torch.bfloat16 else hidden_states.bfloat16()
             return epx_torch.dispatch(buffer, x, topk_idx, topk_weights, routing_map=routing_map,
                                       probs=probs_dense, layout=layout)
 
-        output, event = self._on_stream(buffer, run, async_finish, previous_event, (x, topk_idx, topk_weights,
-                                                                                   routing_map, probs_dense))
-        self._pending = _Pending(buffer, output, self._shape, hidden_states.dtype, event)
-        self.pool.after_dispatch(x.shape[1], output, calibrating)
+        output, event = self._on_stream(buffer, run, async_finish, previous_event,
+                                        (hidden_states, topk_idx, topk_weights, routing_map, probs_dense))
+        # A recompute (epx.torch.checkpoint) replays the recorded dispatch on the buffer that made it.
+        self._pending = _Pending(registry.get(output.handle.buffer_id), output, self._shape, hidden_states.dtype,
+                                 event)
+        if not replay.replaying():  # a recompute measures and watches nothing twice
+            with self._on_call_stream(buffer):  # recv_info is written on the stream the call ran on
+                self.pool.after_dispatch(hidden, output, calibrating)
         probs_out = output.recv_weights if self.config.fused_permute else output.recv_topk_weights
         return output.recv_x, probs_out
 
@@ -426,8 +434,14 @@ class TokenDispatcher:
         total = int(padded.sum())
         permuted = recv_x.new_zeros(total, recv_x.shape[1]).index_copy(0, positions, recv_x.index_select(0, rows))
         probs = weights.new_zeros(total).index_copy(0, positions, weights[rows, slots])
-        pending.rows, pending.positions, pending.permuted_rows = rows, positions, total
+        pending.rows, pending.positions = rows, positions
         return permuted, probs, padded
+
+    def _on_call_stream(self, buffer):
+        """A context that runs torch ops on the stream _on_stream runs the calls on."""
+        if buffer.device.type != "cuda" or not self.config.async_dispatch:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(buffer.comm_stream)
 
     def _on_stream(self, buffer, run, async_finish, previous_event, inputs):
         """Runs an epx call where this pool's calls run: torch's current stream, or (async_dispatch) the

@@ -147,18 +147,19 @@ class LowLatencyBuffer:
         (C++ LowLatencyBuffer::reject). The call uses its buffer set, as any call does."""
         if op == "dispatch":
             self._start_dispatch()
-            self._c.reject_dispatch(reason)
-        if op == "combine":
+            self._c.reject_dispatch(reason)  # always raises
+        elif op == "combine":
             self.combine_calls += 1
-            self._c.reject_combine(reason)
-        raise InvalidArgument(f"reject: unknown op {op!r}; use 'dispatch' or 'combine'")
+            self._c.reject_combine(reason)  # always raises
+        else:
+            raise InvalidArgument(f"reject: unknown op {op!r}; use 'dispatch' or 'combine'")
 
     # --- lifetimes -----------------------------------------------------------------------------
 
     def is_current(self, output):
         """Whether a dispatch output (or its handle) still holds its own call's data: no dispatch n + 2 yet."""
         handle = output.handle if isinstance(output, LowLatencyDispatchOutput) else output
-        return self.dispatch_calls <= handle.call + 2
+        return self.dispatch_calls <= int(handle.token[2]) + 2  # the token's record (handle.call is -1 when traced)
 
     # --- helpers -------------------------------------------------------------------------------
 

@@ -120,7 +120,6 @@ class EpxManager:
         output = d.last_dispatch
         self.handle = output.handle
         self.dispatched_indices = output.recv_topk_idx
-        self._received = received
         return received
 
     def get_dispached_metadata(self):

@@ -41,6 +41,12 @@ def active():
     return getattr(_state, "recorder", None)
 
 
+def replaying():
+    """Whether the current thread's dispatches are a recompute's (an active recorder replaying)."""
+    recorder = active()
+    return recorder is not None and recorder.mode == "replay"
+
+
 def totals():
     """Counters summed over every recorder of this process."""
     with _totals_lock:
@@ -87,6 +93,11 @@ class LayoutRecorder:
             return None
         self._cursor += 1
         return self._entries[self._cursor - 1]
+
+    @property
+    def mode(self):
+        """"record", "replay", or None outside both blocks."""
+        return self._mode
 
     @property
     def stats(self):

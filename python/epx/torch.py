@@ -19,6 +19,7 @@ recomputed dispatch is a cached dispatch with the recorded handle (replay.py).
 import torch as _torch
 import torch.utils.checkpoint as _checkpoint
 
+from . import registry
 from . import replay as _replay
 from .config import Layout
 from .errors import InvalidArgument
@@ -73,6 +74,7 @@ def _replay_dispatch(buffer, x, x_scales, weights, recorded, nvfp4_global_scale)
     the recorded layout tensors, and the router weight outputs new, so that gradients reach this
     recompute's x and weights (their values are the recorded ones: the handle's combine uses those)."""
     h = recorded.handle
+    buffer = registry.get(h.buffer_id)  # the recorded dispatch's buffer (a pool may have made another since)
     weight_field = "recv_weights" if h.layout == Layout.expert_major else "recv_topk_weights"
     recv_x, recv_scales, recv_global, recv_w = _CachedDispatch.apply(
         buffer, h, float(nvfp4_global_scale), x, x_scales, weights, getattr(recorded, weight_field))

@@ -442,6 +442,33 @@ def test_low_latency_hooks_overlap_two_layers(ranks):
             assert_close_sum(run[i][2], want, scale, f"layer {i} rank {d}")
 
 
+def test_low_latency_combine_never_hands_out_the_callers_out():
+    """A combine written into the caller's out=, then a hooked combine of the same set without out: the hook
+    fills the set's own tensor, and the caller's out keeps its values."""
+    ranks = 2
+    p = problem(ranks, seed=130, tokens=M, hidden=512)
+    groups = epx.Group.host(ranks)
+    buffers = make_buffers(groups, hidden=512)
+
+    def rank(g):
+        b, r = buffers[g.rank], g.rank
+        y = random_bf16((E // ranks, ranks * M, 512), 140 + r)
+        mine = torch.zeros(M, 512, dtype=torch.bfloat16)
+        for step in range(3):  # combine sets 0, 1, 0
+            recv, _, h, _, _ = b.low_latency_dispatch(p.x[r], p.idx[r], M, E, use_fp8=False)
+            if step == 0:
+                b.low_latency_combine(y, p.idx[r], p.w[r], h, out=mine)
+                kept = mine.clone()
+            elif step == 2:
+                got, _, hook = b.low_latency_combine(y, p.idx[r], p.w[r], h, return_recv_hook=True)
+                hook()
+            else:
+                b.low_latency_combine(y, p.idx[r], p.w[r], h)
+        return got is not mine and torch.equal(mine, kept)
+
+    assert all(run_all(groups, rank))
+
+
 def test_low_latency_combine_skips_slots_its_topk_idx_masks():
     """DeepEP sums the slots whose combine-time topk_idx is >= 0: a slot masked there adds nothing."""
     ranks, p = 2, problem(2, seed=130, tokens=M, hidden=512, unused=0.0)

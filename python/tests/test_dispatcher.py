@@ -131,6 +131,31 @@ def test_layer_matches_dense_reference(ranks, fused, compact):
     check_against_reference(p, runs, p.idx, expert_w, grad_outs)
 
 
+@pytest.mark.parametrize("static_capacity", [False, True])
+def test_checkpointed_layer_replays_its_dispatch_and_matches_the_reference(static_capacity):
+    """epx.torch.checkpoint around the layer: the recompute replays the recorded dispatch on the buffer that
+    made it (with static_capacity the pool has made its capacity buffer by then) and measures nothing again."""
+    p = Problem(2, H, E, K, [10, 7], seed=17)
+    expert_w, grad_outs = expert_weights(E, H), grads_for(p)
+    cfg = config(pad_multiple=4, static_capacity=static_capacity, calibration_dispatches=1, max_tokens_per_rank=12)
+    groups = epx.Group.host(p.ranks)
+    local = E // p.ranks
+
+    def rank(g):
+        r = g.rank
+        d = TokenDispatcher(g, local_range(g, E), cfg)
+        x, probs = p.x[r].clone().requires_grad_(), p.w[r].clone().requires_grad_()
+        w_local = expert_w[r * local:(r + 1) * local]
+        recorder = epx.LayoutRecorder()
+        out = epx.torch.checkpoint(lambda x, probs: layer(d, x, (p.idx[r], probs), w_local, True), x, probs,
+                                   recorder=recorder)
+        (out.float() * grad_outs[r]).sum().backward()
+        assert recorder.stats["replayed"] == 1 and recorder.stats["misses"] == 0
+        return out.detach(), x.grad, probs.grad
+
+    check_against_reference(p, run_all(groups, rank), p.idx, expert_w, grad_outs)
+
+
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_capacity_factor_drops_as_epx_specifies(ranks):
     p = Problem(ranks, H, E, K, 12, seed=3, skew=True)

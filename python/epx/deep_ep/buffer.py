@@ -12,7 +12,6 @@ DeepEP intranode dispatch is epx's rank-major layout (each token once per destin
 recv_topk_idx local expert ids or -1); DeepEP combine is epx's unweighted rank-major combine.
 """
 
-import inspect
 
 import torch
 
@@ -166,6 +165,7 @@ class Buffer(LowLatencyCalls):
         (the expert count)."""
         self._check_alive()
         refuse_options("dispatch", options)
+        given = x
         x, x_scales = split_x(x)
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             raise InvalidArgument("dispatch: x must be a [num_tokens, hidden] tensor (or a pair of them with fp8)")
@@ -174,6 +174,8 @@ class Buffer(LowLatencyCalls):
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise InvalidArgument("dispatch: a cached dispatch (handle given) takes no topk_idx / topk_weights")
+            if is_dispatch_handle(handle):
+                order_copies(handle.buffer, given, x_scales, previous_event)
             return self._cached_dispatch(x, x_scales, handle, streams)
         self._check_routing_args(topk_idx, num_tokens_per_expert, num_tokens_per_rdma_rank, expert_alignment,
                                  num_worst_tokens)
@@ -182,6 +184,7 @@ class Buffer(LowLatencyCalls):
                                  "bf16" if x_scales is None else "fp8", num_worst_tokens, config.num_sms)
         if x.shape[0] > buffer.config.max_tokens_per_rank:
             refuse(buffer, Op.dispatch, self._budget_message(x.shape[0], buffer), InvalidArgument)
+        order_copies(buffer, given, x_scales, previous_event)
         d = buffer.dispatch(x, topk_idx, topk_weights, x_scales=x_scales, layout="rank_major", **streams)
 
         def deep_ep_outputs():
@@ -222,6 +225,9 @@ class Buffer(LowLatencyCalls):
             out, weights, event = b.grad_x, b.grad_topk_weights, b.event
         if biases:  # rounded to bf16 once more than DeepEP's sum (epx rounds its sum first)
             out, event = finish_on(buffer, event, lambda: add_biases(out, biases))
+            if event.event is not None:  # read on the comm stream: the caller may drop them now
+                for bias in biases:
+                    bias.record_stream(buffer.comm_stream)
         return out, weights, event
 
     # --- helpers --------------------------------------------------------------------------------
@@ -231,9 +237,6 @@ class Buffer(LowLatencyCalls):
             raise InvalidArgument("dispatch: handle: expected the handle an epx.deep_ep dispatch returned, got "
                                   f"{type(handle).__name__}")
         buffer = handle.buffer
-        if "handle" not in inspect.signature(EpxBuffer.dispatch).parameters:
-            raise Unsupported("dispatch: cached dispatch (handle=) needs epx.Buffer.dispatch(x, handle=...), which "
-                              "this epx does not have yet")
         fp8_handle = buffer.wire in (WireFormat.fp8, WireFormat.fp8_ue8m0)
         if fp8_handle != (x_scales is not None):
             given, made = ("fp8" if x_scales is not None else "bf16"), ("fp8" if fp8_handle else "bf16")
@@ -351,8 +354,16 @@ def split_x(x):
         raise Unsupported("dispatch: packed UE8M0 scales (int32) are not supported by epx's high-throughput "
                           "dispatch; pass float32 scales [T, H/128]")
     if isinstance(scales, torch.Tensor) and not scales.is_contiguous():
-        scales = scales.contiguous()
+        scales = scales.contiguous()  # on the current stream: see order_copies
     return codes, scales
+
+
+def order_copies(buffer, original_x, x_scales, previous_event):
+    """With previous_event the comm stream waits for that event only; scales split_x copied on the
+    current stream after it must be waited for too."""
+    copied = isinstance(original_x, tuple) and x_scales is not original_x[1]
+    if copied and previous_event is not None and x_scales.is_cuda:
+        buffer.comm_stream.wait_stream(torch.cuda.current_stream())
 
 
 def unpack_bias(bias):

@@ -84,12 +84,6 @@ class _LowLatencyState:
                 target.copy_(value)
 
 
-def keep_alive(*tensors):
-    """Referenced by a hook so the send half's inputs live until its receive half (epx.LowLatencyBuffer keeps
-    only the last send's inputs, and a dispatch's send may come between a combine's halves)."""
-    return tensors
-
-
 def _fp8_dtype():
     from ..tensors import fp8_dtype
 
@@ -148,9 +142,11 @@ class LowLatencyCalls:
         state = self._ll_state(num_max_dispatch_tokens_per_rank, x, topk_idx, num_experts, wire, packed)
         set_index = state.ll.dispatch_calls % 2
 
-        def finish(received, epx_handle):
+        def count(received):  # on the stream that made recv_count
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(received["recv_count"])
+
+        def finish(received, epx_handle):
             state.dispatched[set_index] = received  # the set's next hooked call hands these out
             handle.attach(epx_handle, state)
 
@@ -161,19 +157,22 @@ class LowLatencyCalls:
             handle.attach(None, state)  # combine before the hook is refused
 
             def hook():
-                keep_alive(x, topk_idx)  # the send half's inputs, until its receive half
                 d = state.ll.dispatch_recv()
                 received = state.received(d)
                 state.fill(outputs, received)
+                count(received)
                 finish(received, d.handle)
 
             return _deep_ep_x(outputs), outputs["recv_count"], handle, EventOverlap(), hook
 
         def run():
             d = state.ll.dispatch(x, topk_idx)
-            return d, state.received(d)
+            received = state.received(d)
+            count(received)
+            return d, received
 
-        (d, outputs), event = self.run_on_side_stream(run, (x, topk_idx), None, async_finish, False)
+        inputs = tuple(t for t in (x, topk_idx, cumulative_local_expert_recv_stats) if t is not None)
+        (d, outputs), event = self.run_on_side_stream(run, inputs, None, async_finish, False)
         handle = self._ll_handle(outputs, num_max_dispatch_tokens_per_rank, x.shape[1], num_experts)
         finish(outputs, d.handle)
         return _deep_ep_x(outputs), outputs["recv_count"], handle, event, None
@@ -202,7 +201,6 @@ class LowLatencyCalls:
             target = out if out is not None else self._reserved_combine(state, set_index, handle, x)
 
             def hook():
-                keep_alive(x, weights)
                 result = state.ll.combine_recv()
                 if result.data_ptr() != target.data_ptr():
                     target.copy_(result)
@@ -212,10 +210,11 @@ class LowLatencyCalls:
 
         def run():
             result = state.ll.combine(x, handle.epx, topk_weights=weights)
-            return out.copy_(result) if out is not None else result
+            return result, (out.copy_(result) if out is not None else result)
 
-        combined, event = self.run_on_side_stream(run, (x, topk_weights), None, async_finish, False)
-        state.combined[set_index] = combined
+        inputs = tuple(t for t in (x, weights, out) if t is not None)
+        (result, combined), event = self.run_on_side_stream(run, inputs, None, async_finish, False)
+        state.combined[set_index] = result  # the set's own tensor, never the caller's out
         return combined, event, None
 
     # --- helpers --------------------------------------------------------------------------------
