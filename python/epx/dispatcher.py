@@ -34,7 +34,7 @@ from .buffer import Buffer
 from .config import Layout
 from .errors import InvalidArgument
 from .group import Group
-from .streams import NO_EVENT, EventOverlap, event_of
+from .streams import NO_EVENT, EventOverlap, on_side_stream
 
 
 class CapacityOverflow(RuntimeError):
@@ -445,24 +445,9 @@ class TokenDispatcher:
 
     def _on_stream(self, buffer, run, async_finish, previous_event, inputs):
         """Runs an epx call where this pool's calls run: torch's current stream, or (async_dispatch) the
-        buffer's communication stream after the current stream's work (or after previous_event). Returns
-        (result, EventOverlap). Backward runs on the stream the forward ran on (torch's rule)."""
+        buffer's communication stream (streams.on_side_stream). Returns (result, EventOverlap). Backward
+        runs on the stream the forward ran on (torch's rule)."""
         if buffer.device.type != "cuda" or not self.config.async_dispatch:
             return run(), NO_EVENT
-        current, comm = torch.cuda.current_stream(buffer.device), buffer.comm_stream
-        if previous_event is not None:
-            comm.wait_event(event_of(previous_event))
-        else:
-            comm.wait_stream(current)
-        with torch.cuda.stream(comm):
-            result = run()
         asynchronous = self.config.async_dispatch if async_finish is None else bool(async_finish)
-        if not asynchronous:
-            current.wait_stream(comm)
-            return result, NO_EVENT
-        for t in inputs:  # torch's allocator must not reuse them before the comm stream is done
-            if t is not None:
-                t.record_stream(comm)
-        event = torch.cuda.Event()
-        event.record(comm)
-        return result, EventOverlap(event, extra_tensors=[t for t in inputs if t is not None])
+        return on_side_stream(buffer.comm_stream, run, inputs, previous_event, asynchronous)

@@ -77,3 +77,41 @@ class CallStreams:
             return EventOverlap(event)
         self.consumer.wait_stream(self.run)
         return NO_EVENT
+
+
+def tensors_in(value):
+    """Every tensor in a (nested) result, for record_stream."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in tensors_in(v)]
+    return []
+
+
+def on_side_stream(side, make, inputs, previous_event, async_finish):
+    """Runs make() (torch work, or epx calls on torch's current stream) on stream `side`, the DeepEP way:
+    `side` first waits for previous_event, else for the current stream. The tensors make() returns are
+    record_stream'ed on the current stream, which uses them next. async_finish: `inputs` are
+    record_stream'ed on `side` (torch's allocator must not reuse them before it is done) and the
+    EventOverlap to wait on comes back; else the current stream waits for `side`. (result, EventOverlap)."""
+    current = torch.cuda.current_stream()
+    if previous_event is not None:
+        side.wait_event(event_of(previous_event))
+    else:
+        side.wait_stream(current)
+    with torch.cuda.stream(side):
+        result = make()
+    for t in tensors_in(result):
+        if t.is_cuda:
+            t.record_stream(current)
+    if not async_finish:
+        current.wait_stream(side)
+        return result, NO_EVENT
+    kept = tuple(t for t in inputs if t is not None)
+    for t in kept:
+        if t.is_cuda:
+            t.record_stream(side)
+    event = torch.cuda.Event()
+    event.record(side)
+    return result, EventOverlap(event, kept)
+

@@ -19,10 +19,10 @@ from ..buffer import Buffer as EpxBuffer
 from ..config import Op, WireFormat
 from ..errors import InvalidArgument, Unsupported
 from ..group import Group
-from ..streams import EventOverlap, event_of
+from ..streams import EventOverlap, on_side_stream
 from .config import Config, nvl_bytes_per_token
 from .handles import DispatchHandle, is_dispatch_handle
-from .layout import aligned_counts, dispatch_layout, finish_on, rank_prefix_matrix, tensors_in
+from .layout import aligned_counts, dispatch_layout, finish_on, rank_prefix_matrix
 from .low_latency import LowLatencyCalls, refuse_options
 
 # Buffer(..., epx_max_tokens_per_rank=None) takes this, for code that builds its Buffers itself (vLLM,
@@ -315,31 +315,13 @@ class Buffer(LowLatencyCalls):
 
     def run_on_side_stream(self, make, inputs, previous_event, async_finish, allocate_on_comm_stream):
         """Torch work the DeepEP way (get_dispatch_layout, low-latency async_finish): on CUDA inputs with any
-        of the options, on this Buffer's side stream after previous_event (else the current stream); async:
-        returns an event to wait on, else the current stream waits. Returns (result, event)."""
+        of the options, on this Buffer's side stream (streams.on_side_stream); else here. (result, event)."""
         if not (async_finish or previous_event is not None or allocate_on_comm_stream) \
-                or not any(t.is_cuda for t in inputs):
+                or not any(t.is_cuda for t in inputs if t is not None):
             return make(), EventOverlap()
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream()
-        side, current = self._side_stream, torch.cuda.current_stream()
-        if previous_event is not None:
-            side.wait_event(event_of(previous_event))
-        else:
-            side.wait_stream(current)
-        with torch.cuda.stream(side):
-            result = make()
-        for t in tensors_in(result):
-            if t.is_cuda:
-                t.record_stream(current)
-        if not async_finish:
-            current.wait_stream(side)
-            return result, EventOverlap()
-        for t in inputs:
-            t.record_stream(side)
-        event = torch.cuda.Event()
-        event.record(side)
-        return result, EventOverlap(event, tuple(inputs))
+        return on_side_stream(self._side_stream, make, inputs, previous_event, async_finish)
 
 
 def split_x(x):

@@ -2,7 +2,7 @@
 
 import torch
 
-from ..streams import EventOverlap
+from ..streams import EventOverlap, tensors_in
 
 
 def dispatch_layout(topk_idx, num_experts, num_ranks):
@@ -50,15 +50,6 @@ def layout_range(recv_layout):
     """DeepEP's layout_range [L, R] int64 = (first row << 32) | rows from epx's recv_layout [L, R, 2] int32."""
     first, rows = recv_layout[..., 0].to(torch.int64), recv_layout[..., 1].to(torch.int64)
     return (first << 32) | rows
-
-
-def tensors_in(value):
-    """Every tensor in a (nested) result, for record_stream."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in tensors_in(v)]
-    return []
 
 
 def finish_on(buffer, event, make):
