@@ -1,4 +1,5 @@
-// What a copy-engine copy costs beyond its bytes (docs/performance.md, "Copies cost per call"):
+// What a copy-engine copy costs beyond its bytes
+// (docs/lab/2026-12-01-performance-diary.md, "Copies cost per call"):
 // 1. host time per call: cudaMemcpyAsync, an entry of cudaMemcpyBatchAsync, and the update of one
 //    memcpy node of an instantiated graph (cudaGraphExecMemcpyNodeSetParams1D, launch included);
 // 2. device time of one rank's dispatch rows (4096 x 14336 bytes) copied as n copies: on one stream,

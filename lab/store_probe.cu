@@ -1,8 +1,9 @@
-// How fast a few SMs can write local memory, by store kind (docs/performance.md, "The floor of
-// each op"): epx-bench's `local_write` baseline measured ~55-60 GB/s per SM at 24 SMs, about half
-// what an SM reads, and that rate bounds the expert-major receiver. Each variant writes the same
-// bytes with the same blocks; if one of them writes faster per SM, the floor is the store kind's,
-// not the SM's. Prints one line per (variant, blocks): median us of 20, TB/s, GB/s per block.
+// How fast a few SMs can write local memory, by store kind
+// (docs/lab/2026-12-01-performance-diary.md, "The floor of each op"): epx-bench's `local_write`
+// baseline measured ~55-60 GB/s per SM at 24 SMs, about half what an SM reads, and that rate
+// bounds the expert-major receiver. Each variant writes the same bytes with the same blocks; if
+// one of them writes faster per SM, the floor is the store kind's, not the SM's. Prints one line
+// per (variant, blocks): median us of 20, TB/s, GB/s per block.
 //   usage: epx-store-probe [MiB (default 224)] [blocks... (default 8 24 132)]
 #include <cuda_runtime.h>
 

@@ -1,5 +1,6 @@
 // How the CUDA backend cuts the combine's copy-engine return into pieces by stream position
-// (docs/performance.md). Plain host code (no CUDA), so the CPU tests check it.
+// (docs/lab/2026-12-01-performance-diary.md). Plain host code (no CUDA), so the CPU tests check
+// it.
 #pragma once
 #include <cstdint>
 

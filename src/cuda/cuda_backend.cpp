@@ -29,15 +29,16 @@ namespace {
 
 constexpr int kDefaultBlocks = 24;
 // Pieces per broadcast. Each piece costs the host two copy calls before anything else of the call
-// is enqueued (docs/performance.md).
+// is enqueued (docs/lab/2026-12-01-performance-diary.md).
 constexpr int64_t kBroadcastPieces = 4;
 
 // Copy-engine dispatch (kernels/broadcast.cu). EPX_DISPATCH_ENGINE=copy or sm forces an engine;
 // unset (auto), bf16 and fp8 wires at two ranks use the copy engines, where nearly every token
 // goes to the other rank and they were measured faster; everything else the SM path: a broadcast
 // sends every token to every rank, and nvfp4 by copy engine was not measured against the SM
-// engine (docs/performance.md). Forced, the copy engines run at one rank too (nothing crosses,
-// every kernel of the path runs): what lets compute-sanitizer, which needs a single rank, check them.
+// engine (docs/lab/2026-12-01-performance-diary.md). Forced, the copy engines run at one rank too
+// (nothing crosses, every kernel of the path runs): what lets compute-sanitizer, which needs a
+// single rank, check them.
 bool use_broadcast(const BufferConfig& c, int ranks) {
   const Engine engine = env_dispatch_engine();
   return engine == Engine::copy || (engine == Engine::automatic && ranks == 2 && c.wire != WireFormat::nvfp4);
@@ -45,7 +46,7 @@ bool use_broadcast(const BufferConfig& c, int ranks) {
 
 // Copy-engine combine and dispatch_backward (blocking calls): EPX_COMBINE_ENGINE=copy or sm forces
 // an engine (copy at any rank count, as above); unset (auto), two ranks return their rows by copy
-// engine (docs/performance.md).
+// engine (docs/lab/2026-12-01-performance-diary.md).
 bool use_copy_combine(int ranks) {
   const Engine engine = env_combine_engine();
   return engine == Engine::copy || (engine == Engine::automatic && ranks == 2);
@@ -319,9 +320,10 @@ CudaBackend::~CudaBackend() {
 }
 
 int CudaBackend::send_blocks(bool dispatch, Layout layout) const {
-  // The split of the SM budget measured best on 2x H200 at the V3 shape (docs/performance.md):
-  // expert-major receivers write each token ~4 times, so a dispatch gives them two thirds;
-  // expert-major combine senders sum ~4 rows per token, so they get two thirds there.
+  // The split of the SM budget measured best on 2x H200 at the V3 shape
+  // (docs/lab/2026-12-01-performance-diary.md, "SM split"): expert-major receivers write each
+  // token ~4 times, so a dispatch gives them two thirds; expert-major combine senders sum ~4 rows
+  // per token, so they get two thirds there.
   int send = blocks_ / 2;
   if (layout == Layout::expert_major) send = dispatch ? blocks_ / 3 : blocks_ * 2 / 3;
   if (config().send_blocks > 0) send = static_cast<int>(config().send_blocks);  // BufferConfig::send_blocks

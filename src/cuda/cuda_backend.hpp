@@ -170,7 +170,7 @@ class CudaBackend final : public Backend {
   bool copy_combine_ = false;  // blocking combine and dispatch_backward return their rows by copy engine
   std::shared_ptr<CUmemPoolHandle_st> pool_;  // outputs and handles; kept alive by every tensor from it
   // Dispatch output blocks whose tensors are gone, for the next dispatch: a pool allocation
-  // costs tens of microseconds of host time (docs/performance.md).
+  // costs tens of microseconds of host time (docs/lab/2026-12-01-performance-diary.md).
   struct BlockCache {
     std::mutex mutex;
     std::vector<std::pair<void*, size_t>> blocks;

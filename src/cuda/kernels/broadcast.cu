@@ -6,7 +6,7 @@
 // and the receivers work out every row's place themselves. bf16 rows go straight from x; other
 // wire formats are first encoded (quantized, or fp8 codes and scales as given) into this rank's own
 // part of bcast_rows, and go from there. It pays where nearly every token goes to every rank (EP2 at
-// top-8 of 256: 99.6%); docs/performance.md.
+// top-8 of 256: 99.6%); docs/lab/2026-12-01-performance-diary.md.
 #include <algorithm>
 
 #include "cuda/kernels/device_common.cuh"

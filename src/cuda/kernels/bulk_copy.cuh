@@ -2,7 +2,7 @@
 // stage in shared memory with one cp.async.bulk, waits on the stage's mbarrier, then stores it to
 // each destination with one bulk store per destination and moves on while the stores drain. A
 // row in flight costs shared memory, not registers, so 16 warps of a block keep 16 whole rows in
-// flight where register copies keep ~4 KiB per warp (docs/performance.md).
+// flight where register copies keep ~4 KiB per warp (docs/lab/2026-12-01-performance-diary.md).
 //
 // Layout of the block's dynamic shared memory: [warps][kBulkStageBytes] stages, then one mbarrier
 // (8 bytes) and one phase word (4 bytes) per warp.

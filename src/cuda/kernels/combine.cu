@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PeerWindows w, Window
     return;
   }
   // The reducers stage a token's rows in their warp's shared memory (14 KiB in flight per warp
-  // instead of two rows' 4 KiB; docs/performance.md), a term per lane.
+  // instead of two rows' 4 KiB; docs/lab/2026-12-01-performance-diary.md), a term per lane.
   const bool staged = wide && w.ranks + 1 <= 32;
   const int64_t reducer = (blockIdx.x - send_blocks) * static_cast<int64_t>(kThreads / 32) + warp;
   const int64_t reducers = static_cast<int64_t>(gridDim.x - send_blocks) * (kThreads / 32);

@@ -110,9 +110,10 @@ __device__ float scale_and_dot(const uint16_t* g, const uint16_t* y, uint16_t* o
 // here; lane b gives its slot's y row, grad_y row and weight), through the warp's stage: a ring of
 // kRing entries (CpAsyncRing), each a 2 KiB slice of g and the same slice of one slot's y, loaded
 // by cp.async in (slot, slice) order, so kRing x 4 KiB per warp stay in flight without registers
-// (scale_and_dot keeps 4 KiB in registers; this form measured 4-6% faster, docs/performance.md). A
-// slot's slices are consumed in order, so each lane's dot takes its vectors in the same order as
-// scale_and_dot's. Rows 16-byte aligned, hidden % 8 == 0.
+// (scale_and_dot keeps 4 KiB in registers; this form measured 4-6% faster,
+// docs/lab/2026-12-01-performance-diary.md). A slot's slices are consumed in order, so each
+// lane's dot takes its vectors in the same order as scale_and_dot's. Rows 16-byte aligned,
+// hidden % 8 == 0.
 // Returns lane b's slot's dot to lane b.
 constexpr int kRing = 3;
 static_assert(kRing * 2 * kSlotBytes <= kBulkStageBytes, "the ring fits the warp's stage");

@@ -4,7 +4,7 @@
 // path zeroes those of other ranks' experts, which the source never reads); an expert-major call
 // returns the partials reduce_partials summed into a rank-major buffer (combine.cu). The rows of
 // each source are contiguous there, in the source's stream order, so the copy engines move them in
-// a few large copies while every SM reduces (docs/performance.md).
+// a few large copies while every SM reduces (docs/lab/2026-12-01-performance-diary.md).
 #include <algorithm>
 
 #include "cuda/cuda_check.hpp"

@@ -81,9 +81,9 @@ struct WindowMap {
                             // rows of stream positions [return_start[p], return_start[p + 1]) are in rev_rows
   int32_t return_start[kMaxPieces + 1];  // the copy-engine return's pieces; entries past the last piece
                                          // are max_tokens
-  // Copy-engine dispatch (docs/performance.md): every source's whole input, copied here by its
-  // copy engines in pieces of piece_tokens tokens, each piece flagged after it (copy-engine
-  // combine cuts its rows by stream position the same way).
+  // Copy-engine dispatch (docs/lab/2026-12-01-performance-diary.md): every source's whole
+  // input, copied here by its copy engines in pieces of piece_tokens tokens, each piece flagged
+  // after it (copy-engine combine cuts its rows by stream position the same way).
   int64_t bcast_rows;       // [R][max_tokens] rows of bcast_stride bytes (none when the buffer does not broadcast)
   int64_t bcast_stride;
   int64_t piece_tokens;

@@ -2,9 +2,9 @@
 // window (quantizing on the way when the wire says so) and flags every finished chunk there; the
 // receiver, running at the same time on other SMs, places each flagged chunk's rows into the
 // outputs at positions fixed by the plans, copying this rank's own tokens straight from the
-// input when the wire needs no quantizing (docs/performance.md). With a copy-engine broadcast
-// (broadcast.cu) there is no sender: the receiver takes every source's tokens from the copies of
-// its rows and placing data, each once flagged.
+// input when the wire needs no quantizing (docs/lab/2026-12-01-performance-diary.md). With a
+// copy-engine broadcast (broadcast.cu) there is no sender: the receiver takes every source's
+// tokens from the copies of its rows and placing data, each once flagged.
 #include "cuda/cuda_check.hpp"
 #include "cuda/kernels/bulk_copy.cuh"
 #include "cuda/kernels/empty_rows.cuh"

@@ -211,7 +211,7 @@ __device__ inline void fma_bf16x8(float (&acc)[8], const int4& raw, float weight
 // by one hardware conversion for the pair. The hardware gives a canonical NaN where
 // float_to_bf16 keeps the payload, so a pair whose sum is NaN (a NaN, or infinities that cancel)
 // takes float_to_bf16. The software rounding alone cost ~8 instructions a value: most of a
-// one-term sum's instructions (docs/performance.md).
+// one-term sum's instructions (docs/lab/2026-12-01-performance-diary.md).
 __device__ inline uint32_t bf16x2_bits(float lo, float hi) {
   uint32_t word;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(word) : "f"(hi), "f"(lo));  // the first operand goes high

@@ -3,7 +3,7 @@
 // the next kStageSlots (slice, term) loads in flight with cp.async, adds the oldest once in, and
 // refills its slot with the load kStageSlots ahead; 14 KiB per warp stay in flight without
 // registers. The bulk-copy (TMA) engine was the first form: it moved ~50 GB/s per SM where plain
-// loads move ~100 (docs/performance.md).
+// loads move ~100 (docs/lab/2026-12-01-performance-diary.md).
 #pragma once
 #include "cuda/kernels/bulk_copy.cuh"
 #include "cuda/kernels/cp_async.cuh"
