@@ -199,6 +199,9 @@ TEST(Errors, TimeoutFromTheEnvironmentWhenTheConfigHasNone) {
   HostWorld world(1);
   EXPECT_THAT([&] { Buffer b(world.group(0), cfg); },
               testing::ThrowsMessage<Error>(HasSubstr("EPX_TIMEOUT_MS must be a positive number of milliseconds, got 'soon'")));
+  const LowLatencyConfig ll{128, 8, 4, 2, WireFormat::bf16, 0};
+  EXPECT_THAT([&] { LowLatencyBuffer b(world.group(0), ll); },
+              testing::ThrowsMessage<Error>(HasSubstr("EPX_TIMEOUT_MS must be a positive number of milliseconds, got 'soon'")));
   unsetenv("EPX_TIMEOUT_MS");
 }
 

@@ -39,6 +39,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     CudaGroupState* state = nullptr;
     bool stamped = false;  // EPX_PROFILE=ll
     agree_after_checks(group, "low-latency buffer", describe(c), c.timeout_ms, [&] {
+      resolve_timeout(c.timeout_ms);  // EPX_TIMEOUT_MS may be bad on one rank's host: refused by every rank
       state = dynamic_cast<CudaGroupState*>(group.state().get());
       require(state != nullptr, "low-latency buffer: group is not a CUDA group");
       require(ranks_ <= kMaxRanks, "low-latency buffer: at most ", kMaxRanks, " ranks, got ", ranks_);

@@ -47,7 +47,8 @@ class HostLowLatency final : public LowLatencyBackend {
       : LowLatencyBackend(group, c) {
     auto* state = dynamic_cast<HostGroupState*>(group.state().get());
     require(state != nullptr, "low-latency buffer: group is not a host group");
-    agree_on_creation(group, "low-latency buffer", describe(c), "", c.timeout_ms);  // before joining anything
+    // Before joining anything; a bad EPX_TIMEOUT_MS is refused here, on every rank.
+    agree_after_checks(group, "low-latency buffer", describe(c), c.timeout_ms, [&] { resolve_timeout(c.timeout_ms); });
     shared_ = state->join_next<LowLatencyShared>(rank_, "LowLatencyBuffer");
     LowLatencyArea& a = shared_->areas[rank_];
     for (auto& set : a.dispatch) {

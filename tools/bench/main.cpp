@@ -93,6 +93,7 @@ std::vector<RankOutputs> run_config(const Options& o, const Ranks& ranks, const 
         outs[r] = run_rank(o, g, ranks.device(g), p, layout, with_combine, arrive);
       } catch (const std::exception& e) {
         errors[r] = e.what();
+        start.arrive_and_drop();  // the other ranks' barriers go on without it (their epx calls then time out)
       }
     });
   for (auto& t : threads) t.join();
@@ -186,6 +187,7 @@ std::vector<Record> run_low_latency(const Options& o, const Ranks& ranks, const 
         outs[r] = io.fetch(outs[r]);
       } catch (const std::exception& e) {
         errors[r] = e.what();
+        start.arrive_and_drop();  // as in run_config
       }
     });
   for (auto& t : threads) t.join();
