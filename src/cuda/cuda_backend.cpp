@@ -383,6 +383,11 @@ void CudaBackend::raise(const DeviceStatus& st, const Call& call) {
         char text[sizeof(PlanHeader::message)] = {};
         EPX_CUDA(cudaMemcpy(text, msg, sizeof text - 1, cudaMemcpyDeviceToHost));
         reason = text;
+      } else if (st.a == kStatusTimeout || st.a == kStatusPeerRejected || st.a == kStatusCallMismatch) {
+        // The peer failed for a reason of the group's, not of its input: its own error says which.
+        fail(ErrorCode::peer_failed, who, "rank ", st.rank,
+             st.a == kStatusTimeout ? " gave up waiting for another rank" : " stopped after another rank failed",
+             " (its own error says which), so the group stops");
       } else {
         reason = input_error(static_cast<int32_t>(st.a), st.b, st.c, st.d, config());
       }
@@ -444,7 +449,9 @@ PlanHeader CudaBackend::plan_header(const Call& call, const std::string& error, 
   h.call_index = call.index;
   h.tokens = tokens;
   h.signature = signature;
+  // The peers quote it: a reason longer than the slot ends in "..." (this rank throws it whole).
   std::strncpy(h.message, error.c_str(), sizeof h.message - 1);
+  if (error.size() > sizeof h.message - 1) std::memcpy(h.message + sizeof h.message - 4, "...", 3);
   return h;
 }
 
