@@ -44,12 +44,7 @@ DispatchResult CudaBackend::cached_dispatch(const DispatchInput& in, const Handl
 
   DispatchResult out;
   OutputBlock outputs(*this, stream_);
-  if (as_given) outputs.add(&out.recv_x, DType::bf16, {capacity, c.hidden});
-  else if (wire_.format == WireFormat::nvfp4) outputs.add(&out.recv_x, DType::e2m1x2, {capacity, c.hidden / 2});
-  else outputs.add(&out.recv_x, DType::fp8_e4m3, {capacity, c.hidden});
-  if (wire_.format == WireFormat::nvfp4) outputs.add(&out.recv_scales, DType::fp8_e4m3, {capacity, c.hidden / kNvfp4Block});
-  else if (wire_.scale_bytes) outputs.add(&out.recv_scales, DType::f32, {capacity, c.hidden / kFp8Block});
-  if (wire_.global_bytes) outputs.add(&out.recv_global_scale, DType::f32, {capacity});
+  add_row_outputs(outputs, out, capacity);
   outputs.allocate();
   if (!as_given) expanded = device_tensor(DType::bf16, {capacity, c.hidden});
   kernels::expand_grad(x, dh.recv, h->layout, false, nullptr, 0,

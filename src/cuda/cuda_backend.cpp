@@ -682,17 +682,22 @@ int CudaBackend::route(const Call& call, int64_t signature, const DispatchReques
   return phase;
 }
 
+void CudaBackend::add_row_outputs(OutputBlock& outputs, DispatchResult& out, int64_t capacity) const {
+  const int64_t hidden = config().hidden;
+  if (wire_.format == WireFormat::bf16) outputs.add(&out.recv_x, DType::bf16, {capacity, hidden});
+  else if (wire_.format == WireFormat::nvfp4) outputs.add(&out.recv_x, DType::e2m1x2, {capacity, hidden / 2});
+  else outputs.add(&out.recv_x, DType::fp8_e4m3, {capacity, hidden});
+  if (wire_.format == WireFormat::nvfp4) outputs.add(&out.recv_scales, DType::fp8_e4m3, {capacity, hidden / kNvfp4Block});
+  else if (wire_.scale_bytes) outputs.add(&out.recv_scales, DType::f32, {capacity, hidden / kFp8Block});
+  if (wire_.global_bytes) outputs.add(&out.recv_global_scale, DType::f32, {capacity});
+}
+
 void CudaBackend::launch_receiver(DispatchResult& out, const DeviceHandle& dh, const kernels::SendRows& rows,
                                   const kernels::Placing& mine, Layout layout, int64_t capacity, int senders,
                                   int phase) {
   const BufferConfig& c = config();
   OutputBlock outputs(*this, side_stream_);
-  if (wire_.format == WireFormat::bf16) outputs.add(&out.recv_x, DType::bf16, {capacity, c.hidden});
-  else if (wire_.format == WireFormat::nvfp4) outputs.add(&out.recv_x, DType::e2m1x2, {capacity, c.hidden / 2});
-  else outputs.add(&out.recv_x, DType::fp8_e4m3, {capacity, c.hidden});
-  if (wire_.format == WireFormat::nvfp4) outputs.add(&out.recv_scales, DType::fp8_e4m3, {capacity, c.hidden / kNvfp4Block});
-  else if (wire_.scale_bytes) outputs.add(&out.recv_scales, DType::f32, {capacity, c.hidden / kFp8Block});
-  if (wire_.global_bytes) outputs.add(&out.recv_global_scale, DType::f32, {capacity});
+  add_row_outputs(outputs, out, capacity);
   outputs.add(&out.recv_src, DType::i32, {capacity, 2});
   if (layout == Layout::expert_major) {
     outputs.add(&out.recv_weights, DType::f32, {capacity});

@@ -140,6 +140,8 @@ class CudaBackend final : public Backend {
     std::vector<Part> parts_;
     int64_t bytes_ = 0;
   };
+  // recv_x, recv_scales and recv_global_scale of `capacity` rows in this buffer's wire format.
+  void add_row_outputs(OutputBlock& outputs, DispatchResult& out, int64_t capacity) const;
   const HandleState& state_of(const Handle& h, const Call& call) const;
   void check_device_tensor(const TensorView& t, std::string_view what) const;
 
