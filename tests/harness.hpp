@@ -34,13 +34,25 @@ struct RunOptions {
   bool cached = true;  // a cached dispatch of new x after the dispatch
 };
 
+// The problem with BufferConfig::shared_expert on, and with `gate`, a shared_gate on each rank
+// (values in [-1, 1] in steps of 1/8, zero included).
+inline verify::Problem with_shared_expert(verify::Problem p, bool gate) {
+  p.cfg.shared_expert = true;
+  for (int r = 0; r < p.ranks; ++r) {
+    auto& in = p.inputs[r];
+    in.shared_gate.clear();
+    for (int64_t t = 0; gate && t < in.tokens; ++t) in.shared_gate.push_back(0.125f * static_cast<float>((t * 5 + r) % 17) - 1.0f);
+  }
+  return p;
+}
+
 // The cached dispatch's input: the problem's routing with other token values.
 inline verify::Problem fresh_x_problem(const verify::Problem& p) { return verify::with_fresh_x(p, 77); }
 
 // The cached dispatch's input of rank r: x (and x_scales) only.
 inline DispatchInput cached_input(const verify::Problem& fresh, int r) {
   DispatchInput in = fresh.inputs[r].view(fresh.cfg.hidden, fresh.cfg.topk);
-  in.topk_idx = in.topk_weights = TensorView{};
+  in.topk_idx = in.topk_weights = in.shared_gate = TensorView{};
   return in;
 }
 
@@ -80,6 +92,27 @@ inline std::vector<RankRun> run_problem(const verify::Problem& p, const RunOptio
   });
   for (int r = 0; r < p.ranks; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
   return runs;
+}
+
+// BufferConfig::shared_expert: both backward passes' grad_shared_gate of rank s against the
+// reference (combine_backward's only when weighted with a gate).
+inline void expect_shared_gate_grads(const verify::Problem& p, const verify::Expected& layout, const RankRun& run, int s,
+                                     bool weighted) {
+  const int64_t h = p.cfg.hidden, tokens = p.inputs[s].tokens;
+  const auto want_gathered = verify::expected_shared_gate_grad(p, layout, s, [&](int64_t row) { return run.grad_recv_weights[row]; });
+  ASSERT_TRUE(run.dispatch_grad.grad_shared_gate.defined());
+  ASSERT_EQ(verify::compare_bits(run.dispatch_grad.grad_shared_gate.data<float>(), want_gathered.data(), tokens, 4,
+                                 "dispatch_backward grad_shared_gate"), "")
+      << "rank " << s;
+  const bool gate = !p.inputs[s].shared_gate.empty();
+  ASSERT_EQ(run.combine_grad.grad_shared_gate.defined(), weighted && gate) << "rank " << s;
+  if (!(weighted && gate)) return;
+  const auto want_dot = verify::expected_shared_gate_grad(p, layout, s, [&](int64_t row) {
+    return verify::lane_dot(&run.grad_out[layout.rows[row].src_token * h], &run.y[row * h], h);
+  });
+  ASSERT_EQ(verify::compare_bits(run.combine_grad.grad_shared_gate.data<float>(), want_dot.data(), tokens, 4,
+                                 "combine_backward grad_shared_gate"), "")
+      << "rank " << s;
 }
 
 // Compares every output of every rank with the reference, bit for bit.
@@ -138,6 +171,7 @@ inline void expect_matches_reference(const verify::Problem& p, const RunOptions&
                                      static_cast<int64_t>(want_gw.size()), 4, "combine_backward grad_topk_weights"), "")
           << "rank " << s;
     }
+    if (p.cfg.shared_expert) expect_shared_gate_grads(p, layouts[s], run, s, weighted);
   }
 }
 

@@ -46,6 +46,10 @@ struct BufferConfig {
   // SM-engine combine (the rest receive or reduce); 0 = the split measured best (half, and at
   // expert-major a third in dispatch, two thirds in combine; docs/cuda.md). At most num_sms - 1.
   int64_t send_blocks = 0;
+  // Fused shared expert (expert-major only): dispatch also places this rank's own tokens as
+  // segment 0 of its output, so one grouped GEMM covers the shared and the routed experts, and
+  // combine adds those rows' outputs back after the routed partials. docs/semantics.md.
+  bool shared_expert = false;
 };
 
 std::string_view wire_name(WireFormat w);

@@ -71,6 +71,7 @@ typedef struct {
   int64_t num_sms; /* CUDA: thread blocks of the data-moving kernels; 0 = the default (24) */
   int32_t check_finite; /* nonzero: dispatch refuses x holding a NaN or an infinity (BufferConfig::check_finite) */
   int64_t send_blocks; /* CUDA: of the num_sms blocks, those that send; 0 = the default split (BufferConfig::send_blocks) */
+  int32_t shared_expert; /* nonzero: the fused shared expert (BufferConfig::shared_expert; CPU backend only) */
 } epx_buffer_config;
 
 typedef struct epx_world epx_world;   /* a host group: ranks are threads */
@@ -83,6 +84,7 @@ typedef struct {
   epx_tensor x, x_scales, topk_idx, topk_weights, routing_map, probs;
   int32_t layout;
   float nvfp4_global_scale;
+  epx_tensor shared_gate; /* [T] f32, optional with shared_expert (DispatchInput::shared_gate) */
 } epx_dispatch_args;
 
 const char* epx_last_error(void);
@@ -142,7 +144,8 @@ epx_status epx_combine_backward(epx_buffer* buffer, const epx_result* dispatched
 /* Tensor names: dispatch: recv_x recv_scales recv_global_scale recv_src recv_weights recv_topk_idx
  * recv_topk_weights expert_offsets tokens_per_expert rank_offsets; dispatch_cached: recv_x
  * recv_scales recv_global_scale; combine: out;
- * dispatch_backward: grad_x grad_topk_weights; combine_backward: grad_y grad_topk_weights.
+ * dispatch_backward: grad_x grad_topk_weights grad_shared_gate; combine_backward: grad_y
+ * grad_topk_weights grad_shared_gate (the shared_gate ones with shared_expert, as in epx/ops.hpp).
  * A name the result does not hold is EPX_ERR_INVALID_ARGUMENT.
  * Integer names (dispatch): num_rows overflow dropped_slots; (combine): overflow. */
 epx_status epx_result_tensor(const epx_result* result, const char* name, epx_tensor* out);

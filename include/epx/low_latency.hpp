@@ -22,6 +22,9 @@ struct LowLatencyConfig {
   // BufferConfig::check_finite; the CUDA backend scans on the device, and (like a bad expert id)
   // the next call raises it on every rank.
   bool check_finite = false;
+  // The fused shared expert of BufferConfig: not in low-latency mode yet; creation refuses it
+  // (unsupported). docs/low-latency.md.
+  bool shared_expert = false;
 };
 // One line with every field, used to compare configs across ranks and in messages.
 std::string describe(const LowLatencyConfig& c);

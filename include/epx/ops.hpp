@@ -36,6 +36,7 @@ struct DispatchInput {
   TensorView topk_weights;  // [T, K] f32, optional (needed for weighted combine)
   TensorView routing_map;   // [T, E] boolean: alternative to topk_idx
   TensorView probs;         // [T, E] f32 with routing_map, optional
+  TensorView shared_gate;   // [T] f32, optional with shared_expert: the weight of token t's shared row
 };
 
 struct DispatchOptions {
@@ -60,8 +61,8 @@ struct DispatchResult {
   Tensor recv_weights;       // expert-major: [N] f32 router weight of the row (0 on padding)
   Tensor recv_topk_idx;      // rank-major: [N, K] i32 local expert id or -1
   Tensor recv_topk_weights;  // rank-major: [N, K] f32 (0 where recv_topk_idx is -1)
-  Tensor expert_offsets;     // [L+1] i64 padded row offsets (expert-major)
-  Tensor tokens_per_expert;  // [L] i64 unpadded counts
+  Tensor expert_offsets;     // [L+1] i64 padded row offsets (expert-major); shared_expert: [L+2], segment 0 shared
+  Tensor tokens_per_expert;  // [L] i64 unpadded counts; shared_expert: [L+1], T first
   Tensor rank_offsets;       // [R+1] i64 first row from each source rank (rank-major)
 
   // A cached dispatch returns recv_x, recv_scales and recv_global_scale (and handle, the one it
@@ -98,6 +99,7 @@ struct DispatchBackwardInput {
 struct DispatchBackwardResult {
   Tensor grad_x;             // [T, H] bf16 (unweighted combine of grad_recv_x)
   Tensor grad_topk_weights;  // [T, K] f32 when grad_recv_weights was given
+  Tensor grad_shared_gate;   // [T] f32, shared_expert with grad_recv_weights: the shared rows' values
 };
 
 struct CombineBackwardInput {
@@ -108,6 +110,7 @@ struct CombineBackwardInput {
 struct CombineBackwardResult {
   Tensor grad_y;             // [N, H] bf16 in the dispatch layout (padding rows zero)
   Tensor grad_topk_weights;  // [T, K] f32 (weighted only): <grad_out[t], y[row(t,k)]>
+  Tensor grad_shared_gate;   // [T] f32 (weighted, dispatch had a shared_gate): <grad_out[t], y[t]>
 };
 
 }  // namespace epx

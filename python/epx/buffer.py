@@ -31,7 +31,7 @@ class Buffer:
 
     def __init__(self, group, hidden, max_tokens_per_rank, num_experts, topk, *, wire="bf16",
                  expert_alignment=1, mode=None, capacity_rows=0, capacity_factor=0.0, timeout_ms=0,
-                 num_sms=0, check_finite=False, send_blocks=0):
+                 num_sms=0, check_finite=False, send_blocks=0, shared_expert=False):
         if mode is None:
             mode = CapacityMode.capacity if capacity_rows else CapacityMode.blocking
         wire_code, mode_code = code_of(WireFormat, wire), code_of(CapacityMode, mode)
@@ -40,7 +40,7 @@ class Buffer:
             wire=-1 if wire_code is None else wire_code, expert_alignment=expert_alignment,
             mode=-1 if mode_code is None else mode_code, capacity_rows=capacity_rows,
             capacity_factor=capacity_factor, timeout_ms=timeout_ms, num_sms=num_sms, check_finite=check_finite,
-            send_blocks=send_blocks)
+            send_blocks=send_blocks, shared_expert=shared_expert)
         try:
             self._c = _C.Buffer(group._c, config)  # an unknown code fails on every rank (epx refuses it)
         except InvalidArgument as e:
@@ -59,6 +59,7 @@ class Buffer:
         self.hidden, self.num_experts, self.topk, self.wire_code = c.hidden, c.num_experts, c.topk, c.wire
         self.capacity_rows = c.capacity_rows if c.mode == CapacityMode.capacity else 0
         self.num_local_experts = c.num_experts // group.size
+        self.shared_expert = c.shared_expert
         self.num_ranks = group.size
         self._cuda = self.device.type == "cuda"
         self._stream = None  # the cudaStream_t the C++ buffer runs on (what we last set)
@@ -108,11 +109,13 @@ class Buffer:
 
     def dispatch(self, x, topk_idx=None, topk_weights=None, *, x_scales=None, routing_map=None, probs=None,
                  layout=None, nvfp4_global_scale=0.0, handle=None, previous_event=None, async_finish=False,
-                 allocate_on_comm_stream=False):
+                 allocate_on_comm_stream=False, shared_gate=None):
         """Sends each token to the ranks of its experts. Routing: topk_idx [T, K] (int32/int64, -1 unused)
         with optional topk_weights [T, K] float32, or routing_map [T, E] bool with optional probs [T, E].
         x: [T, H] bfloat16, or fp8 codes (float8_e4m3fn or uint8) with x_scales [T, H/128] (wire fp8).
         layout: expert_major (the default) or rank_major.
+        With shared_expert=True (the buffer's): the output starts with this rank's own tokens as segment 0
+        (expert_offsets [L+2], tokens_per_expert [L+1]), weighted by shared_gate [T] float32 if given.
 
         With ``handle`` (a cached dispatch, DeepEP's dispatch with a handle): no routing; x of the same T
         goes out in the layout of the dispatch that made the handle, with no routing work and no plan
@@ -120,7 +123,7 @@ class Buffer:
         (they are the handle's dispatch's) and ``handle`` is the one given."""
         if handle is not None:
             return self._cached_dispatch(x, x_scales, handle, layout, nvfp4_global_scale,
-                                         (topk_idx, topk_weights, routing_map, probs),
+                                         (topk_idx, topk_weights, routing_map, probs, shared_gate),
                                          (previous_event, async_finish, allocate_on_comm_stream))
         layout = Layout.expert_major if layout is None else layout
         layout_code = code_of(Layout, layout)
@@ -130,10 +133,11 @@ class Buffer:
                                             ("dispatch: topk_idx", topk_idx, INDEX_TYPES),
                                             ("dispatch: topk_weights", topk_weights, F32),
                                             ("dispatch: routing_map", routing_map, BOOL),
-                                            ("dispatch: probs", probs, F32)))
+                                            ("dispatch: probs", probs, F32),
+                                            ("dispatch: shared_gate", shared_gate, F32)))
         streams = self._begin(Op.dispatch, previous_event, async_finish, allocate_on_comm_stream)
         result = self._c.dispatch(*inputs, layout_code, float(nvfp4_global_scale), self._consumer(streams))
-        event = self._finish(streams, (x, x_scales, topk_idx, topk_weights, routing_map, probs))
+        event = self._finish(streams, (x, x_scales, topk_idx, topk_weights, routing_map, probs, shared_gate))
         weights = topk_weights if routing_map is None else probs
         return self.dispatch_output(result, layout_code, x.shape[0], weights, routing_map, event)
 
@@ -142,7 +146,7 @@ class Buffer:
         self._check_handle(op, handle, "dispatch")
         if any(t is not None for t in routing):
             self.reject(op, "dispatch: a handle and routing given; a cached dispatch takes the routing of the "
-                            "handle's dispatch: pass x (and x_scales) only")
+                            "handle's dispatch (its shared_gate too): pass x (and x_scales) only")
         if layout is not None and code_of(Layout, layout) != handle.layout:
             self.reject(op, f"dispatch: layout {layout!r} given with a handle of a {Layout(handle.layout).name} "
                             "dispatch; a cached dispatch has its handle's layout (leave layout out)")
@@ -178,9 +182,9 @@ class Buffer:
                               (("dispatch_backward: grad_recv_x", grad_recv_x, BF16),
                                ("dispatch_backward: grad_recv_weights", grad_recv_weights, F32)))
         streams = self._begin(Op.dispatch_backward, previous_event, async_finish, allocate_on_comm_stream)
-        gx, gw = self._c.dispatch_backward(inputs[0], inputs[1], arg(handle.token), self._consumer(streams))
+        gx, gw, gs = self._c.dispatch_backward(inputs[0], inputs[1], arg(handle.token), self._consumer(streams))
         event = self._finish(streams, (grad_recv_x, grad_recv_weights))
-        return DispatchBackwardOutput(out(gx), out(gw), event)
+        return DispatchBackwardOutput(out(gx), out(gw), event, out(gs))
 
     def combine_backward(self, grad_out, handle, y=None, *, weighted=None, previous_event=None, async_finish=False,
                          allocate_on_comm_stream=False):
@@ -191,9 +195,10 @@ class Buffer:
         inputs = self._inputs(Op.combine_backward, (("combine_backward: grad_out", grad_out, BF16),
                                                     ("combine_backward: y", y, BF16)))
         streams = self._begin(Op.combine_backward, previous_event, async_finish, allocate_on_comm_stream)
-        gy, gw = self._c.combine_backward(inputs[0], inputs[1], arg(handle.token), weighted, self._consumer(streams))
+        gy, gw, gs = self._c.combine_backward(inputs[0], inputs[1], arg(handle.token), weighted,
+                                              self._consumer(streams))
         event = self._finish(streams, (grad_out, y))
-        return CombineBackwardOutput(out(gy), out(gw), event)
+        return CombineBackwardOutput(out(gy), out(gw), event, out(gs))
 
     # --- shared by the calls (also used by epx.ops) ---------------------------------------------
 

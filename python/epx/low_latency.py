@@ -52,11 +52,11 @@ class LowLatencyBuffer:
     """Collective to create (every rank, the same arguments, in the same order as other buffers)."""
 
     def __init__(self, group, hidden, max_tokens_per_rank, num_experts, topk, *, wire="bf16", timeout_ms=0,
-                 check_finite=False):
+                 check_finite=False, shared_expert=False):
         wire_code = code_of(WireFormat, wire)
         config = _C.LowLatencyConfig(hidden=hidden, max_tokens_per_rank=max_tokens_per_rank,
                                      num_experts=num_experts, topk=topk, wire=-1 if wire_code is None else wire_code,
-                                     timeout_ms=timeout_ms, check_finite=check_finite)
+                                     timeout_ms=timeout_ms, check_finite=check_finite, shared_expert=shared_expert)
         try:
             self._c = _C.LowLatencyBuffer(group._c, config)
         except InvalidArgument as e:

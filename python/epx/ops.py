@@ -42,6 +42,7 @@ def dispatch_outputs(buffer, layout, rows):
     None where the configuration gives none."""
     h, k, local, ranks, wire = buffer.hidden, buffer.topk, buffer.num_local_experts, buffer.num_ranks, buffer.wire_code
     expert_major = layout == Layout.expert_major
+    segments = local + (1 if buffer.shared_expert else 0)  # shared_expert: its segment comes first
     if wire == WireFormat.bf16:
         x, scales = ((rows, h), torch.bfloat16), None
     elif wire == WireFormat.nvfp4:
@@ -53,8 +54,8 @@ def dispatch_outputs(buffer, layout, rows):
             ((rows,), torch.float32) if expert_major else None,
             None if expert_major else ((rows, k), torch.int32),
             None if expert_major else ((rows, k), torch.float32),
-            ((local + 1,), torch.int64) if expert_major else None,
-            ((local,), torch.int64), ((ranks + 1,), torch.int64), ((4,), torch.int64)]
+            ((segments + 1,), torch.int64) if expert_major else None,
+            ((segments,), torch.int64), ((ranks + 1,), torch.int64), ((4,), torch.int64)]
 
 
 def ll_dispatch_outputs(buffer):

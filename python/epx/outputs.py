@@ -89,9 +89,11 @@ class DispatchBackwardOutput(NamedTuple):
     grad_x: torch.Tensor  # [T, H] bf16
     grad_topk_weights: Optional[torch.Tensor]  # [T, K] f32 when grad_recv_weights was given
     event: EventOverlap
+    grad_shared_gate: Optional[torch.Tensor] = None  # [T] f32, shared_expert with grad_recv_weights
 
 
 class CombineBackwardOutput(NamedTuple):
     grad_y: torch.Tensor  # [N, H] bf16 in the dispatch layout
     grad_topk_weights: Optional[torch.Tensor]  # [T, K] f32 (weighted only)
     event: EventOverlap
+    grad_shared_gate: Optional[torch.Tensor] = None  # [T] f32, weighted with a shared_gate: <grad_out[t], y[t]>

@@ -98,8 +98,8 @@ Layout layout_of(int code) {
 }
 
 py::tuple dispatch(PyBuffer& self, py::handle x, py::handle x_scales, py::handle topk_idx, py::handle topk_weights,
-                   py::handle routing_map, py::handle probs, int layout, float nvfp4_global_scale,
-                   std::uintptr_t consumer) {
+                   py::handle routing_map, py::handle probs, py::handle shared_gate, int layout,
+                   float nvfp4_global_scale, std::uintptr_t consumer) {
   DispatchInput in;
   DispatchOptions opt;
   self.build(Op::dispatch, [&] {
@@ -109,6 +109,7 @@ py::tuple dispatch(PyBuffer& self, py::handle x, py::handle x_scales, py::handle
     in.topk_weights = input_view(topk_weights, "dispatch: topk_weights");
     in.routing_map = input_view(routing_map, "dispatch: routing_map");
     in.probs = input_view(probs, "dispatch: probs");
+    in.shared_gate = input_view(shared_gate, "dispatch: shared_gate");
     opt.layout = layout_of(layout);
     opt.nvfp4_global_scale = nvfp4_global_scale;
   });
@@ -177,8 +178,8 @@ py::tuple dispatch_backward(PyBuffer& self, py::handle grad_recv_x, py::handle g
     py::gil_scoped_release release;
     r = self.buffer().dispatch_backward(in, box->handle);
   }
-  auto out = self.export_all({&r.grad_x, &r.grad_topk_weights}, consumer);
-  return py::make_tuple(out[0], out[1]);
+  auto out = self.export_all({&r.grad_x, &r.grad_topk_weights, &r.grad_shared_gate}, consumer);
+  return py::make_tuple(out[0], out[1], out[2]);
 }
 
 py::tuple combine_backward(PyBuffer& self, py::handle grad_out, py::handle y, py::handle token, bool weighted,
@@ -195,13 +196,14 @@ py::tuple combine_backward(PyBuffer& self, py::handle grad_out, py::handle y, py
     py::gil_scoped_release release;
     r = self.buffer().combine_backward(in, box->handle, {weighted});
   }
-  auto out = self.export_all({&r.grad_y, &r.grad_topk_weights}, consumer);
-  return py::make_tuple(out[0], out[1]);
+  auto out = self.export_all({&r.grad_y, &r.grad_topk_weights, &r.grad_shared_gate}, consumer);
+  return py::make_tuple(out[0], out[1], out[2]);
 }
 
 BufferConfig make_config(int64_t hidden, int64_t max_tokens_per_rank, int64_t num_experts, int64_t topk, int wire,
                          int64_t expert_alignment, int mode, int64_t capacity_rows, double capacity_factor,
-                         int64_t timeout_ms, int64_t num_sms, bool check_finite, int64_t send_blocks) {
+                         int64_t timeout_ms, int64_t num_sms, bool check_finite, int64_t send_blocks,
+                         bool shared_expert) {
   BufferConfig c;
   c.hidden = hidden;
   c.max_tokens_per_rank = max_tokens_per_rank;
@@ -216,6 +218,7 @@ BufferConfig make_config(int64_t hidden, int64_t max_tokens_per_rank, int64_t nu
   c.num_sms = num_sms;
   c.check_finite = check_finite;
   c.send_blocks = send_blocks;
+  c.shared_expert = shared_expert;
   return c;
 }
 
@@ -227,7 +230,7 @@ void bind_buffer(py::module_& m) {
            py::arg("num_experts"), py::arg("topk"), py::arg("wire") = 0, py::arg("expert_alignment") = 1,
            py::arg("mode") = 0, py::arg("capacity_rows") = 0, py::arg("capacity_factor") = 0.0,
            py::arg("timeout_ms") = 0, py::arg("num_sms") = 0, py::arg("check_finite") = false,
-           py::arg("send_blocks") = 0)
+           py::arg("send_blocks") = 0, py::arg("shared_expert") = false)
       .def_readonly("hidden", &BufferConfig::hidden)
       .def_readonly("max_tokens_per_rank", &BufferConfig::max_tokens_per_rank)
       .def_readonly("num_experts", &BufferConfig::num_experts)
@@ -241,6 +244,7 @@ void bind_buffer(py::module_& m) {
       .def_readonly("num_sms", &BufferConfig::num_sms)
       .def_readonly("check_finite", &BufferConfig::check_finite)
       .def_readonly("send_blocks", &BufferConfig::send_blocks)
+      .def_readonly("shared_expert", &BufferConfig::shared_expert)
       .def("__repr__", [](const BufferConfig& c) { return describe(c); });
 
   py::class_<PyBuffer, HolderWithoutGil<PyBuffer>>(m, "Buffer")

@@ -132,6 +132,7 @@ void create(const epx::Group& group, const epx_buffer_config* cfg, epx_buffer** 
     c.num_sms = cfg->num_sms;
     c.check_finite = cfg->check_finite != 0;
     c.send_blocks = cfg->send_blocks;
+    c.shared_expert = cfg->shared_expert != 0;
   }
   if (const char* missing = !cfg ? "cfg" : !out ? "out" : nullptr)
     epx::detail::agree_on_creation(group, "buffer", epx::describe(c), cat(fn, ": ", missing, " must not be NULL"),
@@ -271,7 +272,8 @@ epx_status epx_dispatch(epx_buffer* buffer, const epx_dispatch_args* args, epx_r
                             view_of(&args->topk_idx, "epx_dispatch: args->topk_idx"),
                             view_of(&args->topk_weights, "epx_dispatch: args->topk_weights"),
                             view_of(&args->routing_map, "epx_dispatch: args->routing_map"),
-                            view_of(&args->probs, "epx_dispatch: args->probs")};
+                            view_of(&args->probs, "epx_dispatch: args->probs"),
+                            view_of(&args->shared_gate, "epx_dispatch: args->shared_gate")};
       require(args->layout == 0 || args->layout == 1, "epx_dispatch: args->layout: unknown layout code ", args->layout,
               " (0 expert_major, 1 rank_major)");
       epx::DispatchOptions opt;
@@ -351,6 +353,7 @@ epx_status epx_dispatch_backward(epx_buffer* buffer, const epx_result* dispatche
     auto r = std::make_unique<epx_result>();
     put(*r, "grad_x", b.grad_x);
     put(*r, "grad_topk_weights", b.grad_topk_weights);
+    put(*r, "grad_shared_gate", b.grad_shared_gate);
     *out = r.release();
   });
 }
@@ -371,6 +374,7 @@ epx_status epx_combine_backward(epx_buffer* buffer, const epx_result* dispatched
     auto r = std::make_unique<epx_result>();
     put(*r, "grad_y", b.grad_y);
     put(*r, "grad_topk_weights", b.grad_topk_weights);
+    put(*r, "grad_shared_gate", b.grad_shared_gate);
     *out = r.release();
   });
 }

@@ -15,7 +15,7 @@ Buffer::Buffer(const Group& group, const BufferConfig& config) {
   try {
     detail::validate_config(config, group.size());
   } catch (const Error& e) {
-    detail::agree_on_creation(group, "buffer", describe(config), e.what(), config.timeout_ms);
+    detail::agree_on_creation(group, "buffer", describe(config), e.what(), config.timeout_ms, e.code());
   }
   switch (group.backend()) {
     case BackendKind::host: backend_ = detail::make_host_backend(group, config); break;

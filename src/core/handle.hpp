@@ -19,8 +19,11 @@ struct RecvLayout {
   std::vector<int32_t> slot_expert;      // [M*K] local expert of the source's slot k, -1 if not on this rank
   std::vector<float> slot_weight;        // [M*K] router weight of that slot
   std::vector<int64_t> slot_row;         // [M*K] output row holding the slot, -1 if none
-  std::vector<int64_t> expert_offsets;   // [L+1] padded offsets (expert-major only)
-  std::vector<int64_t> tokens_per_expert;  // [L]
+  // BufferConfig::shared_expert: segment 0 holds this rank's own tokens, so shared row t is row t.
+  bool shared_expert = false;
+  int64_t shared_tokens = 0;             // rows of the shared segment before padding: this rank's T
+  std::vector<int64_t> expert_offsets;   // [L+1] padded offsets (expert-major only); shared: [L+2]
+  std::vector<int64_t> tokens_per_expert;  // [L]; shared: [L+1], the shared segment first
   int64_t num_rows = 0;                  // output rows the layout needs
   int64_t capacity = 0;                  // output rows allocated
   bool overflow() const { return num_rows > capacity; }
@@ -51,6 +54,8 @@ struct HandleState {
   std::vector<float> slot_weight;    // [T*K]
   std::vector<int32_t> send_pos;     // [T*R] row of token t in the stream to rank d, -1 if not sent
   std::vector<int64_t> sent_rows;    // [R] tokens sent to each rank
+  std::vector<float> shared_weight;  // [T] shared_expert: weight of token t's shared row (its gate, or 1)
+  bool has_shared_gate = false;      // dispatch was given shared_gate (combine_backward returns its gradient)
 
   RecvLayout recv;  // receiver side (the CPU backend fills all of it; CUDA only layout and capacity)
 
@@ -58,7 +63,8 @@ struct HandleState {
 };
 
 // Fills slot_row, expert_offsets, tokens_per_expert, num_rows and capacity of `r` from its
-// received rows (src_*, slot_expert already set). capacity_rows <= 0 means blocking (exact).
+// received rows (src_*, slot_expert and the shared_* fields already set). capacity_rows <= 0
+// means blocking (exact).
 void plan_receive_layout(RecvLayout& r, int64_t local_experts, int64_t topk, int64_t alignment,
                          int64_t capacity_rows);
 

@@ -6,9 +6,12 @@ namespace epx::detail {
 
 void plan_receive_layout(RecvLayout& r, int64_t local_experts, int64_t topk, int64_t alignment,
                          int64_t capacity_rows) {
-  r.tokens_per_expert.assign(local_experts, 0);
+  // Segments in row order: the shared expert's first (when on), then the local experts.
+  const int64_t first = r.shared_expert ? 1 : 0;  // segment of local expert 0
+  r.tokens_per_expert.assign(first + local_experts, 0);
+  if (r.shared_expert) r.tokens_per_expert[0] = r.shared_tokens;
   for (int32_t l : r.slot_expert)
-    if (l >= 0) ++r.tokens_per_expert[l];
+    if (l >= 0) ++r.tokens_per_expert[first + l];
   r.slot_row.assign(r.slot_expert.size(), -1);
 
   if (r.layout == Layout::rank_major) {
@@ -18,15 +21,16 @@ void plan_receive_layout(RecvLayout& r, int64_t local_experts, int64_t topk, int
       for (int64_t k = 0; k < topk; ++k)
         if (r.slot_expert[i * topk + k] >= 0) r.slot_row[i * topk + k] = i;
   } else {
-    r.expert_offsets.assign(local_experts + 1, 0);
-    for (int64_t l = 0; l < local_experts; ++l) {
-      const int64_t padded = (r.tokens_per_expert[l] + alignment - 1) / alignment * alignment;
-      r.expert_offsets[l + 1] = r.expert_offsets[l] + padded;
+    const size_t segments = r.tokens_per_expert.size();
+    r.expert_offsets.assign(segments + 1, 0);
+    for (size_t s = 0; s < segments; ++s) {
+      const int64_t padded = (r.tokens_per_expert[s] + alignment - 1) / alignment * alignment;
+      r.expert_offsets[s + 1] = r.expert_offsets[s] + padded;
     }
-    r.num_rows = r.expert_offsets[local_experts];
+    r.num_rows = r.expert_offsets[segments];
     // Rows arrive in (source rank, source token) order and a token holds an expert at most
     // once, so filling each segment in arrival order gives the specified order.
-    std::vector<int64_t> fill(r.expert_offsets.begin(), r.expert_offsets.end() - 1);
+    std::vector<int64_t> fill(r.expert_offsets.begin() + first, r.expert_offsets.end() - 1);
     for (int64_t i = 0; i < r.tokens; ++i)
       for (int64_t k = 0; k < topk; ++k) {
         const int32_t l = r.slot_expert[i * topk + k];

@@ -8,7 +8,7 @@ namespace epx {
 std::string describe(const LowLatencyConfig& c) {
   return detail::cat("hidden=", c.hidden, " max_tokens_per_rank=", c.max_tokens_per_rank, " num_experts=", c.num_experts,
                      " topk=", c.topk, " wire=", wire_name(c.wire), " timeout_ms=", c.timeout_ms,
-                     " check_finite=", c.check_finite ? 1 : 0);
+                     " check_finite=", c.check_finite ? 1 : 0, " shared_expert=", c.shared_expert ? 1 : 0);
 }
 
 namespace {
@@ -27,6 +27,11 @@ void validate(const LowLatencyConfig& c, int ranks) {
   if (c.wire == WireFormat::nvfp4)
     require(c.hidden % kNvfp4Block == 0, "low-latency buffer: wire nvfp4 needs hidden to be a multiple of ", kNvfp4Block,
             ", got ", c.hidden);
+  // A valid request not served yet, on any backend: unsupported, agreed like any refusal.
+  if (c.shared_expert)
+    detail::fail(ErrorCode::unsupported,
+                 "low-latency buffer: shared_expert is not supported in low-latency mode yet; compute the shared "
+                 "expert on x and add it to the combine output");
 }
 }  // namespace
 
@@ -36,7 +41,7 @@ LowLatencyBuffer::LowLatencyBuffer(const Group& group, const LowLatencyConfig& c
   try {
     validate(config, group.size());
   } catch (const Error& e) {
-    detail::agree_on_creation(group, "low-latency buffer", describe(config), e.what(), config.timeout_ms);
+    detail::agree_on_creation(group, "low-latency buffer", describe(config), e.what(), config.timeout_ms, e.code());
   }
   if (group.backend() == BackendKind::host) {
     backend_ = detail::make_host_low_latency(group, config);

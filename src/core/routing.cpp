@@ -35,6 +35,12 @@ void validate_config(const BufferConfig& c, int ranks) {
           c.num_sms);
   if (c.mode == CapacityMode::capacity)
     require(c.capacity_rows > 0, "buffer: capacity mode needs capacity_rows > 0 (receive rows per rank)");
+  // The shared segment comes first; room for it whole means shared rows are never lost.
+  const int64_t shared_rows = (c.max_tokens_per_rank + c.expert_alignment - 1) / c.expert_alignment * c.expert_alignment;
+  if (c.shared_expert && c.mode == CapacityMode::capacity)
+    require(c.capacity_rows >= shared_rows, "buffer: shared_expert in capacity mode needs capacity_rows >= ",
+            shared_rows, " (the shared segment: max_tokens_per_rank padded to expert_alignment), got ",
+            c.capacity_rows);
   if (c.wire == WireFormat::fp8 || c.wire == WireFormat::fp8_ue8m0)
     require(c.hidden % kFp8Block == 0, "buffer: wire ", wire_name(c.wire), " needs hidden to be a multiple of ",
             kFp8Block, " (one scale per 128 channels), got hidden=", c.hidden, "; use wire bf16 for this shape");

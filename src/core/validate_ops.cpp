@@ -31,6 +31,20 @@ void validate_routing_tensors(const DispatchInput& in, const BufferConfig& c, in
   if (in.probs.defined()) check_tensor(in.probs, "dispatch: probs", te, DType::f32, {tokens, c.num_experts}, device);
 }
 
+void validate_shared_expert(const DispatchInput& in, const BufferConfig& c, const DispatchOptions& opt, int64_t tokens,
+                            DeviceKind device) {
+  if (!c.shared_expert) {
+    require(!in.shared_gate.defined(), "dispatch: shared_gate given but the buffer has no shared expert; create it "
+            "with shared_expert=true or drop shared_gate");
+    return;
+  }
+  require(opt.layout == Layout::expert_major,
+          "dispatch: shared_expert needs the expert-major layout (its rows are a segment of it); in the rank-major "
+          "layout compute the shared expert on x and pass it to combine as shared_out");
+  if (in.shared_gate.defined())
+    check_tensor(in.shared_gate, "dispatch: shared_gate", cat("[T=", tokens, "]"), DType::f32, {tokens}, device);
+}
+
 namespace {
 void require_weighted_ok(const char* op, const HandleState& h, bool weighted) {
   require(!weighted || h.layout == Layout::expert_major, op,
@@ -68,9 +82,10 @@ void validate_dispatch_backward(const DispatchBackwardInput& in, const HandleSta
 
 void validate_cached_dispatch(const DispatchInput& in, const HandleState& h, const BufferConfig& c,
                               const CachedDispatchOptions& opt, DeviceKind device) {
-  require(!in.topk_idx.defined() && !in.topk_weights.defined() && !in.routing_map.defined() && !in.probs.defined(),
-          "cached_dispatch: routing given; a cached dispatch takes the routing of its handle's dispatch: pass x (and "
-          "x_scales) only");
+  require(!in.topk_idx.defined() && !in.topk_weights.defined() && !in.routing_map.defined() && !in.probs.defined() &&
+              !in.shared_gate.defined(),
+          "cached_dispatch: routing given; a cached dispatch takes the routing of its handle's dispatch (its "
+          "shared_gate too): pass x (and x_scales) only");
   validate_dispatch_x(in, c, device);
   require(in.x.shape[0] == h.tokens, "cached_dispatch: x has ", in.x.shape[0], " tokens but the handle's dispatch had ",
           h.tokens, "; pass x of the same tokens");

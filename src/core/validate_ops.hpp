@@ -9,6 +9,9 @@ namespace epx::detail {
 void validate_dispatch_options(const DispatchOptions& opt);
 // topk_idx/topk_weights or routing_map/probs: presence, shapes and dtypes (not the values).
 void validate_routing_tensors(const DispatchInput& in, const BufferConfig& c, int64_t tokens, DeviceKind device);
+// BufferConfig::shared_expert: the layout it needs, and shared_gate [T] f32 only with it.
+void validate_shared_expert(const DispatchInput& in, const BufferConfig& c, const DispatchOptions& opt, int64_t tokens,
+                            DeviceKind device);
 // Cached dispatch: x (and x_scales) as dispatch takes them, with the handle's T; no routing.
 void validate_cached_dispatch(const DispatchInput& in, const HandleState& h, const BufferConfig& c,
                               const CachedDispatchOptions& opt, DeviceKind device);

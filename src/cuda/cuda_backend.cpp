@@ -219,6 +219,8 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
     state = dynamic_cast<CudaGroupState*>(group.state().get());
     require(state != nullptr, "buffer: group is not a CUDA group");
     require(ranks_ <= kMaxRanks, "buffer: the CUDA backend supports at most ", kMaxRanks, " ranks, got ", ranks_);
+    if (config.shared_expert)  // a valid config (the CPU backend serves it): unsupported, not invalid
+      fail(ErrorCode::unsupported, "buffer: the CUDA backend does not have the fused shared expert yet (shared_expert)");
     require(config.max_tokens_per_rank < (int64_t{1} << (32 - kRangeCountBits)),
             "buffer: the CUDA backend supports max_tokens_per_rank < 2^27, got ", config.max_tokens_per_rank);
     device_ = state->device(rank_);
@@ -605,6 +607,7 @@ CudaBackend::DispatchRequest CudaBackend::read_dispatch(const DispatchInput& in,
     check_device_tensor(in.x, "dispatch: x");
     rq.tokens = in.x.shape[0];
     validate_routing_tensors(in, c, rq.tokens, DeviceKind::cuda);
+    validate_shared_expert(in, c, opt, rq.tokens, DeviceKind::cuda);  // refuses a shared_gate (no shared expert here)
     rq.routing = routing_input(in);
     rq.has_weights = in.topk_idx.defined() ? in.topk_weights.defined() : in.probs.defined();
     rq.rows = send_rows(in, c.wire, opt.nvfp4_global_scale);

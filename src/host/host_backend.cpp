@@ -144,7 +144,8 @@ void HostBackend::push_reverse(const HandleState& h, bool rows, bool slots,
   }
 }
 
-Tensor HostBackend::sum_returned_rows(const HandleState& h, const TensorView& shared) const {
+Tensor HostBackend::sum_returned_rows(const HandleState& h,
+                                      const std::function<void(int64_t, float*)>& add_local) const {
   const RankArea& area = shared_->areas[rank_];
   const int64_t max_tokens = config().max_tokens_per_rank, hidden = config().hidden;
   Tensor out = Tensor::zeros_host(DType::bf16, {h.tokens, hidden});
@@ -155,7 +156,7 @@ Tensor HostBackend::sum_returned_rows(const HandleState& h, const TensorView& sh
       const int32_t pos = h.send_pos[t * ranks_ + d];
       if (pos >= 0) add_row(acc.data(), &area.rev_rows[(d * max_tokens + pos) * hidden], hidden);
     }
-    if (shared.defined()) add_row(acc.data(), row_ptr<uint16_t>(shared, t), hidden);
+    add_local(t, acc.data());
     round_row(out.data<uint16_t>() + t * hidden, acc.data(), hidden);
   }
   return out;

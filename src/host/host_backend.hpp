@@ -67,8 +67,9 @@ class HostBackend final : public Backend {
   void push_reverse(const HandleState& h, bool rows, bool slots,
                     const std::function<void(int64_t, uint16_t*, float*)>& fill);
   // After a reverse transfer, on the source: [T, H] bf16, each token's returned rows summed in
-  // rank order from 0 (then `shared`'s row, when defined), fp32, rounded once.
-  Tensor sum_returned_rows(const HandleState& h, const TensorView& shared) const;
+  // rank order from 0, then add_local(t, acc)'s local terms (the shared expert's), fp32,
+  // rounded once.
+  Tensor sum_returned_rows(const HandleState& h, const std::function<void(int64_t, float*)>& add_local) const;
   // After a reverse transfer with slots, on the source: [T, K] f32 of the per-slot values,
   // each from the rank holding that slot's expert; 0 for unused or dropped slots.
   Tensor gather_slot_values(const HandleState& h) const;

@@ -64,6 +64,47 @@ void check_finite_x(const DispatchInput& in, int64_t tokens, int64_t hidden) {
     }
 }
 
+// BufferConfig::shared_expert: calls place(t) for each shared row within capacity; shared row t
+// of the receive layout is row t (the shared segment comes first).
+template <typename Place>
+void for_each_shared_row(const RecvLayout& r, Place&& place) {
+  if (!r.shared_expert) return;
+  for (int64_t t = 0; t < std::min(r.shared_tokens, r.capacity); ++t) place(t);
+}
+
+// Each token's shared-row weight: its gate, or 1 without one.
+void read_shared_gate(HandleState& h, const TensorView& gate) {
+  h.has_shared_gate = gate.defined();
+  h.shared_weight.assign(h.tokens, 1.0f);
+  for (int64_t t = 0; gate.defined() && t < h.tokens; ++t) h.shared_weight[t] = gate.ptr<const float>()[t * gate.strides[0]];
+}
+
+// The shared rows' wire rows: this rank's own tokens, encoded here; they cross no link.
+void store_shared_rows(DispatchResult& out, const DispatchInput& in, const RecvLayout& r, const WireRow& wire,
+                       float nvfp4_global_scale) {
+  std::vector<uint8_t> payload(wire.bytes());
+  for_each_shared_row(r, [&](int64_t t) {
+    encode_row(in, t, wire, nvfp4_global_scale, payload.data());
+    store_row(out, wire, t, payload.data());
+  });
+}
+
+// Combine step 2's shared-expert term of token t: its own shared row of `y`, weighted by its gate.
+void add_shared_row(const HandleState& h, const TensorView& y, int64_t t, bool weighted, float* acc, int64_t hidden) {
+  if (!h.recv.shared_expert || t >= h.recv.capacity) return;
+  const uint16_t* row = row_ptr<uint16_t>(y, t);
+  if (weighted) fma_row(acc, h.shared_weight[t], row, hidden);
+  else add_row(acc, row, hidden);
+}
+
+// [T] f32 of value(t) for each shared row (the shared gate's gradients).
+template <typename Value>
+Tensor shared_row_values(const HandleState& h, Value&& value) {
+  Tensor out = Tensor::zeros_host(DType::f32, {h.tokens});
+  for_each_shared_row(h.recv, [&](int64_t t) { out.data<float>()[t] = value(t); });
+  return out;
+}
+
 Tensor offsets_tensor(const std::vector<int64_t>& v) {
   Tensor t = Tensor::zeros_host(DType::i64, {static_cast<int64_t>(v.size())});
   std::copy(v.begin(), v.end(), t.data<int64_t>());
@@ -82,6 +123,7 @@ DispatchResult HostBackend::dispatch(const DispatchInput& in, const DispatchOpti
     validate_dispatch_options(opt);
     validate_dispatch_x(in, c, DeviceKind::host);
     routing = routing_from_input(in, c);
+    validate_shared_expert(in, c, opt, routing.tokens, DeviceKind::host);
     if (c.check_finite) check_finite_x(in, routing.tokens, c.hidden);
     mine.tokens = routing.tokens;
     mine.expert_counts = count_per_expert(routing, c.num_experts);
@@ -116,6 +158,7 @@ DispatchResult HostBackend::dispatch(const DispatchInput& in, const DispatchOpti
     h->has_weights = routing.has_weights;
     h->slot_expert = routing.expert;
     h->slot_weight = routing.weight;
+    if (c.shared_expert) read_shared_gate(*h, in.shared_gate);
     plan_send(*h, local_experts_);
 
     // Transfer: each token once per destination rank, with its slots as the receiver sees them.
@@ -155,6 +198,8 @@ DispatchResult HostBackend::dispatch(const DispatchInput& in, const DispatchOpti
         r.slot_weight.insert(r.slot_weight.end(), &area.fwd_slot_weight[at * k_count],
                              &area.fwd_slot_weight[(at + 1) * k_count]);
       }
+    r.shared_expert = c.shared_expert;
+    r.shared_tokens = h->tokens;
     plan_receive_layout(r, local_experts_, k_count, c.expert_alignment,
                         c.mode == CapacityMode::capacity ? c.capacity_rows : 0);
 
@@ -184,6 +229,12 @@ DispatchResult HostBackend::dispatch(const DispatchInput& in, const DispatchOpti
       }
       std::copy_n(&r.slot_expert[i * k_count], k_count, out.recv_topk_idx.data<int32_t>() + i * k_count);
       std::copy_n(&r.slot_weight[i * k_count], k_count, out.recv_topk_weights.data<float>() + i * k_count);
+    });
+    store_shared_rows(out, in, r, wire_, opt.nvfp4_global_scale);
+    for_each_shared_row(r, [&](int64_t t) {
+      out.recv_src.data<int32_t>()[2 * t] = rank_;
+      out.recv_src.data<int32_t>()[2 * t + 1] = static_cast<int32_t>(t);
+      out.recv_weights.data<float>()[t] = h->shared_weight[t];
     });
     if (expert_major) out.expert_offsets = offsets_tensor(r.expert_offsets);
     out.tokens_per_expert = offsets_tensor(r.tokens_per_expert);
@@ -218,6 +269,7 @@ DispatchResult HostBackend::cached_dispatch(const DispatchInput& in, const Handl
     for_each_output_row(r, c.topk, [&](int64_t row, int64_t i, int64_t) {
       store_row(out, wire_, row, forward_payload(r.src_rank[i], i - r.rank_offsets[r.src_rank[i]]));
     });
+    store_shared_rows(out, in, r, wire_, opt.nvfp4_global_scale);
     out.num_rows = r.num_rows;
     out.overflow = r.overflow();
     out.handle = handle;
@@ -242,7 +294,10 @@ CombineResult HostBackend::combine(const CombineInput& in, const Handle& handle,
     sync(call, "transfer");
 
     CombineResult out;
-    out.out = sum_returned_rows(*h, in.shared_out);
+    out.out = sum_returned_rows(*h, [&](int64_t t, float* acc) {
+      add_shared_row(*h, in.y, t, opt.weighted, acc, hidden);  // the shared expert, then shared_out
+      if (in.shared_out.defined()) add_row(acc, row_ptr<uint16_t>(in.shared_out, t), hidden);
+    });
     out.overflow = h->recv.overflow();
     return out;
   });
@@ -275,8 +330,12 @@ DispatchBackwardResult HostBackend::dispatch_backward(const DispatchBackwardInpu
     sync(call, "transfer");
 
     DispatchBackwardResult out;
-    out.grad_x = sum_returned_rows(*h, TensorView{});
+    out.grad_x = sum_returned_rows(*h, [&](int64_t t, float* acc) { add_shared_row(*h, in.grad_recv_x, t, false, acc, hidden); });
     if (with_weights) out.grad_topk_weights = gather_slot_values(*h);
+    if (with_weights && r.shared_expert) {
+      const TensorView& g = in.grad_recv_weights;
+      out.grad_shared_gate = shared_row_values(*h, [&](int64_t t) { return g.ptr<const float>()[t * g.strides[0]]; });
+    }
     return out;
   });
 }
@@ -316,6 +375,15 @@ CombineBackwardResult HostBackend::combine_backward(const CombineBackwardInput& 
         grad_w[i * k_count + k] = dot_bf16(g, row_ptr<uint16_t>(in.y, row), hidden);
       }
     }
+    // The shared rows: this rank's own grad_out, scaled by the gate; nothing crosses.
+    for_each_shared_row(r, [&](int64_t t) {
+      uint16_t* dst = out.grad_y.data<uint16_t>() + t * hidden;
+      if (opt.weighted) scale_row(dst, h->shared_weight[t], row_ptr<uint16_t>(in.grad_out, t), hidden);
+      else std::memcpy(dst, row_ptr<uint16_t>(in.grad_out, t), 2 * hidden);
+    });
+    if (opt.weighted && h->has_shared_gate)
+      out.grad_shared_gate = shared_row_values(
+          *h, [&](int64_t t) { return dot_bf16(row_ptr<uint16_t>(in.grad_out, t), row_ptr<uint16_t>(in.y, t), hidden); });
     if (!opt.weighted) return out;
 
     push_reverse(*h, false, true, [&](int64_t i, uint16_t*, float* slots) {

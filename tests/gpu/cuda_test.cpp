@@ -250,6 +250,29 @@ TEST(CudaErrors, AConfigRefusedOnOneRankFailsEveryRankAtOnce) {
   }
 }
 
+// The fused shared expert is the CPU backend's only, for now: a valid config the CUDA backend
+// cannot serve, refused at creation with unsupported on every rank (an agreed check).
+TEST(CudaErrors, SharedExpertIsRefusedAsUnsupportedOnEveryRank) {
+  auto cfg = small_config(256, 32, 16, 4);
+  cfg.timeout_ms = 20000;
+  cfg.shared_expert = true;
+  const auto p = two_ranks(cfg);
+  std::vector<std::string> errors(2);
+  std::vector<ErrorCode> codes(2, ErrorCode::internal);
+  on_shared_gpu(p, [&](int r, const Group& g, const DeviceArray&, const DeviceArray&) {
+    try {
+      Buffer b(g, cfg);
+    } catch (const Error& e) {
+      errors[r] = e.what();
+      codes[r] = e.code();
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(codes[r], ErrorCode::unsupported) << errors[r];
+    EXPECT_THAT(errors[r], testing::HasSubstr("the CUDA backend does not have the fused shared expert yet"));
+  }
+}
+
 // Ranks combining with handles of different dispatches fail with config_mismatch (the handle's
 // dispatch is part of what a call's ranks agree on) instead of reading each other's rows wrong.
 TEST(CudaErrors, HandlesOfDifferentDispatchesFailEveryRank) {

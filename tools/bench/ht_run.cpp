@@ -168,6 +168,7 @@ Record base_record(const Options& o, const Ranks& ranks, const verify::Problem& 
   rec.gpu = ranks.gpu_name;
   rec.git_commit = EPX_GIT_COMMIT;
   if (o.shared_gpu) rec.transport = "shared-gpu";
+  rec.shared_expert = o.shared_expert;
   if (o.backend == "cuda" && op.rfind("ll_", 0) == 0) rec.timing = o.ll_eager ? "eager" : "graph";
   if (op.rfind("ll_", 0) == 0 && o.ll_weights_at_dispatch) rec.weights_at = "dispatch";
   if (o.backend == "cuda" && op.rfind("ll_", 0) != 0) {  // the engines asked for (docs/cuda.md)

@@ -34,6 +34,7 @@ struct Record {
   std::string timing;     // CUDA low-latency ops: "graph" (replays of 10 calls) or "eager"; else empty
   std::string weights_at;  // low-latency ops with --ll-weights-at dispatch: "dispatch"; else empty
   std::string ranks_as;    // "processes" with --processes (one process per rank); else empty (threads)
+  bool shared_expert = false;  // --shared-expert (written only when true)
   std::string engines;    // CUDA high-throughput ops: the engines asked for ("dispatch=auto"); else empty
   std::string gpu;  // empty on the host backend
   std::string git_commit;

@@ -260,6 +260,7 @@ int run(const Options& o) {
   RecordSink sink(o.json);  // every record printed and written as soon as it is measured
   spec.cfg.num_sms = o.sms;
   spec.cfg.send_blocks = o.send_blocks;
+  spec.cfg.shared_expert = o.shared_expert;
   verify::Problem base = verify::make_problem(spec);
   // The shared-GPU transport runs one stream per rank on one GPU: each needs a hardware queue of
   // its own, or a rank's waiting kernel can hold up a peer's queued behind it (docs/cuda.md).

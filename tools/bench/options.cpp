@@ -29,6 +29,8 @@ const char* kUsage = R"(epx-bench: dispatch and combine of one MoE layer over N 
   --sms N                 SM budget for GPU kernels (recorded; host ignores it)
   --send-blocks N         CUDA: BufferConfig::send_blocks, the budget's sending blocks (default 0: the
                           measured split)
+  --shared-expert         BufferConfig::shared_expert: the fused shared expert (expert-major only;
+                          CPU backend only for now; records say "shared_expert": true)
   --shared-gpu            CUDA: all ranks on GPU 0 over the tests' shared-GPU transport (records say
                           "transport": "shared-gpu"; a test transport's times, real host steps)
   --ll-eager              time low-latency calls one by one with events (host launch included)
@@ -97,6 +99,10 @@ Options parse_options(int argc, char** argv) {
     }
     if (flag == "--shared-gpu") {
       o.shared_gpu = true;
+      continue;
+    }
+    if (flag == "--shared-expert") {
+      o.shared_expert = true;
       continue;
     }
     if (flag == "--ll-eager") {
@@ -172,7 +178,11 @@ Options parse_options(int argc, char** argv) {
   if (o.experts < 0) o.experts = v3 ? 256 : 288;
   if (o.topk < 0) o.topk = 8;
   if (o.wires.empty()) o.wires = {WireFormat::bf16, WireFormat::fp8, WireFormat::fp8_ue8m0, WireFormat::nvfp4};
-  if (o.layouts.empty()) o.layouts = {Layout::expert_major, Layout::rank_major};
+  // The shared expert is a segment of the expert-major layout; the rank-major one refuses it.
+  if (o.layouts.empty()) o.layouts = o.shared_expert ? std::vector<Layout>{Layout::expert_major}
+                                                     : std::vector<Layout>{Layout::expert_major, Layout::rank_major};
+  for (Layout l : o.layouts)
+    if (o.shared_expert && l == Layout::rank_major) usage_error("--shared-expert needs --layout expert_major");
   if (o.ops.empty()) {
     o.ops = {"dispatch", "combine", "dispatch_backward", "combine_backward"};
     if (!v3) o.ops.insert(o.ops.end(), {"ll_dispatch", "ll_combine"});

@@ -31,6 +31,7 @@ struct Options {
   double max_memory_gb = 0;  // host memory the run may count on (0: MemAvailable or the cgroup limit)
   bool tokens_scaled = false;  // the host backend shrank the preset's token count
   bool shared_gpu = false;     // CUDA: every rank on GPU 0 (the tests' transport)
+  bool shared_expert = false;  // BufferConfig::shared_expert (expert-major only)
   bool ll_eager = false;       // low-latency ops timed call by call (host launch included), not as graph replays
   bool ll_weights_at_dispatch = false;  // the combine's weights given to ll_dispatch instead of ll_combine
   bool processes = false;  // CUDA, high-throughput ops: one process per rank (bench/processes.hpp)

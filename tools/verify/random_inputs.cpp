@@ -24,6 +24,7 @@ DispatchInput RankInput::view(int64_t hidden, int64_t topk) const {
   }
   in.topk_idx = view2(idx.data(), DType::i32, tokens, topk);
   if (has_weights) in.topk_weights = view2(weights.data(), DType::f32, tokens, topk);
+  if (!shared_gate.empty()) in.shared_gate = TensorView::of(const_cast<float*>(shared_gate.data()), DType::f32, {tokens});
   return in;
 }
 

@@ -15,6 +15,7 @@ struct RankInput {
   std::vector<int32_t> idx;      // [T, K], -1 = unused
   std::vector<float> weights;    // [T, K]
   bool has_weights = true;
+  std::vector<float> shared_gate;  // [T] with cfg.shared_expert, optional (empty: no gate)
 
   // Views for Buffer::dispatch (topk form).
   DispatchInput view(int64_t hidden, int64_t topk) const;

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <sstream>
 #include <unordered_map>
 
@@ -16,11 +17,12 @@ int64_t capacity_of(const Problem& p, const Expected& e) {
 }
 
 float weight_of(const RankInput& in, int64_t i) { return in.has_weights ? in.weights[i] : 1.0f; }
+float shared_gate_of(const RankInput& in, int64_t t) { return in.shared_gate.empty() ? 1.0f : in.shared_gate[t]; }
 
-// (source rank, token, local expert or -1) -> row, for one receiving rank's layout.
+// (source rank, token, local expert, -1 or kSharedExpert) -> row, for one receiving rank's layout.
 struct RowIndex {
   std::unordered_map<int64_t, int64_t> rows;
-  static int64_t key(int64_t s, int64_t t, int64_t l) { return (s << 40) | (t << 12) | (l + 1); }
+  static int64_t key(int64_t s, int64_t t, int64_t l) { return (s << 40) | (t << 12) | (l + 2); }
   explicit RowIndex(const Expected& e) {
     for (size_t i = 0; i < e.rows.size(); ++i)
       if (e.rows[i].src_rank >= 0)
@@ -31,19 +33,6 @@ struct RowIndex {
     return it == rows.end() ? -1 : it->second;
   }
 };
-
-// The documented dot order: 32 lanes over 8-channel chunks, then a butterfly.
-float lane_dot(const uint16_t* a, const uint16_t* b, int64_t n) {
-  float lane[32] = {};
-  for (int64_t h = 0; h < n; ++h)
-    lane[(h / 8) % 32] = std::fma(bf16_to_float(a[h]), bf16_to_float(b[h]), lane[(h / 8) % 32]);
-  for (int o = 16; o >= 1; o /= 2) {
-    float next[32];
-    for (int l = 0; l < 32; ++l) next[l] = lane[l] + lane[l ^ o];
-    std::memcpy(lane, next, sizeof lane);
-  }
-  return lane[0];
-}
 
 // The documented encoders, naively: per block, a block holding a NaN or an infinity is written
 // as the rules for non-finite values say (fp8: scale the fp32 NaN 0x7fc00000, codes 0x7f; nvfp4:
@@ -176,6 +165,19 @@ std::string check_bytes_row(const Tensor& t, int64_t rows, int64_t row, const st
 
 }  // namespace
 
+// The documented dot order: 32 lanes over 8-channel chunks, then a butterfly.
+float lane_dot(const uint16_t* a, const uint16_t* b, int64_t n) {
+  float lane[32] = {};
+  for (int64_t h = 0; h < n; ++h)
+    lane[(h / 8) % 32] = std::fma(bf16_to_float(a[h]), bf16_to_float(b[h]), lane[(h / 8) % 32]);
+  for (int o = 16; o >= 1; o /= 2) {
+    float next[32];
+    for (int l = 0; l < 32; ++l) next[l] = lane[l] + lane[l ^ o];
+    std::memcpy(lane, next, sizeof lane);
+  }
+  return lane[0];
+}
+
 std::string compare_bits(const void* got, const void* want, int64_t count, int64_t elem_size, const std::string& what) {
   const auto* g = static_cast<const uint8_t*>(got);
   const auto* w = static_cast<const uint8_t*>(want);
@@ -237,7 +239,19 @@ Expected expected_dispatch(const Problem& p, const std::vector<std::vector<int32
   }
   if (layout == Layout::rank_major) return x;
 
+  // Each segment: its rows, then padding rows to the alignment.
   x.expert_offsets.assign(1, 0);
+  auto close_segment = [&] {
+    while (static_cast<int64_t>(x.rows.size()) % p.cfg.expert_alignment != 0) x.rows.push_back({});
+    x.expert_offsets.push_back(static_cast<int64_t>(x.rows.size()));
+  };
+  if (p.cfg.shared_expert) {  // segment 0: this rank's own tokens, in token order
+    const RankInput& own = p.inputs[rank];
+    for (int64_t t = 0; t < own.tokens; ++t)
+      x.rows.push_back({rank, static_cast<int32_t>(t), kSharedExpert, shared_gate_of(own, t)});
+    close_segment();
+    x.tokens_per_expert.insert(x.tokens_per_expert.begin(), own.tokens);
+  }
   for (int64_t l = 0; l < l_count; ++l) {
     const int32_t e = static_cast<int32_t>(rank * l_count + l);
     for (int s = 0; s < p.ranks; ++s)
@@ -245,8 +259,7 @@ Expected expected_dispatch(const Problem& p, const std::vector<std::vector<int32
         for (int64_t k = 0; k < k_count; ++k)
           if (kept[s][t * k_count + k] == e)
             x.rows.push_back({s, static_cast<int32_t>(t), static_cast<int32_t>(l), weight_of(p.inputs[s], t * k_count + k)});
-    while (static_cast<int64_t>(x.rows.size()) % p.cfg.expert_alignment != 0) x.rows.push_back({});
-    x.expert_offsets.push_back(static_cast<int64_t>(x.rows.size()));
+    close_segment();
   }
   return x;
 }
@@ -355,6 +368,15 @@ std::vector<uint16_t> expected_combine(const Problem& p, const std::vector<std::
       }
       for (int64_t c = 0; c < h; ++c) total[c] += bf16_to_float(float_to_bf16(partial[c]));
     }
+    // The shared expert: this rank's own row of t, after the ranks, unrounded, with its gate.
+    const int64_t shared_row = p.cfg.shared_expert ? index[s].find(s, t, kSharedExpert) : -1;
+    if (shared_row >= 0 && shared_row < capacity_of(p, layouts[s])) {
+      const float g = shared_gate_of(in, t);
+      for (int64_t c = 0; c < h; ++c) {
+        const float v = bf16_to_float(y[s][shared_row * h + c]);
+        total[c] = weighted ? std::fma(g, v, total[c]) : total[c] + v;
+      }
+    }
     if (shared)
       for (int64_t c = 0; c < h; ++c) total[c] += bf16_to_float((*shared)[t * h + c]);
     for (int64_t c = 0; c < h; ++c) out[t * h + c] = float_to_bf16(total[c]);
@@ -405,6 +427,14 @@ std::vector<float> expected_grad_w(const Problem& p, const std::vector<std::vect
     gw[t * k_count + k] = lane_dot(&grad_out[s][t * h], &y[d][row * h], h);
   });
   return gw;
+}
+
+std::vector<float> expected_shared_gate_grad(const Problem& p, const Expected& layout, int s,
+                                             const std::function<float(int64_t row)>& value_at) {
+  std::vector<float> g(p.inputs[s].tokens, 0.0f);
+  for (int64_t i = 0; i < std::min<int64_t>(capacity_of(p, layout), layout.rows.size()); ++i)
+    if (layout.rows[i].local_expert == kSharedExpert) g[layout.rows[i].src_token] = value_at(i);
+  return g;
 }
 
 std::vector<float> expected_gathered_weights(const Problem& p, const std::vector<std::vector<int32_t>>& kept,

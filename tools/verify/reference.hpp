@@ -2,6 +2,7 @@
 // inputs at once and builds each expected output by scanning all (rank, token, slot) triples.
 // It shares only the scalar codecs and the documented reductions with the library.
 #pragma once
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -12,10 +13,13 @@ namespace epx::verify {
 // Per rank [T*K]: the routing after the capacity-factor drop rule.
 std::vector<std::vector<int32_t>> kept_routing(const Problem& p);
 
+// ExpectedRow::local_expert of a shared-expert row (BufferConfig::shared_expert).
+constexpr int32_t kSharedExpert = -2;
+
 struct ExpectedRow {
   int32_t src_rank = -1;  // -1: padding
   int32_t src_token = -1;
-  int32_t local_expert = -1;  // expert-major: the row's expert
+  int32_t local_expert = -1;  // expert-major: the row's expert, or kSharedExpert
   float weight = 0.0f;
 };
 
@@ -47,6 +51,14 @@ std::vector<uint16_t> expected_grad_y(const Problem& p, const Expected& layout, 
 std::vector<float> expected_grad_w(const Problem& p, const std::vector<std::vector<int32_t>>& kept,
                                    const std::vector<Expected>& layouts, const std::vector<std::vector<uint16_t>>& grad_out,
                                    const std::vector<std::vector<uint16_t>>& y, int s);
+
+// Expected grad_shared_gate [T] of rank s (its own layout): value_at(row) at each token's shared
+// row within capacity (combine_backward: the dot with grad_out; dispatch_backward: the value of
+// grad_recv_weights), 0 elsewhere.
+std::vector<float> expected_shared_gate_grad(const Problem& p, const Expected& layout, int s,
+                                             const std::function<float(int64_t row)>& value_at);
+// The documented lane-order dot product of two bf16 rows (combine_backward's weight gradients).
+float lane_dot(const uint16_t* a, const uint16_t* b, int64_t n);
 
 // Byte-exact comparison of two arrays; empty when equal, else "what[i]: got a, want b".
 std::string compare_bits(const void* got, const void* want, int64_t count, int64_t elem_size, const std::string& what);

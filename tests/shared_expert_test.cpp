@@ -1,0 +1,215 @@
+// The fused shared expert (BufferConfig::shared_expert, docs/semantics.md): every operation
+// against the reference bit for bit, the layout and the summation order stated directly, and
+// the refusals.
+#include "harness.hpp"
+
+namespace epx::test {
+namespace {
+
+enum class Mode { blocking, capacity, overflow, dropping };
+
+struct Case {
+  int ranks;
+  int64_t hidden, tokens, experts, topk;
+  WireFormat wire;
+  int64_t alignment;
+  bool gate;     // a shared_gate given to dispatch
+  bool weights;  // router weights (weighted combine)
+  Mode mode;
+};
+
+std::string case_name(const testing::TestParamInfo<Case>& info) {
+  const Case& c = info.param;
+  const char* modes[] = {"blocking", "capacity", "overflow", "dropping"};
+  return "R" + std::to_string(c.ranks) + "_H" + std::to_string(c.hidden) + "_T" + std::to_string(c.tokens) + "_E" +
+         std::to_string(c.experts) + "_K" + std::to_string(c.topk) + "_" + std::string(wire_name(c.wire)) + "_A" +
+         std::to_string(c.alignment) + (c.gate ? "_gate" : "_nogate") + (c.weights ? "" : "_noweights") + "_" +
+         modes[static_cast<int>(c.mode)];
+}
+
+void PrintTo(const Case& c, std::ostream* os) { *os << case_name(testing::TestParamInfo<Case>(c, 0)); }
+
+BufferConfig case_config(const Case& c) {
+  BufferConfig cfg = small_config(c.hidden, c.tokens, c.experts, c.topk, c.wire, c.alignment);
+  const int64_t shared_rows = (c.tokens + c.alignment - 1) / c.alignment * c.alignment;
+  if (c.mode == Mode::capacity || c.mode == Mode::overflow) {
+    cfg.mode = CapacityMode::capacity;
+    // capacity: room for every row; overflow: the shared segment and a few routed rows only.
+    cfg.capacity_rows = c.mode == Mode::capacity ? shared_rows + c.ranks * c.tokens * c.topk + c.experts * c.alignment
+                                                 : shared_rows + 3;
+  }
+  if (c.mode == Mode::dropping) cfg.capacity_factor = 0.5;
+  return cfg;
+}
+
+class SharedExpert : public testing::TestWithParam<Case> {};
+
+TEST_P(SharedExpert, MatchesTheReference) {
+  const Case& c = GetParam();
+  verify::ProblemSpec spec;
+  spec.cfg = case_config(c);
+  spec.ranks = c.ranks;
+  for (int r = 0; r < c.ranks; ++r) spec.tokens.push_back(r == 1 ? 0 : c.tokens - 3 * r % (c.tokens + 1));  // one empty
+  spec.routing = c.mode == Mode::dropping ? verify::Routing::skewed : verify::Routing::uniform;
+  spec.unused_slot_fraction = 0.1;
+  spec.seed = static_cast<uint64_t>(c.ranks * 37 + c.hidden + c.alignment);
+  verify::Problem p = verify::make_problem(spec);
+  for (auto& in : p.inputs) in.has_weights = c.weights;
+  p = with_shared_expert(p, c.gate);
+  RunOptions o;
+  o.shared_expert = c.ranks % 2 == 0;  // shared_out as well on even rank counts: both terms, in order
+  const auto runs = run_problem(p, o);
+  expect_matches_reference(p, o, runs);
+  if (c.mode == Mode::overflow) {
+    bool any = false;
+    for (const auto& run : runs) any |= run.dispatched.overflow;
+    EXPECT_TRUE(any) << "the overflow case lost no rows";
+  }
+  if (c.mode == Mode::dropping) {
+    int64_t dropped = 0;
+    for (const auto& run : runs) dropped += run.dispatched.dropped_slots;
+    EXPECT_GT(dropped, 0);
+  }
+}
+
+using W = WireFormat;
+using M = Mode;
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, SharedExpert,
+    testing::Values(Case{1, 256, 24, 8, 2, W::bf16, 1, false, true, M::blocking},
+                    Case{2, 256, 32, 16, 4, W::bf16, 1, true, true, M::blocking},
+                    Case{2, 256, 32, 16, 4, W::bf16, 1, true, false, M::blocking},
+                    Case{3, 128, 20, 12, 3, W::bf16, 8, true, true, M::blocking},
+                    Case{4, 256, 40, 32, 8, W::bf16, 16, false, true, M::blocking},
+                    Case{8, 128, 24, 64, 8, W::bf16, 128, true, true, M::blocking},
+                    Case{2, 256, 32, 16, 4, W::fp8, 4, true, true, M::blocking},
+                    Case{2, 256, 32, 16, 4, W::fp8_ue8m0, 1, false, true, M::blocking},
+                    Case{3, 64, 20, 12, 2, W::nvfp4, 8, true, true, M::blocking},
+                    Case{2, 128, 32, 8, 4, W::bf16, 4, true, true, M::capacity},
+                    Case{3, 128, 32, 12, 4, W::bf16, 8, true, true, M::overflow},
+                    Case{2, 128, 40, 8, 2, W::bf16, 1, true, true, M::dropping},
+                    Case{4, 64, 40, 8, 2, W::bf16, 4, false, true, M::dropping}),
+    case_name);
+
+// Stated without the reference: segment 0 is this rank's own tokens, padded; the offsets and
+// counts have the shared segment first.
+TEST(SharedExpertLayout, SegmentZeroIsTheRanksOwnTokens) {
+  verify::ProblemSpec spec;
+  spec.cfg = small_config(64, 10, 8, 2, WireFormat::bf16, 4);
+  spec.ranks = 2;
+  spec.seed = 5;
+  const auto p = with_shared_expert(verify::make_problem(spec), true);
+  RunOptions o;
+  o.combine = false;
+  const auto runs = run_problem(p, o);
+  for (int r = 0; r < 2; ++r) {
+    const DispatchResult& d = runs[r].dispatched;
+    ASSERT_EQ(d.expert_offsets.numel(), 4 + 2);  // L = 4: the shared segment and 4 experts
+    ASSERT_EQ(d.tokens_per_expert.numel(), 4 + 1);
+    EXPECT_EQ(d.tokens_per_expert.data<int64_t>()[0], 10);
+    EXPECT_EQ(d.expert_offsets.data<int64_t>()[0], 0);
+    EXPECT_EQ(d.expert_offsets.data<int64_t>()[1], 12);  // 10 rows padded to 4
+    for (int64_t t = 0; t < 12; ++t) {
+      const int32_t* src = d.recv_src.data<int32_t>() + 2 * t;
+      const bool real = t < 10;
+      EXPECT_EQ(src[0], real ? r : -1);
+      EXPECT_EQ(src[1], real ? t : -1);
+      EXPECT_EQ(d.recv_weights.data<float>()[t], real ? p.inputs[r].shared_gate[t] : 0.0f);
+      for (int64_t c = 0; c < 64; ++c)
+        ASSERT_EQ(d.recv_x.data<uint16_t>()[t * 64 + c], real ? p.inputs[r].x[t * 64 + c] : 0) << "row " << t;
+    }
+  }
+}
+
+// The shared term enters after the rank-ordered partials: partials -1 (rank 0) and 1 (rank 1),
+// shared row 2^-30 give (-1 + 1) + 2^-30 = 2^-30; the shared term first would give 0.
+TEST(SharedExpertCombine, TheSharedTermComesAfterTheRanks) {
+  const int64_t h = 8;
+  BufferConfig cfg = small_config(h, 1, 2, 2);
+  cfg.shared_expert = true;
+  uint16_t result = 0;
+  auto errors = verify::run_ranks(2, [&](const Group& g) {
+    Buffer b(g, cfg);
+    const int64_t tokens = g.rank() == 0 ? 1 : 0;
+    std::vector<uint16_t> x(h, float_to_bf16(1.0f));
+    std::vector<int32_t> idx = {0, 1};
+    std::vector<float> w(2, 1.0f);
+    DispatchInput in;
+    in.x = TensorView::of(x.data(), DType::bf16, {tokens, h});
+    in.topk_idx = TensorView::of(idx.data(), DType::i32, {tokens, 2});
+    in.topk_weights = TensorView::of(w.data(), DType::f32, {tokens, 2});
+    auto d = b.dispatch(in);
+    const int64_t rows = d.recv_x.size(0), shared_end = d.expert_offsets.data<int64_t>()[1];
+    std::vector<uint16_t> y(rows * h);
+    for (int64_t i = 0; i < rows; ++i)  // the shared rows 2^-30; the routed rows -1 on rank 0, 1 on rank 1
+      std::fill_n(&y[i * h], h, float_to_bf16(i < shared_end ? 0x1p-30f : g.rank() == 0 ? -1.0f : 1.0f));
+    auto out = b.combine({bf16_view(y, rows, h), {}}, d.handle, {true});
+    if (g.rank() == 0) result = out.out.data<uint16_t>()[0];
+  });
+  for (auto& e : errors) EXPECT_EQ(e, "");
+  EXPECT_EQ(result, float_to_bf16(0x1p-30f));
+}
+
+// Every rank's error code and message from fn(group) (invalid_argument: 1, ..., none: 0).
+std::vector<std::pair<ErrorCode, std::string>> errors_of(int ranks, const std::function<void(const Group&)>& fn) {
+  std::vector<std::pair<ErrorCode, std::string>> out(ranks, {ErrorCode{}, ""});
+  verify::run_ranks(ranks, [&](const Group& g) {
+    try {
+      fn(g);
+    } catch (const Error& e) {
+      out[g.rank()] = {e.code(), e.what()};
+    }
+  });
+  return out;
+}
+
+TEST(SharedExpertRefusals, RankMajorAndAGateWithoutASharedExpert) {
+  verify::ProblemSpec spec;
+  spec.cfg = small_config(64, 8, 4, 2);
+  spec.ranks = 2;
+  const auto plain = verify::make_problem(spec);
+  const auto shared = with_shared_expert(plain, true);
+  const auto rank_major = errors_of(2, [&](const Group& g) {
+    Buffer b(g, shared.cfg);
+    b.dispatch(shared.inputs[g.rank()].view(64, 2), {Layout::rank_major});
+  });
+  for (const auto& [code, what] : rank_major) {
+    EXPECT_EQ(code, ErrorCode::invalid_argument);
+    EXPECT_THAT(what, testing::HasSubstr("shared_expert needs the expert-major layout"));
+  }
+  const auto gate_alone = errors_of(2, [&](const Group& g) {
+    Buffer b(g, plain.cfg);
+    DispatchInput in = shared.inputs[g.rank()].view(64, 2);  // has a shared_gate
+    b.dispatch(in);
+  });
+  for (const auto& [code, what] : gate_alone) {
+    EXPECT_EQ(code, ErrorCode::invalid_argument);
+    EXPECT_THAT(what, testing::HasSubstr("shared_gate given but the buffer has no shared expert"));
+  }
+}
+
+TEST(SharedExpertRefusals, CapacityBelowTheSharedSegmentAndLowLatency) {
+  BufferConfig cfg = small_config(64, 10, 4, 2, WireFormat::bf16, 4);
+  cfg.shared_expert = true;
+  cfg.mode = CapacityMode::capacity;
+  cfg.capacity_rows = 11;  // the shared segment needs 12
+  for (const auto& [code, what] : errors_of(2, [&](const Group& g) { Buffer b(g, cfg); })) {
+    EXPECT_EQ(code, ErrorCode::invalid_argument);
+    EXPECT_THAT(what, testing::HasSubstr("shared_expert in capacity mode needs capacity_rows >= 12"));
+  }
+  LowLatencyConfig ll;
+  ll.hidden = 64;
+  ll.max_tokens_per_rank = 8;
+  ll.num_experts = 4;
+  ll.topk = 2;
+  ll.timeout_ms = 20000;
+  ll.shared_expert = true;
+  for (const auto& [code, what] : errors_of(2, [&](const Group& g) { LowLatencyBuffer b(g, ll); })) {
+    EXPECT_EQ(code, ErrorCode::unsupported);
+    EXPECT_THAT(what, testing::HasSubstr("shared_expert is not supported in low-latency mode yet"));
+  }
+}
+
+}  // namespace
+}  // namespace epx::test
