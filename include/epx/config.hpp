@@ -46,6 +46,11 @@ struct BufferConfig {
   // SM-engine combine (the rest receive or reduce); 0 = the split measured best (half, and at
   // expert-major a third in dispatch, two thirds in combine; docs/cuda.md). At most num_sms - 1.
   int64_t send_blocks = 0;
+  // What crosses back in combine: each (token, rank) partial as bf16 (default), or that bf16
+  // row quantized as the fp8 dispatch wire quantizes x (fp8, fp8_ue8m0; needs hidden % 128 == 0),
+  // dequantized and summed in fp32 at the source. nvfp4 is refused. dispatch_backward stays bf16.
+  // The CPU backend only, for now. docs/semantics.md, "Combine wire".
+  WireFormat combine_wire = WireFormat::bf16;
 };
 
 std::string_view wire_name(WireFormat w);

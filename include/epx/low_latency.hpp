@@ -22,6 +22,9 @@ struct LowLatencyConfig {
   // BufferConfig::check_finite; the CUDA backend scans on the device, and (like a bad expert id)
   // the next call raises it on every rank.
   bool check_finite = false;
+  // As BufferConfig::combine_wire: each (token, rank) partial of ll_combine crosses back as bf16,
+  // or quantized to fp8 / fp8_ue8m0. docs/low-latency.md.
+  WireFormat combine_wire = WireFormat::bf16;
 };
 // One line with every field, used to compare configs across ranks and in messages.
 std::string describe(const LowLatencyConfig& c);

@@ -201,7 +201,8 @@ py::tuple combine_backward(PyBuffer& self, py::handle grad_out, py::handle y, py
 
 BufferConfig make_config(int64_t hidden, int64_t max_tokens_per_rank, int64_t num_experts, int64_t topk, int wire,
                          int64_t expert_alignment, int mode, int64_t capacity_rows, double capacity_factor,
-                         int64_t timeout_ms, int64_t num_sms, bool check_finite, int64_t send_blocks) {
+                         int64_t timeout_ms, int64_t num_sms, bool check_finite, int64_t send_blocks,
+                         int combine_wire) {
   BufferConfig c;
   c.hidden = hidden;
   c.max_tokens_per_rank = max_tokens_per_rank;
@@ -216,6 +217,7 @@ BufferConfig make_config(int64_t hidden, int64_t max_tokens_per_rank, int64_t nu
   c.num_sms = num_sms;
   c.check_finite = check_finite;
   c.send_blocks = send_blocks;
+  c.combine_wire = static_cast<WireFormat>(combine_wire);  // refused, on every rank, when unknown
   return c;
 }
 
@@ -227,7 +229,7 @@ void bind_buffer(py::module_& m) {
            py::arg("num_experts"), py::arg("topk"), py::arg("wire") = 0, py::arg("expert_alignment") = 1,
            py::arg("mode") = 0, py::arg("capacity_rows") = 0, py::arg("capacity_factor") = 0.0,
            py::arg("timeout_ms") = 0, py::arg("num_sms") = 0, py::arg("check_finite") = false,
-           py::arg("send_blocks") = 0)
+           py::arg("send_blocks") = 0, py::arg("combine_wire") = 0)
       .def_readonly("hidden", &BufferConfig::hidden)
       .def_readonly("max_tokens_per_rank", &BufferConfig::max_tokens_per_rank)
       .def_readonly("num_experts", &BufferConfig::num_experts)
@@ -241,6 +243,7 @@ void bind_buffer(py::module_& m) {
       .def_readonly("num_sms", &BufferConfig::num_sms)
       .def_readonly("check_finite", &BufferConfig::check_finite)
       .def_readonly("send_blocks", &BufferConfig::send_blocks)
+      .def_property_readonly("combine_wire", [](const BufferConfig& c) { return static_cast<int>(c.combine_wire); })
       .def("__repr__", [](const BufferConfig& c) { return describe(c); });
 
   py::class_<PyBuffer, HolderWithoutGil<PyBuffer>>(m, "Buffer")

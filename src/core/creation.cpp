@@ -31,13 +31,13 @@ std::chrono::milliseconds creation_timeout(int64_t timeout_ms) {
 }
 
 void agree_on_creation(const Group& group, const char* what, const std::string& config, const std::string& error,
-                       int64_t timeout_ms) {
+                       int64_t timeout_ms, ErrorCode code) {
   require(group.state() != nullptr, what, ": the group is empty");
   const int rank = group.rank();
   const std::string step = cat(what, " creation (config exchange)");
   const std::vector<std::string> records =
       group.state()->all_gather(rank, record_of(config, error), creation_timeout(timeout_ms), step);
-  if (!error.empty()) throw Error(ErrorCode::invalid_argument, error);
+  if (!error.empty()) throw Error(code, error);
   for (size_t r = 0; r < records.size(); ++r)
     if (!error_of(records[r]).empty())
       fail(ErrorCode::peer_failed, what, " creation (rank ", rank, "): rank ", r,

@@ -218,6 +218,7 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   agree_after_checks(group, "buffer", describe(config), config.timeout_ms, [&] {
     state = dynamic_cast<CudaGroupState*>(group.state().get());
     require(state != nullptr, "buffer: group is not a CUDA group");
+    refuse_low_precision_combine(config.combine_wire, "buffer");
     require(ranks_ <= kMaxRanks, "buffer: the CUDA backend supports at most ", kMaxRanks, " ranks, got ", ranks_);
     require(config.max_tokens_per_rank < (int64_t{1} << (32 - kRangeCountBits)),
             "buffer: the CUDA backend supports max_tokens_per_rank < 2^27, got ", config.max_tokens_per_rank);

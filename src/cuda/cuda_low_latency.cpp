@@ -41,6 +41,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     agree_after_checks(group, "low-latency buffer", describe(c), c.timeout_ms, [&] {
       state = dynamic_cast<CudaGroupState*>(group.state().get());
       require(state != nullptr, "low-latency buffer: group is not a CUDA group");
+      refuse_low_precision_combine(c.combine_wire, "low-latency buffer");
       require(ranks_ <= kMaxRanks, "low-latency buffer: at most ", kMaxRanks, " ranks, got ", ranks_);
       require(c.num_experts <= kMaxLlExperts, "low-latency buffer: at most ", kMaxLlExperts, " experts, got ",
               c.num_experts);

@@ -235,14 +235,15 @@ CombineResult HostBackend::combine(const CombineInput& in, const Handle& handle,
   return guarded(call, [&] {
     const int64_t hidden = c.hidden;
     std::vector<float> acc(hidden);
-    push_reverse(*h, true, false, [&](int64_t i, uint16_t* row, float*) {
+    // One bf16 row per (token, rank), in the combine wire's form, crosses back.
+    push_reverse(*h, combine_wire_, true, false, [&](int64_t i, uint16_t* row, float*) {
       partial_sum(h->recv, i, c.topk, in.y, opt.weighted, acc.data(), hidden);
-      round_row(row, acc.data(), hidden);  // one bf16 row per (token, rank) crosses back
+      round_row(row, acc.data(), hidden);
     });
     sync(call, "transfer");
 
     CombineResult out;
-    out.out = sum_returned_rows(*h, in.shared_out);
+    out.out = sum_returned_rows(*h, combine_wire_, in.shared_out);
     out.overflow = h->recv.overflow();
     return out;
   });
@@ -260,7 +261,8 @@ DispatchBackwardResult HostBackend::dispatch_backward(const DispatchBackwardInpu
     const bool with_weights = in.grad_recv_weights.defined();
     const RecvLayout& r = h->recv;
     std::vector<float> acc(hidden);
-    push_reverse(*h, true, with_weights, [&](int64_t i, uint16_t* row, float* slots) {
+    // Gradients cross back in bf16 whatever combine_wire is (docs/semantics.md, "Backward").
+    push_reverse(*h, gradient_wire_, true, with_weights, [&](int64_t i, uint16_t* row, float* slots) {
       partial_sum(r, i, k_count, in.grad_recv_x, false, acc.data(), hidden);
       round_row(row, acc.data(), hidden);
       if (!slots) return;
@@ -275,7 +277,7 @@ DispatchBackwardResult HostBackend::dispatch_backward(const DispatchBackwardInpu
     sync(call, "transfer");
 
     DispatchBackwardResult out;
-    out.grad_x = sum_returned_rows(*h, TensorView{});
+    out.grad_x = sum_returned_rows(*h, gradient_wire_, TensorView{});
     if (with_weights) out.grad_topk_weights = gather_slot_values(*h);
     return out;
   });
@@ -318,7 +320,7 @@ CombineBackwardResult HostBackend::combine_backward(const CombineBackwardInput& 
     }
     if (!opt.weighted) return out;
 
-    push_reverse(*h, false, true, [&](int64_t i, uint16_t*, float* slots) {
+    push_reverse(*h, gradient_wire_, false, true, [&](int64_t i, uint16_t*, float* slots) {
       std::copy_n(&grad_w[i * k_count], k_count, slots);
     });
     sync(call, "weight gradients");
