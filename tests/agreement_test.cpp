@@ -54,16 +54,6 @@ DispatchInput x_only(const DispatchInput& in) {
   return out;
 }
 
-ErrorCode code_of(const std::function<void()>& call, std::string* what = nullptr) {
-  try {
-    call();
-  } catch (const Error& e) {
-    if (what) *what = e.what();
-    return e.code();
-  }
-  return ErrorCode::internal;  // no error at all: never what a test expects here
-}
-
 // The case: dispatches A (16 rows, 2 experts a token) and B (8 rows, 1 expert) on one
 // buffer; rank 0 combines with B's handle, rank 1 with A's. Both must refuse, not sum wrong rows.
 TEST(Agreement, HandlesOfDifferentDispatchesFailEveryRank) {

@@ -198,6 +198,9 @@ static void* rank_main(void* arg) {
   bad.mode = 5;
   creation_refused(rank, NULL, &bad, 0, "mode: unknown capacity mode code 5");
   bad = config();
+  bad.combine_wire = 3; /* nvfp4 */
+  creation_refused(rank, NULL, &bad, 0, "combine_wire nvfp4 is not supported");
+  bad = config();
   creation_refused(rank, NULL, &bad, 1, "epx_buffer_create: out must not be NULL");
   creation_refused(rank, NULL, NULL, 0, "epx_buffer_create: cfg must not be NULL");
 

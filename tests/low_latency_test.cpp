@@ -14,6 +14,7 @@ LowLatencyConfig ll_config(const BufferConfig& c) {
   l.num_experts = c.num_experts;
   l.topk = c.topk;
   l.wire = c.wire;
+  l.combine_wire = c.combine_wire;
   l.timeout_ms = 20000;
   return l;
 }
@@ -32,11 +33,12 @@ struct LlCase {
   int ranks;
   int64_t hidden, tokens, experts, topk;
   WireFormat wire;
+  WireFormat combine_wire = WireFormat::bf16;
 };
 
 void PrintTo(const LlCase& c, std::ostream* os) {
   *os << "R" << c.ranks << "_H" << c.hidden << "_T" << c.tokens << "_E" << c.experts << "_K" << c.topk << "_"
-      << wire_name(c.wire);
+      << wire_name(c.wire) << "_combine_" << wire_name(c.combine_wire);
 }
 
 class LowLatency : public testing::TestWithParam<LlCase> {};
@@ -52,6 +54,7 @@ TEST_P(LowLatency, RoundsMatchTheReference) {
   std::vector<std::vector<int64_t>> counts(rounds, std::vector<int64_t>(c.ranks));
   for (int i = 0; i < rounds; ++i) {
     problems.push_back(ll_problem(c.ranks, c.hidden, c.tokens, c.experts, c.topk, c.wire, 50 + i));
+    problems.back().cfg.combine_wire = c.combine_wire;
     for (int r = 0; r < c.ranks; ++r) counts[i][r] = (c.tokens * (i + r + 1)) / (rounds + c.ranks) % (c.tokens + 1);
   }
   std::vector<std::vector<LowLatencyDispatchResult>> got(rounds, std::vector<LowLatencyDispatchResult>(c.ranks));
@@ -92,7 +95,13 @@ INSTANTIATE_TEST_SUITE_P(Shapes, LowLatency,
                                          LlCase{2, 256, 24, 16, 8, WireFormat::fp8},
                                          LlCase{3, 384, 16, 9, 3, WireFormat::fp8_ue8m0},
                                          LlCase{4, 256, 12, 36, 8, WireFormat::nvfp4},
-                                         LlCase{8, 128, 8, 72, 8, WireFormat::bf16}));
+                                         LlCase{8, 128, 8, 72, 8, WireFormat::bf16},
+                                         // low-precision combine wire
+                                         LlCase{1, 256, 16, 8, 4, WireFormat::bf16, WireFormat::fp8},
+                                         LlCase{2, 256, 24, 16, 8, WireFormat::bf16, WireFormat::fp8},
+                                         LlCase{3, 384, 16, 9, 3, WireFormat::fp8, WireFormat::fp8_ue8m0},
+                                         LlCase{4, 256, 12, 36, 8, WireFormat::nvfp4, WireFormat::fp8},
+                                         LlCase{8, 128, 8, 72, 8, WireFormat::fp8_ue8m0, WireFormat::fp8_ue8m0}));
 
 TEST(LowLatency, TwoLayersInFlightUseAlternateSets) {
   // Layer B's dispatch is sent before layer A's combine is received: the sets must not mix.

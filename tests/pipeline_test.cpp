@@ -16,6 +16,7 @@ struct Case {
   verify::Routing routing;
   double unused;
   bool weights;
+  WireFormat combine_wire = WireFormat::bf16;
 };
 
 std::string case_name(const testing::TestParamInfo<Case>& info) {
@@ -24,7 +25,8 @@ std::string case_name(const testing::TestParamInfo<Case>& info) {
          std::to_string(c.experts) + "_K" + std::to_string(c.topk) + "_" + std::string(wire_name(c.wire)) + "_" +
          std::string(layout_name(c.layout)) + "_A" + std::to_string(c.alignment) +
          (c.routing == verify::Routing::skewed ? "_skewed" : "") + (c.unused > 0 ? "_holes" : "") +
-         (c.weights ? "" : "_noweights");
+         (c.weights ? "" : "_noweights") +
+         (c.combine_wire == WireFormat::bf16 ? "" : "_combine_" + std::string(wire_name(c.combine_wire)));
 }
 
 class Pipeline : public testing::TestWithParam<Case> {};
@@ -35,6 +37,7 @@ TEST_P(Pipeline, MatchesReference) {
   const Case& c = GetParam();
   verify::ProblemSpec spec;
   spec.cfg = small_config(c.hidden, c.tokens, c.experts, c.topk, c.wire, c.alignment);
+  spec.cfg.combine_wire = c.combine_wire;
   spec.ranks = c.ranks;
   for (int r = 0; r < c.ranks; ++r) spec.tokens.push_back(r == 1 ? 0 : c.tokens - 3 * r % (c.tokens + 1));  // uneven, one empty
   spec.routing = c.routing;
@@ -80,7 +83,15 @@ INSTANTIATE_TEST_SUITE_P(
         Case{2, 64, 0, 4, 2, W::bf16, L::expert_major, 16, U, 0.0, true},  // a buffer for zero tokens
         // larger, realistic ratios (top-8 of many experts)
         Case{2, 512, 64, 256, 8, W::bf16, L::expert_major, 128, U, 0.0, true},
-        Case{2, 512, 64, 256, 8, W::fp8, L::expert_major, 1, S, 0.0, true}),
+        Case{2, 512, 64, 256, 8, W::fp8, L::expert_major, 1, S, 0.0, true},
+        // low-precision combine wire (partials quantized on the way back; dispatch_backward stays bf16)
+        Case{2, 256, 32, 16, 4, W::bf16, L::expert_major, 1, U, 0.0, true, W::fp8},
+        Case{2, 256, 32, 16, 4, W::bf16, L::expert_major, 4, U, 0.0, true, W::fp8_ue8m0},
+        Case{4, 384, 24, 16, 4, W::fp8, L::rank_major, 1, U, 0.1, true, W::fp8},
+        Case{3, 256, 16, 9, 3, W::nvfp4, L::expert_major, 4, S, 0.1, true, W::fp8_ue8m0},
+        Case{3, 128, 16, 6, 2, W::bf16, L::expert_major, 1, U, 0.0, false, W::fp8},
+        Case{8, 128, 24, 64, 8, W::fp8_ue8m0, L::rank_major, 1, S, 0.1, true, W::fp8_ue8m0},
+        Case{1, 128, 24, 8, 2, W::bf16, L::expert_major, 1, U, 0.0, true, W::fp8}),
     case_name);
 
 }  // namespace
@@ -102,6 +113,8 @@ TEST(Pipeline, RandomConfigurationSweep) {
     const int64_t experts = ranks * local, topk = std::min<int64_t>(experts, pick({1, 2, 4, 8}));
     verify::ProblemSpec spec;
     spec.cfg = small_config(hidden, pick({1, 7, 20}), experts, topk, wire, pick({1, 4, 16}));
+    // Every combine wire in turn where the shape allows fp8 (without a draw: the other trials stay as they were).
+    if (hidden % kFp8Block == 0) spec.cfg.combine_wire = static_cast<WireFormat>(trial % 3);
     if (rng() % 3 == 0) spec.cfg.capacity_factor = 0.3 + 0.2 * static_cast<double>(rng() % 5);
     if (rng() % 3 == 0) {
       spec.cfg.mode = CapacityMode::capacity;

@@ -50,6 +50,11 @@ struct BufferConfig {
   // segment 0 of its output, so one grouped GEMM covers the shared and the routed experts, and
   // combine adds those rows' outputs back after the routed partials. docs/semantics.md.
   bool shared_expert = false;
+  // What crosses back in combine: each (token, rank) partial as bf16 (default), or that bf16
+  // row quantized as the fp8 dispatch wire quantizes x (fp8, fp8_ue8m0; needs hidden % 128 == 0),
+  // dequantized and summed in fp32 at the source. nvfp4 is refused. dispatch_backward stays bf16.
+  // The CPU backend only, for now. docs/semantics.md, "Combine wire".
+  WireFormat combine_wire = WireFormat::bf16;
 };
 
 std::string_view wire_name(WireFormat w);

@@ -25,6 +25,9 @@ struct LowLatencyConfig {
   // The fused shared expert of BufferConfig: not in low-latency mode yet; creation refuses it
   // (unsupported). docs/low-latency.md.
   bool shared_expert = false;
+  // As BufferConfig::combine_wire: each (token, rank) partial of ll_combine crosses back as bf16,
+  // or quantized to fp8 / fp8_ue8m0. docs/low-latency.md.
+  WireFormat combine_wire = WireFormat::bf16;
 };
 // One line with every field, used to compare configs across ranks and in messages.
 std::string describe(const LowLatencyConfig& c);

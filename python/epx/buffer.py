@@ -31,16 +31,18 @@ class Buffer:
 
     def __init__(self, group, hidden, max_tokens_per_rank, num_experts, topk, *, wire="bf16",
                  expert_alignment=1, mode=None, capacity_rows=0, capacity_factor=0.0, timeout_ms=0,
-                 num_sms=0, check_finite=False, send_blocks=0, shared_expert=False):
+                 num_sms=0, check_finite=False, send_blocks=0, shared_expert=False, combine_wire="bf16"):
         if mode is None:
             mode = CapacityMode.capacity if capacity_rows else CapacityMode.blocking
         wire_code, mode_code = code_of(WireFormat, wire), code_of(CapacityMode, mode)
+        combine_code = code_of(WireFormat, combine_wire)
         config = _C.BufferConfig(
             hidden=hidden, max_tokens_per_rank=max_tokens_per_rank, num_experts=num_experts, topk=topk,
             wire=-1 if wire_code is None else wire_code, expert_alignment=expert_alignment,
             mode=-1 if mode_code is None else mode_code, capacity_rows=capacity_rows,
             capacity_factor=capacity_factor, timeout_ms=timeout_ms, num_sms=num_sms, check_finite=check_finite,
-            send_blocks=send_blocks, shared_expert=shared_expert)
+            send_blocks=send_blocks, shared_expert=shared_expert,
+            combine_wire=-1 if combine_code is None else combine_code)
         try:
             self._c = _C.Buffer(group._c, config)  # an unknown code fails on every rank (epx refuses it)
         except InvalidArgument as e:
@@ -48,6 +50,8 @@ class Buffer:
                 raise InvalidArgument(f"buffer: wire: unknown {wire!r}; use one of {names_of(WireFormat)}") from e
             if mode_code is None:
                 raise InvalidArgument(f"buffer: mode: unknown {mode!r}; use one of {names_of(CapacityMode)}") from e
+            if combine_code is None:
+                raise InvalidArgument(f"buffer: combine_wire: unknown {combine_wire!r}; use bf16, fp8 or fp8_ue8m0") from e
             raise
         self.group = group
         self.device = group.device

@@ -52,17 +52,21 @@ class LowLatencyBuffer:
     """Collective to create (every rank, the same arguments, in the same order as other buffers)."""
 
     def __init__(self, group, hidden, max_tokens_per_rank, num_experts, topk, *, wire="bf16", timeout_ms=0,
-                 check_finite=False, shared_expert=False):
-        wire_code = code_of(WireFormat, wire)
+                 check_finite=False, shared_expert=False, combine_wire="bf16"):
+        wire_code, combine_code = code_of(WireFormat, wire), code_of(WireFormat, combine_wire)
         config = _C.LowLatencyConfig(hidden=hidden, max_tokens_per_rank=max_tokens_per_rank,
                                      num_experts=num_experts, topk=topk, wire=-1 if wire_code is None else wire_code,
-                                     timeout_ms=timeout_ms, check_finite=check_finite, shared_expert=shared_expert)
+                                     timeout_ms=timeout_ms, check_finite=check_finite, shared_expert=shared_expert,
+                                     combine_wire=-1 if combine_code is None else combine_code)
         try:
             self._c = _C.LowLatencyBuffer(group._c, config)
         except InvalidArgument as e:
             if wire_code is None:
                 raise InvalidArgument(f"low-latency buffer: wire: unknown {wire!r}; use one of "
                                       f"{names_of(WireFormat)}") from e
+            if combine_code is None:
+                raise InvalidArgument(f"low-latency buffer: combine_wire: unknown {combine_wire!r}; use bf16, fp8 "
+                                      "or fp8_ue8m0") from e
             raise
         self.group = group
         self.device = group.device

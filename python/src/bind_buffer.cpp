@@ -203,7 +203,7 @@ py::tuple combine_backward(PyBuffer& self, py::handle grad_out, py::handle y, py
 BufferConfig make_config(int64_t hidden, int64_t max_tokens_per_rank, int64_t num_experts, int64_t topk, int wire,
                          int64_t expert_alignment, int mode, int64_t capacity_rows, double capacity_factor,
                          int64_t timeout_ms, int64_t num_sms, bool check_finite, int64_t send_blocks,
-                         bool shared_expert) {
+                         bool shared_expert, int combine_wire) {
   BufferConfig c;
   c.hidden = hidden;
   c.max_tokens_per_rank = max_tokens_per_rank;
@@ -219,6 +219,7 @@ BufferConfig make_config(int64_t hidden, int64_t max_tokens_per_rank, int64_t nu
   c.check_finite = check_finite;
   c.send_blocks = send_blocks;
   c.shared_expert = shared_expert;
+  c.combine_wire = static_cast<WireFormat>(combine_wire);  // refused, on every rank, when unknown
   return c;
 }
 
@@ -230,7 +231,7 @@ void bind_buffer(py::module_& m) {
            py::arg("num_experts"), py::arg("topk"), py::arg("wire") = 0, py::arg("expert_alignment") = 1,
            py::arg("mode") = 0, py::arg("capacity_rows") = 0, py::arg("capacity_factor") = 0.0,
            py::arg("timeout_ms") = 0, py::arg("num_sms") = 0, py::arg("check_finite") = false,
-           py::arg("send_blocks") = 0, py::arg("shared_expert") = false)
+           py::arg("send_blocks") = 0, py::arg("shared_expert") = false, py::arg("combine_wire") = 0)
       .def_readonly("hidden", &BufferConfig::hidden)
       .def_readonly("max_tokens_per_rank", &BufferConfig::max_tokens_per_rank)
       .def_readonly("num_experts", &BufferConfig::num_experts)
@@ -245,6 +246,7 @@ void bind_buffer(py::module_& m) {
       .def_readonly("check_finite", &BufferConfig::check_finite)
       .def_readonly("send_blocks", &BufferConfig::send_blocks)
       .def_readonly("shared_expert", &BufferConfig::shared_expert)
+      .def_property_readonly("combine_wire", [](const BufferConfig& c) { return static_cast<int>(c.combine_wire); })
       .def("__repr__", [](const BufferConfig& c) { return describe(c); });
 
   py::class_<PyBuffer, HolderWithoutGil<PyBuffer>>(m, "Buffer")

@@ -96,7 +96,7 @@ py::tuple export_dispatch(const LowLatencyDispatchResult& r, int64_t tokens) {
 }
 
 LowLatencyConfig make_config(int64_t hidden, int64_t max_tokens_per_rank, int64_t num_experts, int64_t topk, int wire,
-                             int64_t timeout_ms, bool check_finite, bool shared_expert) {
+                             int64_t timeout_ms, bool check_finite, bool shared_expert, int combine_wire) {
   LowLatencyConfig c;
   c.hidden = hidden;
   c.max_tokens_per_rank = max_tokens_per_rank;
@@ -106,6 +106,7 @@ LowLatencyConfig make_config(int64_t hidden, int64_t max_tokens_per_rank, int64_
   c.timeout_ms = timeout_ms;
   c.check_finite = check_finite;
   c.shared_expert = shared_expert;  // refused at creation (unsupported), on every rank
+  c.combine_wire = static_cast<WireFormat>(combine_wire);  // refused, on every rank, when unknown
   return c;
 }
 
@@ -115,7 +116,7 @@ void bind_low_latency(py::module_& m) {
   py::class_<LowLatencyConfig>(m, "LowLatencyConfig")
       .def(py::init(&make_config), py::kw_only(), py::arg("hidden"), py::arg("max_tokens_per_rank"),
            py::arg("num_experts"), py::arg("topk"), py::arg("wire") = 0, py::arg("timeout_ms") = 0,
-           py::arg("check_finite") = false, py::arg("shared_expert") = false)
+           py::arg("check_finite") = false, py::arg("shared_expert") = false, py::arg("combine_wire") = 0)
       .def_readonly("hidden", &LowLatencyConfig::hidden)
       .def_readonly("max_tokens_per_rank", &LowLatencyConfig::max_tokens_per_rank)
       .def_readonly("num_experts", &LowLatencyConfig::num_experts)
@@ -124,6 +125,7 @@ void bind_low_latency(py::module_& m) {
       .def_readonly("timeout_ms", &LowLatencyConfig::timeout_ms)
       .def_readonly("check_finite", &LowLatencyConfig::check_finite)
       .def_readonly("shared_expert", &LowLatencyConfig::shared_expert)
+      .def_property_readonly("combine_wire", [](const LowLatencyConfig& c) { return static_cast<int>(c.combine_wire); })
       .def("__repr__", [](const LowLatencyConfig& c) { return describe(c); });
 
   py::class_<PyLowLatency, HolderWithoutGil<PyLowLatency>>(m, "LowLatencyBuffer")

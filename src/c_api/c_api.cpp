@@ -115,7 +115,8 @@ const epx::Handle& handle_of(const epx_result* dispatched, const char* fn) {
 
 // This rank's buffer in `group`. A NULL cfg or out takes part in the creation's agreement on the
 // config (as the Buffer constructor's own checks do), so every rank fails the creation at once;
-// wire and mode codes go to the Buffer as they are, and its config checks refuse unknown ones.
+// wire, combine_wire and mode codes go to the Buffer as they are, and its config checks refuse
+// unknown ones.
 void create(const epx::Group& group, const epx_buffer_config* cfg, epx_buffer** out, const char* fn) {
   epx::BufferConfig c;
   if (cfg) {
@@ -133,6 +134,7 @@ void create(const epx::Group& group, const epx_buffer_config* cfg, epx_buffer** 
     c.check_finite = cfg->check_finite != 0;
     c.send_blocks = cfg->send_blocks;
     c.shared_expert = cfg->shared_expert != 0;
+    c.combine_wire = static_cast<epx::WireFormat>(cfg->combine_wire);
   }
   if (const char* missing = !cfg ? "cfg" : !out ? "out" : nullptr)
     epx::detail::agree_on_creation(group, "buffer", epx::describe(c), cat(fn, ": ", missing, " must not be NULL"),

@@ -25,7 +25,7 @@ void agree_on_creation(const Group& group, const char* what, const std::string& 
 std::chrono::milliseconds creation_timeout(int64_t timeout_ms);
 
 // A backend constructor's form: runs `checks` (its own limits), and takes part in the agreement
-// with what they threw (nothing: this rank's config is fine).
+// with what they threw (nothing: this rank's config is fine), keeping its error code.
 template <typename Checks>
 void agree_after_checks(const Group& group, const char* what, const std::string& config, int64_t timeout_ms,
                         Checks&& checks) {

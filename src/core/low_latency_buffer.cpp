@@ -1,6 +1,7 @@
 #include "core/check.hpp"
 #include "core/creation.hpp"
 #include "core/low_latency_backend.hpp"
+#include "core/wire.hpp"
 #include "epx/codec.hpp"
 
 namespace epx {
@@ -8,7 +9,8 @@ namespace epx {
 std::string describe(const LowLatencyConfig& c) {
   return detail::cat("hidden=", c.hidden, " max_tokens_per_rank=", c.max_tokens_per_rank, " num_experts=", c.num_experts,
                      " topk=", c.topk, " wire=", wire_name(c.wire), " timeout_ms=", c.timeout_ms,
-                     " check_finite=", c.check_finite ? 1 : 0, " shared_expert=", c.shared_expert ? 1 : 0);
+                     " check_finite=", c.check_finite ? 1 : 0, " shared_expert=", c.shared_expert ? 1 : 0,
+                     " combine_wire=", wire_name(c.combine_wire));
 }
 
 namespace {
@@ -27,6 +29,7 @@ void validate(const LowLatencyConfig& c, int ranks) {
   if (c.wire == WireFormat::nvfp4)
     require(c.hidden % kNvfp4Block == 0, "low-latency buffer: wire nvfp4 needs hidden to be a multiple of ", kNvfp4Block,
             ", got ", c.hidden);
+  detail::validate_combine_wire(c.combine_wire, c.hidden, "low-latency buffer");
   // A valid request not served yet, on any backend: unsupported, agreed like any refusal.
   if (c.shared_expert)
     detail::fail(ErrorCode::unsupported,

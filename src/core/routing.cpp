@@ -6,6 +6,7 @@
 #include "core/check.hpp"
 #include "core/validate.hpp"
 #include "core/validate_ops.hpp"
+#include "core/wire.hpp"
 #include "epx/codec.hpp"
 
 namespace epx::detail {
@@ -47,6 +48,7 @@ void validate_config(const BufferConfig& c, int ranks) {
   if (c.wire == WireFormat::nvfp4)
     require(c.hidden % kNvfp4Block == 0, "buffer: wire nvfp4 needs hidden to be a multiple of ", kNvfp4Block,
             ", got hidden=", c.hidden);
+  validate_combine_wire(c.combine_wire, c.hidden, "buffer");
 }
 
 void validate_dispatch_x(const DispatchInput& in, const BufferConfig& c, DeviceKind device) {

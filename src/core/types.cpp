@@ -53,7 +53,8 @@ std::string describe(const BufferConfig& c) {
                      " mode=", c.mode == CapacityMode::blocking ? "blocking" : "capacity",
                      " capacity_rows=", c.capacity_rows, " capacity_factor=", c.capacity_factor,
                      " timeout_ms=", c.timeout_ms, " num_sms=", c.num_sms, " check_finite=", c.check_finite ? 1 : 0,
-                     " send_blocks=", c.send_blocks, " shared_expert=", c.shared_expert ? 1 : 0);
+                     " send_blocks=", c.send_blocks, " shared_expert=", c.shared_expert ? 1 : 0,
+                     " combine_wire=", wire_name(c.combine_wire));
 }
 
 TensorView TensorView::of(void* data, DType dtype, std::initializer_list<int64_t> shape, DeviceKind device,

@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include "core/check.hpp"
+#include "core/reduce.hpp"
 #include "core/validate.hpp"
 #include "epx/codec.hpp"
 
@@ -70,6 +72,39 @@ void store_row(DispatchResult& out, const WireRow& w, int64_t row, const uint8_t
   if (w.global_bytes)
     std::memcpy(out.recv_global_scale.data<uint8_t>() + row * w.global_bytes, payload + w.x_bytes + w.scale_bytes,
                 w.global_bytes);
+}
+
+void validate_combine_wire(WireFormat w, int64_t hidden, const char* what) {
+  const auto code = static_cast<int32_t>(w);
+  require(code >= 0 && code <= 3, what, ": combine_wire: unknown wire format code ", code,
+          "; use 0 bf16, 1 fp8 or 2 fp8_ue8m0");
+  require(w != WireFormat::nvfp4, what,
+          ": combine_wire nvfp4 is not supported (its 16-channel e4m3 scales and 4-bit codes are too coarse for the "
+          "partial sums); use bf16, fp8 or fp8_ue8m0");
+  if (w != WireFormat::bf16)
+    require(hidden % kFp8Block == 0, what, ": combine_wire ", wire_name(w), " needs hidden to be a multiple of ",
+            kFp8Block, " (one scale per 128 channels), got hidden=", hidden, "; use combine_wire bf16 for this shape");
+}
+
+void encode_partial(const WireRow& w, const uint16_t* partial, uint8_t* dst) {
+  if (w.format == WireFormat::bf16) {
+    std::memcpy(dst, partial, w.x_bytes);
+    return;
+  }
+  // The scales follow H codes, H % 128 == 0: float-aligned in any 4-aligned payload.
+  quantize_fp8_row(partial, w.hidden, w.format == WireFormat::fp8_ue8m0, dst, reinterpret_cast<float*>(dst + w.x_bytes));
+}
+
+void add_partial(const WireRow& w, const uint8_t* payload, float* acc) {
+  if (w.format == WireFormat::bf16) {
+    add_row(acc, reinterpret_cast<const uint16_t*>(payload), w.hidden);
+    return;
+  }
+  const auto* scales = reinterpret_cast<const float*>(payload + w.x_bytes);
+  for (int64_t h = 0; h < w.hidden; ++h) {
+    const float value = e4m3_to_float(payload[h]) * scales[h / kFp8Block];  // rounded here, once
+    acc[h] = acc[h] + value;
+  }
 }
 
 }  // namespace epx::detail

@@ -27,4 +27,20 @@ void allocate_recv(DispatchResult& out, const WireRow& w, int64_t rows);
 // Copies a wire payload into row `row` of recv_x / recv_scales / recv_global_scale.
 void store_row(DispatchResult& out, const WireRow& w, int64_t row, const uint8_t* payload);
 
+// ---- the combine wire (BufferConfig::combine_wire, docs/semantics.md "Combine wire") ----
+// What one (token, rank) partial looks like on its way back: the partial already rounded to a
+// bf16 row, as the bf16 combine sends it, and then (fp8, fp8_ue8m0) quantized by the dispatch
+// wire's own quantizer. wire_row(format, hidden) gives its bytes: never more than 2H.
+
+// Refuses a combine wire the library does not have: an unknown code, nvfp4, or fp8 with
+// hidden % 128 != 0. `what` names the buffer kind in the message ("buffer").
+void validate_combine_wire(WireFormat w, int64_t hidden, const char* what);
+
+// Writes the bf16 partial row in the combine wire's form to dst (wire_row(w.format).bytes()).
+void encode_partial(const WireRow& w, const uint16_t* partial, uint8_t* dst);
+
+// acc[h] = acc[h] + value[h], value the payload's: bf16 -> float, fp8 -> e4m3_to_float(q) * scale
+// (an fp32 product, then an fp32 add: no fma, so every backend can repeat it bit for bit).
+void add_partial(const WireRow& w, const uint8_t* payload, float* acc);
+
 }  // namespace epx::detail

@@ -218,6 +218,7 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   agree_after_checks(group, "buffer", describe(config), config.timeout_ms, [&] {
     state = dynamic_cast<CudaGroupState*>(group.state().get());
     require(state != nullptr, "buffer: group is not a CUDA group");
+    refuse_low_precision_combine(config.combine_wire, "buffer");
     require(ranks_ <= kMaxRanks, "buffer: the CUDA backend supports at most ", kMaxRanks, " ranks, got ", ranks_);
     if (config.shared_expert)  // a valid config (the CPU backend serves it): unsupported, not invalid
       fail(ErrorCode::unsupported, "buffer: the CUDA backend does not have the fused shared expert yet (shared_expert)");

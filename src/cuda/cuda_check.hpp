@@ -4,6 +4,7 @@
 #include <nccl.h>
 
 #include "core/check.hpp"
+#include "epx/config.hpp"
 
 #define EPX_CUDA(call)                                                                                  \
   do {                                                                                                  \
@@ -20,3 +21,17 @@
       ::epx::detail::fail(::epx::ErrorCode::internal, #call, " failed: ", ncclGetErrorString(epx_res_), \
                           " (", __FILE__, ":", __LINE__, ")");                                         \
   } while (0)
+
+namespace epx::detail {
+
+// A check both CUDA backends make before the creation's agreement (so every rank fails at once):
+// their combine kernels move bf16 partials only; the fp8 combine wire is the CPU backend's for
+// now (docs/semantics.md, "Combine wire"). `what` names the buffer kind.
+inline void refuse_low_precision_combine(WireFormat combine_wire, const char* what) {
+  if (combine_wire != WireFormat::bf16)
+    fail(ErrorCode::unsupported, what, ": combine_wire ", wire_name(combine_wire),
+         " is not supported by the CUDA backend yet (only the CPU backend has the low-precision combine); use "
+         "combine_wire bf16");
+}
+
+}  // namespace epx::detail

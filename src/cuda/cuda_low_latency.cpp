@@ -42,6 +42,7 @@ class CudaLowLatency final : public LowLatencyBackend {
       resolve_timeout(c.timeout_ms);  // EPX_TIMEOUT_MS may be bad on one rank's host: refused by every rank
       state = dynamic_cast<CudaGroupState*>(group.state().get());
       require(state != nullptr, "low-latency buffer: group is not a CUDA group");
+      refuse_low_precision_combine(c.combine_wire, "low-latency buffer");
       require(ranks_ <= kMaxRanks, "low-latency buffer: at most ", kMaxRanks, " ranks, got ", ranks_);
       require(c.num_experts <= kMaxLlExperts, "low-latency buffer: at most ", kMaxLlExperts, " experts, got ",
               c.num_experts);

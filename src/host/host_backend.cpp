@@ -25,6 +25,8 @@ HostBackend::HostBackend(const Group& group, const BufferConfig& config)
       ranks_(group.size()),
       local_experts_(config.num_experts / group.size()),
       wire_(wire_row(config.wire, config.hidden)),
+      combine_wire_(wire_row(config.combine_wire, config.hidden)),
+      gradient_wire_(wire_row(WireFormat::bf16, config.hidden)),
       fwd_row_bytes_(std::max(wire_.bytes(), 2 * config.hidden)),
       timeout_(resolve_timeout(config.timeout_ms)) {
   auto* state = dynamic_cast<HostGroupState*>(group.state().get());
@@ -39,7 +41,7 @@ HostBackend::HostBackend(const Group& group, const BufferConfig& config)
   a.fwd_slot_expert.assign(rows * k, -1);
   a.fwd_slot_weight.assign(rows * k, 0.0f);
   a.fwd_rows.assign(ranks_, 0);
-  a.rev_rows.assign(rows * config.hidden, 0);
+  a.rev_rows.assign(rows * 2 * config.hidden, 0);  // a bf16 row, the largest combine wire row
   a.rev_slot_value.assign(rows * k, 0.0f);
   // Peers write into these areas from their first call on: every rank's are ready before any
   // rank's first call returns from its plan exchange (a barrier of the call itself).
@@ -128,7 +130,7 @@ const uint8_t* HostBackend::forward_payload(int64_t src_rank, int64_t pos) const
   return &shared_->areas[rank_].fwd_payload[(src_rank * config().max_tokens_per_rank + pos) * fwd_row_bytes_];
 }
 
-void HostBackend::push_reverse(const HandleState& h, bool rows, bool slots,
+void HostBackend::push_reverse(const HandleState& h, const WireRow& wire, bool rows, bool slots,
                                const std::function<void(int64_t, uint16_t*, float*)>& fill) {
   const int64_t max_tokens = config().max_tokens_per_rank, hidden = config().hidden, k = config().topk;
   std::vector<uint16_t> row(rows ? hidden : 0);
@@ -139,12 +141,12 @@ void HostBackend::push_reverse(const HandleState& h, bool rows, bool slots,
     const int64_t at = rank_ * max_tokens + (i - r.rank_offsets[s]);
     fill(i, rows ? row.data() : nullptr, slots ? vals.data() : nullptr);
     RankArea& dst = shared_->areas[s];
-    if (rows) std::memcpy(&dst.rev_rows[at * hidden], row.data(), hidden * 2);
+    if (rows) encode_partial(wire, row.data(), &dst.rev_rows[at * 2 * hidden]);
     if (slots) std::memcpy(&dst.rev_slot_value[at * k], vals.data(), k * 4);
   }
 }
 
-Tensor HostBackend::sum_returned_rows(const HandleState& h,
+Tensor HostBackend::sum_returned_rows(const HandleState& h, const WireRow& wire,
                                       const std::function<void(int64_t, float*)>& add_local) const {
   const RankArea& area = shared_->areas[rank_];
   const int64_t max_tokens = config().max_tokens_per_rank, hidden = config().hidden;
@@ -154,7 +156,7 @@ Tensor HostBackend::sum_returned_rows(const HandleState& h,
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int d = 0; d < ranks_; ++d) {  // ranks in order
       const int32_t pos = h.send_pos[t * ranks_ + d];
-      if (pos >= 0) add_row(acc.data(), &area.rev_rows[(d * max_tokens + pos) * hidden], hidden);
+      if (pos >= 0) add_partial(wire, &area.rev_rows[(d * max_tokens + pos) * 2 * hidden], acc.data());
     }
     add_local(t, acc.data());
     round_row(out.data<uint16_t>() + t * hidden, acc.data(), hidden);

@@ -63,13 +63,15 @@ class HostBackend final : public Backend {
   const uint8_t* forward_payload(int64_t src_rank, int64_t pos) const;
 
   // Reverse transfer: for every received row i, fill(i, row, slots) writes its bf16 partial
-  // (if rows) and per-slot values (if slots) into the source's reverse area.
-  void push_reverse(const HandleState& h, bool rows, bool slots,
+  // (if rows) and per-slot values (if slots); the partial goes into the source's reverse area
+  // in the form `wire` gives it (encode_partial: bf16 as it is, or quantized to fp8).
+  void push_reverse(const HandleState& h, const WireRow& wire, bool rows, bool slots,
                     const std::function<void(int64_t, uint16_t*, float*)>& fill);
-  // After a reverse transfer, on the source: [T, H] bf16, each token's returned rows summed in
-  // rank order from 0, then add_local(t, acc)'s local terms (the shared expert's), fp32,
-  // rounded once.
-  Tensor sum_returned_rows(const HandleState& h, const std::function<void(int64_t, float*)>& add_local) const;
+  // After a reverse transfer, on the source: [T, H] bf16, each token's returned rows (in the
+  // form `wire` gave them, add_partial) summed in rank order from 0, then add_local(t, acc)'s
+  // local terms (the shared expert's, shared_out's), fp32, rounded once.
+  Tensor sum_returned_rows(const HandleState& h, const WireRow& wire,
+                           const std::function<void(int64_t, float*)>& add_local) const;
   // After a reverse transfer with slots, on the source: [T, K] f32 of the per-slot values,
   // each from the rank holding that slot's expert; 0 for unused or dropped slots.
   Tensor gather_slot_values(const HandleState& h) const;
@@ -78,6 +80,8 @@ class HostBackend final : public Backend {
   int ranks_;
   int64_t local_experts_;
   WireRow wire_;
+  WireRow combine_wire_;   // how combine's partials cross back (BufferConfig::combine_wire)
+  WireRow gradient_wire_;  // dispatch_backward's partials: always bf16 (docs/semantics.md)
   int64_t fwd_row_bytes_;  // max(wire row, bf16 row): gradients travel forward in bf16
   std::chrono::milliseconds timeout_;
   std::shared_ptr<SharedBuffer> shared_;

@@ -33,7 +33,7 @@ struct RankArea {
   std::vector<float> fwd_slot_weight;    // [K]
   std::vector<int64_t> fwd_rows;         // [R] rows each source wrote
   // Reverse direction (expert rank -> source), rows [expert rank][position].
-  std::vector<uint16_t> rev_rows;        // [H] bf16 partial sums
+  std::vector<uint8_t> rev_rows;         // 2H bytes each: a partial sum in its combine wire form (<= 2H)
   std::vector<float> rev_slot_value;     // [K] per-slot scalars (gradients of the weights)
   // Double-buffered by call parity, so a fast rank's next call never overwrites a mailbox
   // that a slower rank is still reading.

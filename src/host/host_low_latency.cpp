@@ -44,7 +44,7 @@ struct LowLatencyShared {
 class HostLowLatency final : public LowLatencyBackend {
  public:
   HostLowLatency(const Group& group, const LowLatencyConfig& c)
-      : LowLatencyBackend(group, c) {
+      : LowLatencyBackend(group, c), combine_wire_(wire_row(c.combine_wire, c.hidden)) {
     auto* state = dynamic_cast<HostGroupState*>(group.state().get());
     require(state != nullptr, "low-latency buffer: group is not a host group");
     // Before joining anything; a bad EPX_TIMEOUT_MS is refused here, on every rank.
@@ -181,14 +181,16 @@ class HostLowLatency final : public LowLatencyBackend {
 
     // docs/low-latency.md: for each rank d in order holding one of the token's experts, its
     // partial (that rank's slots in slot order: fma(w, y, acc) or acc + y, from 0) rounded to
-    // bf16; out[t] = bf16 of the partials' sum. The CUDA backend sums the partials on the expert
-    // ranks; here every row came back and the same sums run at the source.
+    // bf16, in the combine wire's form (bf16, or quantized to fp8 and dequantized); out[t] =
+    // bf16 of the partials' sum. The CUDA backend sums the partials on the expert ranks; here
+    // every row came back and the same sums run at the source.
     const LowLatencyConfig& c = config();
     const LowLatencyArea::CombineSet& area = shared_->areas[rank_].combine[set];
     const LowLatencyHandleState& h = *p.handle;
     Tensor out = Tensor::zeros_host(DType::bf16, {h.tokens, c.hidden});
     std::vector<float> acc(c.hidden), partial(c.hidden);
     std::vector<uint16_t> rounded(c.hidden);
+    std::vector<uint8_t> wire_partial(combine_wire_.bytes());
     for (int64_t t = 0; t < h.num_tokens; ++t) {
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int d = 0; d < ranks_; ++d) {
@@ -206,8 +208,9 @@ class HostLowLatency final : public LowLatencyBackend {
           else add_row(partial.data(), y, c.hidden);
         }
         if (!any) continue;
-        round_row(rounded.data(), partial.data(), c.hidden);  // one bf16 row per (token, rank)
-        add_row(acc.data(), rounded.data(), c.hidden);
+        round_row(rounded.data(), partial.data(), c.hidden);  // one row per (token, rank)
+        encode_partial(combine_wire_, rounded.data(), wire_partial.data());
+        add_partial(combine_wire_, wire_partial.data(), acc.data());
       }
       round_row(out.data<uint16_t>() + t * c.hidden, acc.data(), c.hidden);
     }
@@ -337,6 +340,7 @@ class HostLowLatency final : public LowLatencyBackend {
       std::memcpy(out.recv_global_scale.data<uint8_t>() + row * 4, payload + wire_.x_bytes + wire_.scale_bytes, 4);
   }
 
+  const WireRow combine_wire_;  // LowLatencyConfig::combine_wire
   std::shared_ptr<LowLatencyShared> shared_;
   std::shared_ptr<LowLatencyHandleState> dispatch_pending_;
   PendingCombine combine_pending_;

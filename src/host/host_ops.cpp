@@ -287,14 +287,15 @@ CombineResult HostBackend::combine(const CombineInput& in, const Handle& handle,
   return guarded(call, [&] {
     const int64_t hidden = c.hidden;
     std::vector<float> acc(hidden);
-    push_reverse(*h, true, false, [&](int64_t i, uint16_t* row, float*) {
+    // One bf16 row per (token, rank), in the combine wire's form, crosses back.
+    push_reverse(*h, combine_wire_, true, false, [&](int64_t i, uint16_t* row, float*) {
       partial_sum(h->recv, i, c.topk, in.y, opt.weighted, acc.data(), hidden);
-      round_row(row, acc.data(), hidden);  // one bf16 row per (token, rank) crosses back
+      round_row(row, acc.data(), hidden);
     });
     sync(call, "transfer");
 
     CombineResult out;
-    out.out = sum_returned_rows(*h, [&](int64_t t, float* acc) {
+    out.out = sum_returned_rows(*h, combine_wire_, [&](int64_t t, float* acc) {
       add_shared_row(*h, in.y, t, opt.weighted, acc, hidden);  // the shared expert, then shared_out
       if (in.shared_out.defined()) add_row(acc, row_ptr<uint16_t>(in.shared_out, t), hidden);
     });
@@ -315,7 +316,8 @@ DispatchBackwardResult HostBackend::dispatch_backward(const DispatchBackwardInpu
     const bool with_weights = in.grad_recv_weights.defined();
     const RecvLayout& r = h->recv;
     std::vector<float> acc(hidden);
-    push_reverse(*h, true, with_weights, [&](int64_t i, uint16_t* row, float* slots) {
+    // Gradients cross back in bf16 whatever combine_wire is (docs/semantics.md, "Backward").
+    push_reverse(*h, gradient_wire_, true, with_weights, [&](int64_t i, uint16_t* row, float* slots) {
       partial_sum(r, i, k_count, in.grad_recv_x, false, acc.data(), hidden);
       round_row(row, acc.data(), hidden);
       if (!slots) return;
@@ -330,7 +332,9 @@ DispatchBackwardResult HostBackend::dispatch_backward(const DispatchBackwardInpu
     sync(call, "transfer");
 
     DispatchBackwardResult out;
-    out.grad_x = sum_returned_rows(*h, [&](int64_t t, float* acc) { add_shared_row(*h, in.grad_recv_x, t, false, acc, hidden); });
+    out.grad_x = sum_returned_rows(*h, gradient_wire_, [&](int64_t t, float* acc) {
+      add_shared_row(*h, in.grad_recv_x, t, false, acc, hidden);
+    });
     if (with_weights) out.grad_topk_weights = gather_slot_values(*h);
     if (with_weights && r.shared_expert) {
       const TensorView& g = in.grad_recv_weights;
@@ -386,7 +390,7 @@ CombineBackwardResult HostBackend::combine_backward(const CombineBackwardInput& 
           *h, [&](int64_t t) { return dot_bf16(row_ptr<uint16_t>(in.grad_out, t), row_ptr<uint16_t>(in.y, t), hidden); });
     if (!opt.weighted) return out;
 
-    push_reverse(*h, false, true, [&](int64_t i, uint16_t*, float* slots) {
+    push_reverse(*h, gradient_wire_, false, true, [&](int64_t i, uint16_t*, float* slots) {
       std::copy_n(&grad_w[i * k_count], k_count, slots);
     });
     sync(call, "weight gradients");

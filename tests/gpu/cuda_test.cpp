@@ -273,6 +273,40 @@ TEST(CudaErrors, SharedExpertIsRefusedAsUnsupportedOnEveryRank) {
   }
 }
 
+// The low-precision combine wire is the CPU backend's for now: both CUDA backends refuse it at
+// creation on every rank with unsupported (their own checks, inside the agreement), and the
+// group goes on.
+TEST(CudaErrors, TheLowPrecisionCombineWireIsRefusedOnEveryRank) {
+  auto cfg = small_config(256, 32, 16, 4);
+  cfg.timeout_ms = 20000;
+  const auto p = two_ranks(cfg);
+  for (WireFormat w : {WireFormat::fp8, WireFormat::fp8_ue8m0}) {
+    std::vector<std::string> errors(2), ll_errors(2), after(2);
+    std::vector<ErrorCode> codes(2), ll_codes(2);
+    on_shared_gpu(p, [&](int r, const Group& g, const DeviceArray&, const DeviceArray&) {
+      BufferConfig c = cfg;
+      c.combine_wire = w;
+      codes[r] = code_of([&] { Buffer b(g, c); }, &errors[r]);
+      LowLatencyConfig l{cfg.hidden, cfg.max_tokens_per_rank, cfg.num_experts, cfg.topk, WireFormat::bf16, 20000};
+      l.combine_wire = w;
+      ll_codes[r] = code_of([&] { LowLatencyBuffer b(g, l); }, &ll_errors[r]);
+      try {
+        Buffer b(g, cfg);  // bf16: the next buffers pair up as before
+      } catch (const Error& e) {
+        after[r] = e.what();
+      }
+    });
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(codes[r], ErrorCode::unsupported) << wire_name(w) << " rank " << r << ": " << errors[r];
+      EXPECT_THAT(errors[r], testing::HasSubstr(std::string("buffer: combine_wire ") + std::string(wire_name(w)) +
+                                                " is not supported by the CUDA backend yet"));
+      EXPECT_EQ(ll_codes[r], ErrorCode::unsupported) << wire_name(w) << " rank " << r << ": " << ll_errors[r];
+      EXPECT_THAT(ll_errors[r], testing::HasSubstr("low-latency buffer: combine_wire"));
+      EXPECT_EQ(after[r], "") << "rank " << r;
+    }
+  }
+}
+
 // Ranks combining with handles of different dispatches fail with config_mismatch (the handle's
 // dispatch is part of what a call's ranks agree on) instead of reading each other's rows wrong.
 TEST(CudaErrors, HandlesOfDifferentDispatchesFailEveryRank) {

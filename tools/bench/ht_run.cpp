@@ -87,7 +87,7 @@ std::string verify_op(const std::string& op, const verify::Problem& p, Layout la
       const auto want = verify::expected_combine(p, kept, layouts, gather(&RankOutputs::y), r, layout, weighted, nullptr);
       err = verify::compare_bits(o.combined.out.data<uint16_t>(), want.data(), tokens * h, 2, "combine out");
     } else if (op == "dispatch_backward") {
-      const auto want = verify::expected_combine(p, kept, layouts, gather(&RankOutputs::grad_x_in), r, layout, false, nullptr);
+      const auto want = verify::expected_grad_x(p, kept, layouts, gather(&RankOutputs::grad_x_in), r, layout);
       err = verify::compare_bits(o.dispatch_grad.grad_x.data<uint16_t>(), want.data(), tokens * h, 2, "grad_x");
       const auto want_w = verify::expected_gathered_weights(p, kept, layouts, gather(&RankOutputs::grad_w_in), r, layout);
       if (err.empty())
@@ -154,6 +154,7 @@ Record base_record(const Options& o, const Ranks& ranks, const verify::Problem& 
   Record rec;
   rec.op = op;
   rec.dtype = std::string(wire_name(wire));
+  rec.combine_wire = std::string(wire_name(p.cfg.combine_wire));
   rec.layout = layout;
   rec.ranks = p.ranks;
   rec.tokens = o.tokens;
@@ -199,7 +200,11 @@ Record make_record(const Options& o, const Ranks& ranks, const verify::Problem& 
   std::vector<const std::vector<double>*> times;
   for (const auto& out : outs) times.push_back(&out.times_us.at(op));
   Record rec = base_record(o, ranks, p, op, wire, std::string(layout_name(layout)), times);
-  const auto [logical, wire_bytes] = bytes_per_rank(outs, op == "dispatch" ? wire_row_bytes(wire, p.cfg.hidden) : 2.0 * p.cfg.hidden);
+  // dispatch rows in its wire, combine's partials in the combine wire, the backward passes' in bf16.
+  const double row_bytes = op == "dispatch"  ? wire_row_bytes(wire, p.cfg.hidden)
+                           : op == "combine" ? wire_row_bytes(p.cfg.combine_wire, p.cfg.hidden)
+                                             : 2.0 * p.cfg.hidden;
+  const auto [logical, wire_bytes] = bytes_per_rank(outs, row_bytes);
   set_bytes(rec, logical, wire_bytes);
   rec.verify_error = verify_op(op, p, layout, outs);
   rec.verified = rec.verify_error.empty();

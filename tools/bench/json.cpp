@@ -46,6 +46,7 @@ bool write_json(const std::string& path, const std::vector<Record>& records) {
       << ", \"logical_gbps\": " << number(r.logical_gbps) << ", \"wire_gbps\": " << number(r.wire_gbps)
       << ", \"link_fraction\": " << number(r.link_fraction)
       << ", \"logical_bytes\": " << number(r.logical_bytes) << ", \"verified\": " << (r.verified ? "true" : "false");
+    if (!r.combine_wire.empty()) f << ", \"combine_wire\": " << quoted(r.combine_wire);
     if (!r.verify_error.empty()) f << ", \"verify_error\": " << quoted(r.verify_error);
     if (!r.transport.empty()) f << ", \"transport\": " << quoted(r.transport);
     if (!r.timing.empty()) f << ", \"timing\": " << quoted(r.timing);

@@ -9,6 +9,7 @@ namespace epx::bench {
 struct Record {
   std::string op;      // dispatch, combine, dispatch_backward, combine_backward
   std::string dtype;   // wire format: bf16, fp8, fp8_ue8m0, nvfp4
+  std::string combine_wire;  // the buffers' combine_wire (bf16, fp8, fp8_ue8m0); empty for baselines (not written)
   std::string layout;  // rank_major, expert_major
   int ranks = 0;
   int64_t tokens = 0;  // per rank

@@ -107,6 +107,7 @@ std::vector<Record> run_low_latency(const Options& o, const Ranks& ranks, const 
   const int64_t h = p.cfg.hidden, k_count = p.cfg.topk, l_count = p.cfg.num_experts / p.ranks;
   const int64_t slots = p.ranks * p.cfg.max_tokens_per_rank;
   LowLatencyConfig cfg{h, p.cfg.max_tokens_per_rank, p.cfg.num_experts, k_count, wire, 0};
+  cfg.combine_wire = p.cfg.combine_wire;
   std::vector<LowLatencyDispatchResult> got(p.ranks);
   std::vector<Tensor> outs(p.ranks);
   std::vector<std::vector<uint16_t>> ys(p.ranks);
@@ -210,7 +211,9 @@ std::vector<Record> run_low_latency(const Options& o, const Ranks& ranks, const 
   if (o.backend == "cuda") d.sms = c.sms = ranks.sm_count;
   d.kernel_us = kernel_dispatch_us;
   c.kernel_us = kernel_combine_us;
-  set_bytes(c, rows * 2.0 * h, remote * 2.0 * h);
+  // Each (token, expert) row counted at its size in the combine wire (2H bytes for bf16).
+  const double partial_bytes = wire_row_bytes(p.cfg.combine_wire, h);
+  set_bytes(c, rows * partial_bytes, remote * partial_bytes);
   for (int r = 0; r < p.ranks && d.verify_error.empty(); ++r) {
     verify::Problem pw = p;
     pw.cfg.wire = wire;
@@ -246,6 +249,7 @@ int run(const Options& o) {
   spec.cfg.num_experts = o.experts;
   spec.cfg.topk = o.topk;
   spec.cfg.expert_alignment = o.alignment;
+  spec.cfg.combine_wire = o.combine_wire;
   spec.ranks = o.ranks;
   spec.routing = o.routing;
   spec.seed = o.seed;

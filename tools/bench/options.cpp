@@ -24,6 +24,8 @@ const char* kUsage = R"(epx-bench: dispatch and combine of one MoE layer over N 
   --routing uniform|skewed  expert choice per token (skewed: expert e weighted 1/(e+1))
   --wire LIST             comma list of bf16,fp8,fp8_ue8m0,nvfp4 (default all)
   --layout LIST           comma list of expert_major,rank_major (default both)
+  --combine-wire W        bf16 (default), fp8 or fp8_ue8m0: what combine's and ll_combine's partials
+                          cross back as (combine_wire; the CUDA backend has bf16 only, for now)
   --ops LIST              comma list of dispatch,combine,dispatch_backward,combine_backward,
                           ll_dispatch,ll_combine (default: the first four; with --preset ll all six)
   --sms N                 SM budget for GPU kernels (recorded; host ignores it)
@@ -139,6 +141,9 @@ Options parse_options(int argc, char** argv) {
       o.routing = v == "skewed" ? verify::Routing::skewed : verify::Routing::uniform;
     } else if (flag == "--wire") {
       for (const auto& w : split(v)) o.wires.push_back(to_wire(w));
+    } else if (flag == "--combine-wire") {
+      o.combine_wire = to_wire(v);
+      if (o.combine_wire == WireFormat::nvfp4) usage_error("--combine-wire is bf16, fp8 or fp8_ue8m0, got 'nvfp4'");
     } else if (flag == "--layout") {
       for (const auto& l : split(v)) o.layouts.push_back(to_layout(l));
     } else if (flag == "--ops") {

@@ -22,6 +22,7 @@ struct Options {
   int64_t send_blocks = 0;  // BufferConfig::send_blocks (0 = backend default)
   verify::Routing routing = verify::Routing::uniform;
   std::vector<WireFormat> wires;
+  WireFormat combine_wire = WireFormat::bf16;  // BufferConfig / LowLatencyConfig::combine_wire; recorded
   std::vector<Layout> layouts;
   std::vector<std::string> ops;  // dispatch, combine, dispatch_backward, combine_backward
   int warmup = -1;  // -1: 2 (host: 1)

@@ -61,6 +61,25 @@ void fp8_row(const uint16_t* x, int64_t h, bool ue8m0, uint8_t* q, float* scales
   }
 }
 
+// The combine wire, naively (docs/semantics.md, "Combine wire"): the fp32 partial of one (token,
+// rank) rounded to bf16, then for fp8 quantized per 128-channel block with the dispatch wire's
+// encoder above and dequantized as code * scale; the values the source adds, channel by channel.
+std::vector<float> after_combine_wire(const std::vector<float>& partial, WireFormat wire) {
+  const int64_t h = static_cast<int64_t>(partial.size());
+  std::vector<uint16_t> row(h);
+  for (int64_t c = 0; c < h; ++c) row[c] = float_to_bf16(partial[c]);
+  std::vector<float> back(h);
+  if (wire == WireFormat::bf16) {
+    for (int64_t c = 0; c < h; ++c) back[c] = bf16_to_float(row[c]);
+    return back;
+  }
+  std::vector<uint8_t> q(h);
+  std::vector<float> scales(h / kFp8Block);
+  fp8_row(row.data(), h, wire == WireFormat::fp8_ue8m0, q.data(), scales.data());
+  for (int64_t c = 0; c < h; ++c) back[c] = e4m3_to_float(q[c]) * scales[c / kFp8Block];
+  return back;
+}
+
 float nvfp4_row(const uint16_t* x, int64_t h, float given, uint8_t* q, uint8_t* scales) {
   float rowmax = 0.0f;
   for (int64_t i = 0; i < h; ++i)
@@ -332,9 +351,12 @@ std::string check_dispatch(const Problem& p, const std::vector<std::vector<int32
   return {};
 }
 
-std::vector<uint16_t> expected_combine(const Problem& p, const std::vector<std::vector<int32_t>>& kept,
-                                       const std::vector<Expected>& layouts, const std::vector<std::vector<uint16_t>>& y,
-                                       int s, Layout layout, bool weighted, const std::vector<uint16_t>* shared) {
+namespace {
+// Combine's sums with the partials crossing back in `wire`: combine's own, or bf16 for
+// dispatch_backward.
+std::vector<uint16_t> combine_over(const Problem& p, const std::vector<std::vector<int32_t>>& kept,
+                                   const std::vector<Expected>& layouts, const std::vector<std::vector<uint16_t>>& y, int s,
+                                   Layout layout, bool weighted, const std::vector<uint16_t>* shared, WireFormat wire) {
   const int64_t h = p.cfg.hidden, k_count = p.cfg.topk, l_count = local_experts(p);
   const RankInput& in = p.inputs[s];
   std::vector<RowIndex> index;
@@ -366,7 +388,8 @@ std::vector<uint16_t> expected_combine(const Problem& p, const std::vector<std::
         if (row >= 0 && row < cap)
           for (int64_t c = 0; c < h; ++c) partial[c] = bf16_to_float(y[d][row * h + c]);
       }
-      for (int64_t c = 0; c < h; ++c) total[c] += bf16_to_float(float_to_bf16(partial[c]));
+      const std::vector<float> back = after_combine_wire(partial, wire);
+      for (int64_t c = 0; c < h; ++c) total[c] += back[c];
     }
     // The shared expert: this rank's own row of t, after the ranks, unrounded, with its gate.
     const int64_t shared_row = p.cfg.shared_expert ? index[s].find(s, t, kSharedExpert) : -1;
@@ -382,6 +405,19 @@ std::vector<uint16_t> expected_combine(const Problem& p, const std::vector<std::
     for (int64_t c = 0; c < h; ++c) out[t * h + c] = float_to_bf16(total[c]);
   }
   return out;
+}
+}  // namespace
+
+std::vector<uint16_t> expected_combine(const Problem& p, const std::vector<std::vector<int32_t>>& kept,
+                                       const std::vector<Expected>& layouts, const std::vector<std::vector<uint16_t>>& y,
+                                       int s, Layout layout, bool weighted, const std::vector<uint16_t>* shared) {
+  return combine_over(p, kept, layouts, y, s, layout, weighted, shared, p.cfg.combine_wire);
+}
+
+std::vector<uint16_t> expected_grad_x(const Problem& p, const std::vector<std::vector<int32_t>>& kept,
+                                      const std::vector<Expected>& layouts,
+                                      const std::vector<std::vector<uint16_t>>& grad_recv_x, int s, Layout layout) {
+  return combine_over(p, kept, layouts, grad_recv_x, s, layout, false, nullptr, WireFormat::bf16);
 }
 
 std::vector<uint16_t> expected_grad_y(const Problem& p, const Expected& layout,
@@ -523,7 +559,8 @@ std::vector<uint16_t> expected_ll_combine(const Problem& p, const std::vector<in
           partial[c] = weighted ? std::fma(w, bf16_to_float(yr[c]), partial[c]) : partial[c] + bf16_to_float(yr[c]);
       }
       if (!any) continue;
-      for (int64_t c = 0; c < h; ++c) acc[c] += bf16_to_float(float_to_bf16(partial[c]));  // bf16 partial
+      const std::vector<float> back = after_combine_wire(partial, p.cfg.combine_wire);
+      for (int64_t c = 0; c < h; ++c) acc[c] += back[c];
     }
     for (int64_t c = 0; c < h; ++c) out[t * h + c] = float_to_bf16(acc[c]);
   }

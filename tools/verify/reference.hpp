@@ -39,11 +39,16 @@ std::string check_dispatch(const Problem& p, const std::vector<std::vector<int32
                            float nvfp4_global_scale, const DispatchResult& got);
 
 // Expected combine output of source rank s, given every rank's y (rows in its dispatch layout)
-// and optional shared-expert rows of s.
+// and optional shared-expert rows of s. The partials cross back in p.cfg.combine_wire.
 std::vector<uint16_t> expected_combine(const Problem& p, const std::vector<std::vector<int32_t>>& kept,
                                        const std::vector<Expected>& layouts, const std::vector<std::vector<uint16_t>>& y,
                                        int s, Layout layout, bool weighted,
                                        const std::vector<uint16_t>* shared);
+// Expected dispatch_backward grad_x of source rank s: the unweighted combine of grad_recv_x with
+// bf16 partials, whatever p.cfg.combine_wire is.
+std::vector<uint16_t> expected_grad_x(const Problem& p, const std::vector<std::vector<int32_t>>& kept,
+                                      const std::vector<Expected>& layouts,
+                                      const std::vector<std::vector<uint16_t>>& grad_recv_x, int s, Layout layout);
 
 // Expected combine-backward outputs: grad_y on expert rank d; grad_w of source rank s.
 std::vector<uint16_t> expected_grad_y(const Problem& p, const Expected& layout, const std::vector<std::vector<uint16_t>>& grad_out,
@@ -79,7 +84,8 @@ namespace epx::verify {
 // Empty when rank `rank`'s ll_dispatch output is exactly right, else the first difference.
 std::string check_ll_dispatch(const Problem& p, const std::vector<int64_t>& num_tokens, int rank, float nvfp4_global_scale,
                               const LowLatencyDispatchResult& got);
-// Expected ll_combine output of rank s, given every rank's y [L, R*M, H].
+// Expected ll_combine output of rank s, given every rank's y [L, R*M, H]; the partials cross
+// back in p.cfg.combine_wire.
 std::vector<uint16_t> expected_ll_combine(const Problem& p, const std::vector<int64_t>& num_tokens,
                                           const std::vector<std::vector<uint16_t>>& y, int s, bool weighted);
 // Empty when rank s's ll_combine output `got` (on the host) is exactly expected_ll_combine's, else
