@@ -125,7 +125,7 @@ TEST(Errors, BadConfigs) {
   expect_config_error(c, "capacity mode needs capacity_rows > 0");
   c = cfg16();
   c.expert_alignment = 0;
-  expect_config_error(c, "expert_alignment must be >= 1");
+  expect_config_error(c, "expert_alignment must be in [1, 2^30]");
 }
 
 TEST(Errors, ConfigsThatDifferAcrossRanks) {

@@ -16,6 +16,7 @@ struct Case {
   bool gate;     // a shared_gate given to dispatch
   bool weights;  // router weights (weighted combine)
   Mode mode;
+  WireFormat combine_wire = WireFormat::bf16;  // the partials' form on the way back (the shared row never crosses)
 };
 
 std::string case_name(const testing::TestParamInfo<Case>& info) {
@@ -24,7 +25,8 @@ std::string case_name(const testing::TestParamInfo<Case>& info) {
   return "R" + std::to_string(c.ranks) + "_H" + std::to_string(c.hidden) + "_T" + std::to_string(c.tokens) + "_E" +
          std::to_string(c.experts) + "_K" + std::to_string(c.topk) + "_" + std::string(wire_name(c.wire)) + "_A" +
          std::to_string(c.alignment) + (c.gate ? "_gate" : "_nogate") + (c.weights ? "" : "_noweights") + "_" +
-         modes[static_cast<int>(c.mode)];
+         modes[static_cast<int>(c.mode)] +
+         (c.combine_wire == WireFormat::bf16 ? "" : "_combine_" + std::string(wire_name(c.combine_wire)));
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << case_name(testing::TestParamInfo<Case>(c, 0)); }
@@ -39,6 +41,7 @@ BufferConfig case_config(const Case& c) {
                                                  : shared_rows + 3;
   }
   if (c.mode == Mode::dropping) cfg.capacity_factor = 0.5;
+  cfg.combine_wire = c.combine_wire;
   return cfg;
 }
 
@@ -79,7 +82,7 @@ INSTANTIATE_TEST_SUITE_P(
     Shapes, SharedExpert,
     testing::Values(Case{1, 256, 24, 8, 2, W::bf16, 1, false, true, M::blocking},
                     Case{2, 256, 32, 16, 4, W::bf16, 1, true, true, M::blocking},
-                    Case{2, 256, 32, 16, 4, W::bf16, 1, true, false, M::blocking},
+                    Case{2, 256, 32, 16, 4, W::bf16, 1, false, false, M::blocking},
                     Case{3, 128, 20, 12, 3, W::bf16, 8, true, true, M::blocking},
                     Case{4, 256, 40, 32, 8, W::bf16, 16, false, true, M::blocking},
                     Case{8, 128, 24, 64, 8, W::bf16, 128, true, true, M::blocking},
@@ -89,7 +92,11 @@ INSTANTIATE_TEST_SUITE_P(
                     Case{2, 128, 32, 8, 4, W::bf16, 4, true, true, M::capacity},
                     Case{3, 128, 32, 12, 4, W::bf16, 8, true, true, M::overflow},
                     Case{2, 128, 40, 8, 2, W::bf16, 1, true, true, M::dropping},
-                    Case{4, 64, 40, 8, 2, W::bf16, 4, false, true, M::dropping}),
+                    Case{4, 64, 40, 8, 2, W::bf16, 4, false, true, M::dropping},
+                    // with the low-precision combine wire: the partials cross as fp8, the shared row not at all
+                    Case{2, 256, 32, 16, 4, W::bf16, 1, true, true, M::blocking, W::fp8},
+                    Case{3, 256, 32, 12, 4, W::fp8, 8, false, true, M::overflow, W::fp8_ue8m0},
+                    Case{2, 128, 40, 8, 2, W::bf16, 1, true, true, M::dropping, W::fp8}),
     case_name);
 
 // Stated without the reference: segment 0 is this rank's own tokens, padded; the offsets and
@@ -164,7 +171,7 @@ std::vector<std::pair<ErrorCode, std::string>> errors_of(int ranks, const std::f
   return out;
 }
 
-TEST(SharedExpertRefusals, RankMajorAndAGateWithoutASharedExpert) {
+TEST(SharedExpertRefusals, RankMajorAGateWithoutASharedExpertAndAGateWithoutWeights) {
   verify::ProblemSpec spec;
   spec.cfg = small_config(64, 8, 4, 2);
   spec.ranks = 2;
@@ -187,6 +194,15 @@ TEST(SharedExpertRefusals, RankMajorAndAGateWithoutASharedExpert) {
     EXPECT_EQ(code, ErrorCode::invalid_argument);
     EXPECT_THAT(what, testing::HasSubstr("shared_gate given but the buffer has no shared expert"));
   }
+  const auto gate_unweighted = errors_of(2, [&](const Group& g) {  // no combine could apply the gate
+    Buffer b(g, shared.cfg);
+    DispatchInput in = shared.inputs[g.rank()].view(64, 2);
+    if (g.rank() == 1) in.topk_weights = TensorView{};
+    b.dispatch(in);
+  });
+  EXPECT_EQ(gate_unweighted[1].first, ErrorCode::invalid_argument);
+  EXPECT_THAT(gate_unweighted[1].second, testing::HasSubstr("shared_gate needs router weights"));
+  EXPECT_EQ(gate_unweighted[0].first, ErrorCode::peer_failed);
 }
 
 TEST(SharedExpertRefusals, CapacityBelowTheSharedSegmentAndLowLatency) {

@@ -26,7 +26,8 @@ void validate_config(const BufferConfig& c, int ranks) {
           ") must be a multiple of the group size (", ranks, ") so every rank holds the same number of experts");
   require(c.topk >= 1 && c.topk <= c.num_experts, "buffer: topk must be in [1, num_experts], got ", c.topk);
   require(c.topk <= 64, "buffer: topk must be <= 64, got ", c.topk);
-  require(c.expert_alignment >= 1, "buffer: expert_alignment must be >= 1, got ", c.expert_alignment);
+  require(c.expert_alignment >= 1 && c.expert_alignment <= (int64_t{1} << 30),
+          "buffer: expert_alignment must be in [1, 2^30], got ", c.expert_alignment);
   require(c.capacity_factor >= 0.0 && std::isfinite(c.capacity_factor),
           "buffer: capacity_factor must be >= 0 (0 disables dropping), got ", c.capacity_factor);
   require(c.timeout_ms >= 0, "buffer: timeout_ms must be >= 0, got ", c.timeout_ms);

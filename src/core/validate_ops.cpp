@@ -41,8 +41,13 @@ void validate_shared_expert(const DispatchInput& in, const BufferConfig& c, cons
   require(opt.layout == Layout::expert_major,
           "dispatch: shared_expert needs the expert-major layout (its rows are a segment of it); in the rank-major "
           "layout compute the shared expert on x and pass it to combine as shared_out");
-  if (in.shared_gate.defined())
-    check_tensor(in.shared_gate, "dispatch: shared_gate", cat("[T=", tokens, "]"), DType::f32, {tokens}, device);
+  if (!in.shared_gate.defined()) return;
+  // The gate is applied by the weighted combine only, which needs router weights: a gate without
+  // them would be dropped without a word.
+  require(in.topk_idx.defined() ? in.topk_weights.defined() : in.probs.defined(),
+          "dispatch: shared_gate needs router weights (topk_weights or probs): the gate is applied by the weighted "
+          "combine only");
+  check_tensor(in.shared_gate, "dispatch: shared_gate", cat("[T=", tokens, "]"), DType::f32, {tokens}, device);
 }
 
 namespace {
