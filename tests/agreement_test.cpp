@@ -47,13 +47,6 @@ Routing routing(int64_t tokens, int64_t hidden, int64_t topk, int64_t experts, i
   return r;
 }
 
-// A cached dispatch's input: the rows of `in` only.
-DispatchInput x_only(const DispatchInput& in) {
-  DispatchInput out;
-  out.x = in.x;
-  return out;
-}
-
 // The case: dispatches A (16 rows, 2 experts a token) and B (8 rows, 1 expert) on one
 // buffer; rank 0 combines with B's handle, rank 1 with A's. Both must refuse, not sum wrong rows.
 TEST(Agreement, HandlesOfDifferentDispatchesFailEveryRank) {

@@ -316,8 +316,7 @@ CaseResult run_case(uint64_t seed) {
     std::vector<DispatchInput> again(ranks);
     std::vector<Handle> with(ranks);
     for (int q = 0; q < ranks; ++q) {
-      again[q].x = data[q].in.x;
-      again[q].x_scales = data[q].in.x_scales;
+      again[q] = x_only(data[q].in);
       with[q] = got[q].handle;
     }
     refusing.assign(ranks, false);

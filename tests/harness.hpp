@@ -50,11 +50,17 @@ inline verify::Problem with_shared_expert(verify::Problem p, bool gate) {
 // The cached dispatch's input: the problem's routing with other token values.
 inline verify::Problem fresh_x_problem(const verify::Problem& p) { return verify::with_fresh_x(p, 77); }
 
-// The cached dispatch's input of rank r: x (and x_scales) only.
+// A cached dispatch's input: the rows of `in` (x, and x_scales with pre-quantized fp8) only.
+inline DispatchInput x_only(const DispatchInput& in) {
+  DispatchInput out;
+  out.x = in.x;
+  out.x_scales = in.x_scales;
+  return out;
+}
+
+// The cached dispatch's input of rank r.
 inline DispatchInput cached_input(const verify::Problem& fresh, int r) {
-  DispatchInput in = fresh.inputs[r].view(fresh.cfg.hidden, fresh.cfg.topk);
-  in.topk_idx = in.topk_weights = in.shared_gate = TensorView{};
-  return in;
+  return x_only(fresh.inputs[r].view(fresh.cfg.hidden, fresh.cfg.topk));
 }
 
 // The code of the epx::Error that call() throws (its words into *what); internal when it throws

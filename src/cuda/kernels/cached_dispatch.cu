@@ -17,7 +17,7 @@ namespace {
 constexpr int kWarps = 8;
 
 __global__ void scan_x_finite_kernel(FiniteCheck check, int64_t tokens, int32_t rank, DeviceStatus* st) {
-  for (int i = 0; i < check.parts; ++i) scan_finite(check.part[i], tokens, blockIdx.x, gridDim.x, rank, st);
+  scan_finite_all(check, tokens, blockIdx.x, gridDim.x, rank, st);
 }
 
 // Warp per token: its wire row at the start of its staging row.

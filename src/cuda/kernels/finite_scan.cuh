@@ -61,4 +61,10 @@ __device__ inline void scan_finite(const kernels::FiniteScan& f, int64_t rows, i
   }
 }
 
+// Every part of `check` (x, then x_scales), as scan_finite.
+__device__ inline void scan_finite_all(const kernels::FiniteCheck& check, int64_t rows, int64_t first_row,
+                                       int64_t row_step, int32_t rank, DeviceStatus* st) {
+  for (int i = 0; i < check.parts; ++i) scan_finite(check.part[i], rows, first_row, row_step, rank, st);
+}
+
 }  // namespace epx::detail

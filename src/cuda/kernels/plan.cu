@@ -78,7 +78,7 @@ __global__ void canonicalize_kernel(Shape s, RoutingInput in, int64_t tokens, in
       for (int64_t j = 0; j < s.topk; ++j)
         if (e[j] >= 0) atomicAdd(reinterpret_cast<unsigned long long*>(&counts[e[j]]), 1ull);
   }
-  for (int i = 0; i < fc.parts; ++i) scan_finite(fc.part[i], tokens, blockIdx.x, gridDim.x, s.rank, st);
+  scan_finite_all(fc, tokens, blockIdx.x, gridDim.x, s.rank, st);
 }
 
 // Thread 0: the call's number and a clean status.
