@@ -20,6 +20,7 @@ rank 0: {"op", "median_us", "min_us", "max_us", ...}.
 import argparse
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -64,28 +65,32 @@ def main():
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def timed(call):
-        times = []
+        times, host = [], []
         for i in range(args.warmup + args.iters):
             torch.cuda.synchronize()
             dist.barrier()  # every rank arrives, as epx-bench's arrive()
             start.record()
+            began = time.perf_counter()
             result = call()
+            returned = time.perf_counter()
             stop.record()
             stop.synchronize()
             if i >= args.warmup:
                 times.append(start.elapsed_time(stop) * 1000.0)
-        return sorted(times), result
+                host.append((returned - began) * 1e6)  # the call's host time (it includes blocking's sync)
+        return sorted(times), sorted(host), result
 
-    dispatch_times, d = timed(lambda: buffer.dispatch(x, idx, w, layout=args.layout))
+    dispatch_times, dispatch_host, d = timed(lambda: buffer.dispatch(x, idx, w, layout=args.layout))
     y = torch.randn(d.recv_x.shape, generator=gen).bfloat16().cuda() if args.wire == "bf16" else \
         torch.randn(d.recv_x.shape[0], args.hidden, generator=gen).bfloat16().cuda()
-    combine_times, _ = timed(lambda: buffer.combine(y, d.handle, weighted=weighted))
+    combine_times, combine_host, _ = timed(lambda: buffer.combine(y, d.handle, weighted=weighted))
     if rank == 0:
-        for op, t in (("dispatch", dispatch_times), ("combine", combine_times)):
+        for op, t, host in (("dispatch", dispatch_times, dispatch_host), ("combine", combine_times, combine_host)):
             n = len(t)
             median = t[n // 2] if n % 2 else 0.5 * (t[n // 2 - 1] + t[n // 2])
             print(json.dumps({"op": op, "median_us": round(median, 2), "min_us": round(t[0], 2),
-                              "max_us": round(t[-1], 2), "ranks": ranks, "tokens": args.tokens,
+                              "max_us": round(t[-1], 2), "host_median_us": round(host[len(host) // 2], 2),
+                              "ranks": ranks, "tokens": args.tokens,
                               "hidden": args.hidden, "experts": args.experts, "topk": args.topk,
                               "wire": args.wire, "layout": args.layout, "api": "python",
                               "stream": args.stream}))

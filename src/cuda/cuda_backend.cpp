@@ -248,8 +248,9 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   EPX_CUDA(cudaMalloc(&status_, sizeof(DeviceStatus)));
   EPX_CUDA(cudaMalloc(&scratch_, sizeof(int64_t)));
   EPX_CUDA(cudaMemset(status_, 0, sizeof(DeviceStatus)));
-  EPX_CUDA(cudaHostAlloc(&host_status_, sizeof(DeviceStatus), cudaHostAllocMapped));
-  std::memset(host_status_, 0, sizeof(DeviceStatus));
+  EPX_CUDA(cudaHostAlloc(&host_status_, 2 * sizeof(DeviceStatus), cudaHostAllocMapped));
+  std::memset(host_status_, 0, 2 * sizeof(DeviceStatus));
+  plan_status_ = host_status_ + 1;
   EPX_CUDA(cudaHostAlloc(&host_info_, (8 + kMaxRanks + 1) * sizeof(int64_t), cudaHostAllocDefault));
   cudaStream_t own = nullptr;
   EPX_CUDA(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking));
@@ -442,6 +443,17 @@ void CudaBackend::sync_and_check(const Call& call) {
   if (st.code == kStatusOk) return;
   std::memset(host_status_, 0, sizeof(DeviceStatus));
   raise(st, call);
+}
+
+bool CudaBackend::plan_ok(cudaStream_t stream) {
+  kernels::publish_status(ctx(stream), plan_status_);
+  EPX_CUDA(cudaStreamSynchronize(stream));
+  return reinterpret_cast<volatile DeviceStatus*>(plan_status_)->code == kStatusOk;
+}
+
+void CudaBackend::end_call(const Call& call, bool plan_failed) {
+  if (plan_failed) sync_and_check(call);
+  else kernels::publish_status(ctx(), host_status_);
 }
 
 PlanHeader CudaBackend::plan_header(const Call& call, const std::string& error, int64_t tokens, int64_t signature) const {
@@ -725,9 +737,27 @@ void CudaBackend::launch_receiver(DispatchResult& out, const DeviceHandle& dh, c
   timer_.mark(5, side_stream_);
 }
 
+void CudaBackend::read_sizes(const DeviceHandle& dh, cudaStream_t stream) {
+  EPX_CUDA(cudaMemcpyAsync(host_info_, dh.recv.info, 4 * sizeof(int64_t), cudaMemcpyDeviceToHost, stream));
+  EPX_CUDA(cudaMemcpyAsync(host_info_ + 4, dh.dropped, sizeof(int64_t), cudaMemcpyDeviceToHost, stream));
+  if (copy_combine_)  // combine copies by source
+    EPX_CUDA(cudaMemcpyAsync(host_info_ + 8, dh.recv.rank_offsets, (ranks_ + 1) * sizeof(int64_t),
+                             cudaMemcpyDeviceToHost, stream));
+}
+
+void CudaBackend::take_sizes(DispatchResult& out, HandleState& h) const {
+  out.num_rows = host_info_[1];
+  out.overflow = host_info_[3] != 0;
+  out.dropped_slots = host_info_[4];
+  h.recv.tokens = host_info_[0];
+  h.recv.num_rows = host_info_[1];
+  h.recv.capacity = host_info_[2];
+  if (copy_combine_) h.recv.rank_offsets.assign(host_info_ + 8, host_info_ + 8 + ranks_ + 1);
+}
+
 DispatchResult CudaBackend::finish_dispatch(const Call& call, DispatchResult out, std::shared_ptr<DeviceHandle> dh,
                                             std::shared_ptr<HandleState> h, Layout layout, int64_t capacity,
-                                            std::chrono::steady_clock::time_point host_call) {
+                                            bool sizes_read, std::chrono::steady_clock::time_point host_call) {
   // Small outputs: one copy of the handle's layout arrays (info, rank_offsets, tokens_per_expert,
   // expert_offsets, consecutive in its memory), so that no output aliases what later calls on the
   // handle read: a caller may write into its outputs, and torch.compile reuses a dead output's memory.
@@ -751,21 +781,16 @@ DispatchResult CudaBackend::finish_dispatch(const Call& call, DispatchResult out
     kernels::publish_status(ctx(), host_status_);
     return out;
   }
-  // Blocking: the call's sync, then the sizes.
-  EPX_CUDA(cudaMemcpyAsync(host_info_, dh->recv.info, 4 * sizeof(int64_t), cudaMemcpyDeviceToHost, stream_));
-  EPX_CUDA(cudaMemcpyAsync(host_info_ + 4, dh->dropped, sizeof(int64_t), cudaMemcpyDeviceToHost, stream_));
-  if (copy_combine_)  // combine copies by source
-    EPX_CUDA(cudaMemcpyAsync(host_info_ + 8, dh->recv.rank_offsets, (ranks_ + 1) * sizeof(int64_t),
-                             cudaMemcpyDeviceToHost, stream_));
-  sync_and_check(call);
-  host_steps_.mark("synced");
-  out.num_rows = host_info_[1];
-  out.overflow = host_info_[3] != 0;
-  out.dropped_slots = host_info_[4];
-  h->recv.tokens = host_info_[0];
-  h->recv.num_rows = host_info_[1];
-  h->recv.capacity = host_info_[2];
-  if (copy_combine_) h->recv.rank_offsets.assign(host_info_ + 8, host_info_ + 8 + ranks_ + 1);
+  // Blocking: the sizes, read already (with the plan's check; what the transfer finds is raised
+  // by the next call), or read now with the call's one sync.
+  if (sizes_read) {
+    end_call(call, false);
+  } else {
+    read_sizes(*dh, stream_);
+    sync_and_check(call);
+    host_steps_.mark("synced");
+  }
+  take_sizes(out, *h);
   for (Tensor* t : {&out.recv_x, &out.recv_scales, &out.recv_global_scale, &out.recv_src, &out.recv_weights,
                     &out.recv_topk_idx, &out.recv_topk_weights})
     if (t->defined()) *t = row_range(*t, 0, h->recv.capacity);
@@ -838,9 +863,12 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   host_steps_.mark("senders launched");
   timer_.mark(2, stream_);
   timer_.mark(3, side_stream_);
+  // The call's one host read: the sizes, with what the device found up to the plan (a finding
+  // makes the call run on and raise at its end, as rank-major's).
+  bool sizes_read = false;
   if (sizes_first) {
-    EPX_CUDA(cudaMemcpyAsync(host_info_, dh->recv.info, 4 * sizeof(int64_t), cudaMemcpyDeviceToHost, side_stream_));
-    EPX_CUDA(cudaStreamSynchronize(side_stream_));
+    read_sizes(*dh, side_stream_);
+    sizes_read = plan_ok(side_stream_);
     capacity = host_info_[2];
     host_steps_.mark("sizes read");
   }
@@ -849,7 +877,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   EPX_CUDA(cudaEventRecord(join_, side_stream_));
   EPX_CUDA(cudaStreamWaitEvent(stream_, join_, 0));
   if (broadcast_) EPX_CUDA(cudaStreamWaitEvent(stream_, copies_done_, 0));  // x is read until then
-  return finish_dispatch(call, std::move(out), dh, std::move(h), opt.layout, capacity, host_call);
+  return finish_dispatch(call, std::move(out), dh, std::move(h), opt.layout, capacity, sizes_read, host_call);
 }
 
 // EPX_PROFILE: the call's device steps (its events' marks) and host steps, added to the means
@@ -912,6 +940,7 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
     validate_combine(in, state, c, opt, DeviceKind::cuda);
     check_device_tensor(in.y, "combine: y");
   });
+  const bool plan_failed = c.mode == CapacityMode::blocking && !plan_ok(stream_);
   timer_.mark(1, stream_);
   const DeviceHandle& dh = device_of(*h);
   // The output, the reducers' arguments and the copy-engine return.
@@ -936,8 +965,7 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
   timer_.add("combine: plan", 0, 1);
   timer_.add("combine: kernel", 2, 3);
   timer_.add("combine: all", 0, 3);
-  if (c.mode == CapacityMode::blocking) sync_and_check(call);
-  else kernels::publish_status(ctx(), host_status_);
+  end_call(call, plan_failed);
   return out;
 }
 
@@ -1004,6 +1032,7 @@ DispatchBackwardResult CudaBackend::dispatch_backward(const DispatchBackwardInpu
   const HandleState* h = &start_handle_call(call, handle, options, [&](const HandleState& state) {
     validate_dispatch_backward(in, state, c, DeviceKind::cuda);
   });
+  const bool plan_failed = c.mode == CapacityMode::blocking && !plan_ok(stream_);
   const DeviceHandle& dh = device_of(*h);
   out.grad_x = device_tensor(DType::bf16, {h->tokens, c.hidden});  // as in combine
   if (with_weights) out.grad_topk_weights = device_tensor(DType::f32, {h->tokens, c.topk});
@@ -1015,8 +1044,7 @@ DispatchBackwardResult CudaBackend::dispatch_backward(const DispatchBackwardInpu
   kernels::combine(ctx(), by_copy ? 0 : send_blocks(false, h->layout), dh.recv, h->layout, h->tokens, dh.pos.send_pos,
                    dh.slot_expert, a);
   if (by_copy) EPX_CUDA(cudaStreamWaitEvent(stream_, copies_done_, 0));  // the inputs are read until then
-  if (c.mode == CapacityMode::blocking) sync_and_check(call);
-  else kernels::publish_status(ctx(), host_status_);
+  end_call(call, plan_failed);
   return out;
 }
 
@@ -1027,6 +1055,7 @@ CombineBackwardResult CudaBackend::combine_backward(const CombineBackwardInput& 
   const HandleState* h = &start_handle_call(call, handle, opt.weighted, [&](const HandleState& state) {
     validate_combine_backward(in, state, c, opt, DeviceKind::cuda);
   });
+  const bool plan_failed = c.mode == CapacityMode::blocking && !plan_ok(stream_);
   const kernels::Ctx x = ctx();
   const DeviceHandle& dh = device_of(*h);
   kernels::SendRows rows;
@@ -1043,8 +1072,7 @@ CombineBackwardResult CudaBackend::combine_backward(const CombineBackwardInput& 
     out.grad_topk_weights = device_tensor(DType::f32, {h->tokens, c.topk});
     kernels::gather_slot_values(x, h->tokens, dh.pos.send_pos, dh.slot_expert, out.grad_topk_weights.data<float>());
   }
-  if (c.mode == CapacityMode::blocking) sync_and_check(call);
-  else kernels::publish_status(x, host_status_);
+  end_call(call, plan_failed);
   return out;
 }
 

@@ -81,10 +81,15 @@ class CudaBackend final : public Backend {
   // empty rows too) and the receiver, with `senders` of the blocks sending beside it.
   void launch_receiver(DispatchResult& out, const DeviceHandle& dh, const kernels::SendRows& rows,
                        const kernels::Placing& mine, Layout layout, int64_t capacity, int senders, int phase);
-  // The call's end once every kernel is enqueued: small outputs as views into the handle, then
-  // capacity mode's return, or blocking mode's sync and the outputs cut to their sizes.
+  // Blocking mode's sizes (the layout's info words, the dropped count, the copy-engine combine's
+  // rank offsets) into host_info_ on `stream`; take_sizes reads them once the stream is synced.
+  void read_sizes(const DeviceHandle& dh, cudaStream_t stream);
+  void take_sizes(DispatchResult& out, HandleState& h) const;
+  // The call's end once every kernel is enqueued: small outputs copied from the handle, then
+  // capacity mode's return, or blocking mode's sizes (`sizes_read`: read already, with the plan's
+  // check, so the call returns without a sync; else one sync now) and the outputs cut to them.
   DispatchResult finish_dispatch(const Call& call, DispatchResult out, std::shared_ptr<DeviceHandle> dh,
-                                 std::shared_ptr<HandleState> h, Layout layout, int64_t capacity,
+                                 std::shared_ptr<HandleState> h, Layout layout, int64_t capacity, bool sizes_read,
                                  std::chrono::steady_clock::time_point host_call);
   void report_dispatch_profile(bool quantized, std::chrono::steady_clock::time_point host_call);
   PlanHeader plan_header(const Call& call, const std::string& error, int64_t tokens, int64_t signature) const;
@@ -111,6 +116,13 @@ class CudaBackend final : public Backend {
   std::string signals_now() const;
   // Reads the device status (synchronizing the stream) and throws what it says.
   void sync_and_check(const Call& call);
+  // Blocking mode's one host read, after the call's plan exchange on `stream`: true when the device
+  // found nothing so far (every peer arrived and agreed, the routing is good). Then the call ends
+  // with end_call's publish and no sync; a finding makes it run on and raise at its end.
+  bool plan_ok(cudaStream_t stream);
+  // The end of a call: plan_failed (what plan_ok found) syncs and raises; otherwise the status goes
+  // to host-mapped memory, raised by the next call (what the transfer kernels found: a lost peer).
+  void end_call(const Call& call, bool plan_failed);
   // Throws if an earlier call that ran without a host sync failed.
   void check_earlier_calls(const Call& call);
   [[noreturn]] void raise(const DeviceStatus& st, const Call& call);
@@ -158,6 +170,7 @@ class CudaBackend final : public Backend {
   DeviceStatus* status_ = nullptr;       // device
   CallState* call_state_ = nullptr;      // device: call number and signal targets (advanced by kernels)
   DeviceStatus* host_status_ = nullptr;  // host-mapped copy, published at the end of every call
+  DeviceStatus* plan_status_ = nullptr;  // host-mapped copy, published by plan_ok
   int64_t* host_info_ = nullptr;         // pinned: sizes read back in blocking mode
   int64_t* scratch_ = nullptr;           // device: the drop capacity calls other than dispatch ignore
   // The stream of every call: the buffer's own non-blocking stream (kept alive by every tensor
