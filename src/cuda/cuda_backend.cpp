@@ -739,7 +739,9 @@ void CudaBackend::launch_receiver(DispatchResult& out, const DeviceHandle& dh, c
 
 void CudaBackend::read_sizes(const DeviceHandle& dh, cudaStream_t stream) {
   EPX_CUDA(cudaMemcpyAsync(host_info_, dh.recv.info, 4 * sizeof(int64_t), cudaMemcpyDeviceToHost, stream));
-  EPX_CUDA(cudaMemcpyAsync(host_info_ + 4, dh.dropped, sizeof(int64_t), cudaMemcpyDeviceToHost, stream));
+  host_info_[4] = 0;  // nothing dropped without a capacity factor: one copy fewer before the receiver
+  if (config().capacity_factor > 0.0)
+    EPX_CUDA(cudaMemcpyAsync(host_info_ + 4, dh.dropped, sizeof(int64_t), cudaMemcpyDeviceToHost, stream));
   if (copy_combine_)  // combine copies by source
     EPX_CUDA(cudaMemcpyAsync(host_info_ + 8, dh.recv.rank_offsets, (ranks_ + 1) * sizeof(int64_t),
                              cudaMemcpyDeviceToHost, stream));
