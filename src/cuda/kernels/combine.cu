@@ -83,11 +83,14 @@ __device__ void partial_row(const Shape& s, const RecvArrays& r, Layout layout, 
   }
 }
 
-// Expert side, one warp: received row `pos` of `source`'s stream back into its window.
+// Expert side, one warp: received row `pos` of `source`'s stream back into its window. An
+// expert-major partial's terms come through the warp's stage, as reduce_partials_kernel's do (the
+// same partial_row: the same sums), where the register loop kept too few bytes in flight.
 __device__ void return_row(const PeerWindows& w, const WindowMap& m, const Shape& s, const RecvArrays& r, Layout layout,
                            const CombineArgs& a, bool wide, int source, int64_t pos, int lane) {
   const int64_t at = w.rank * s.max_tokens + pos;
-  partial_row(s, r, layout, a, wide, false, r.rank_offsets[source] + pos,
+  const bool staged = wide && s.topk <= 32;  // a term per lane
+  partial_row(s, r, layout, a, wide, staged, r.rank_offsets[source] + pos,
               at_window<uint16_t>(w, source, m.rev_rows + at * s.hidden * 2),
               at_window<float>(w, source, m.rev_slots + at * s.topk * 4), lane);
 }
