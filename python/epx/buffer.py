@@ -12,7 +12,7 @@ from . import _C, registry
 from .config import CapacityMode, DType, Layout, Op, WireFormat, code_of, names_of
 from .errors import InvalidArgument
 from .outputs import (CombineBackwardOutput, CombineOutput, DispatchBackwardOutput, DispatchOutput, Handle)
-from .streams import NO_EVENT, CallStreams, event_of, handle_of
+from .streams import NO_EVENT, CallStreams, handle_of, wait_for
 from .tensors import arg, out, problem
 
 BF16 = (DType.bf16,)
@@ -244,10 +244,7 @@ class Buffer:
                             "supported while a CUDA graph is being captured; capture with the defaults (the call "
                             "then runs on the capturing stream)")
         comm = self.comm_stream
-        if previous_event is not None:
-            comm.wait_event(event_of(previous_event))
-        else:
-            comm.wait_stream(current)
+        wait_for(comm, previous_event, current)
         self._use_stream(comm)
         return CallStreams(comm, current, bool(async_finish), True)
 

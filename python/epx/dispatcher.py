@@ -254,7 +254,9 @@ class TokenDispatcher:
 
     def token_permutation(self, hidden_states, routing_map, probs):
         """hidden_states [..., H], routing_map [T, E] bool, probs [T, E] -> (permuted_hidden [N, H],
-        tokens_per_expert [L] (rows of each expert's segment, padding included), permuted_probs [N])."""
+        tokens_per_expert [L] (rows of each expert's segment, padding included), permuted_probs [N]).
+        NeMo's form ``token_permutation(hidden_states, num_local_tokens, probs)`` takes the token count
+        (an int, or None) in routing_map's place: dispatch_preprocess."""
         hidden, _ = self.dispatch_preprocess(hidden_states, routing_map, probs)
         hidden, probs = self.dispatch_all_to_all(hidden, async_finish=False)
         return self.dispatch_postprocess(hidden, probs)
@@ -279,12 +281,27 @@ class TokenDispatcher:
 
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
         """Flattens hidden_states and takes the routing: routing_map [T, E] (or [T, ranks, L]) bool and probs
-        of the same shape. Returns (hidden [T, H], probs [T, E] float32)."""
+        of the same shape. Returns (hidden [T, H], probs [T, E] float32). Or NeMo's form: routing_map is the
+        local token count (an int, or None) and probs [T, E] is zero outside each token's experts; the
+        experts are then probs' top-k, a zero probability an unused slot, as Megatron's managers read them
+        (returns (hidden, the top-k probs [T, K] float32))."""
+        if routing_map is None or isinstance(routing_map, int):
+            return self._preprocess_top_k(hidden_states, routing_map, probs)
         tokens = routing_map.shape[0]
         routing_map = routing_map.reshape(tokens, self.config.num_experts).bool()
         probs = probs.reshape(tokens, self.config.num_experts).float()
         self._routing = (None, None, routing_map, probs)
         return self._flatten(hidden_states), probs
+
+    def _preprocess_top_k(self, hidden_states, num_local_tokens, probs):
+        tokens = probs.numel() // self.config.num_experts
+        if num_local_tokens is not None and num_local_tokens != tokens:
+            raise InvalidArgument(f"dispatcher: num_local_tokens={num_local_tokens}, but probs holds {tokens} tokens "
+                                  f"of {self.config.num_experts} experts")
+        token_probs, token_indices = torch.topk(probs.reshape(tokens, self.config.num_experts).float(),
+                                                self.config.topk, dim=-1)
+        return self.dispatch_preprocess2(hidden_states, num_local_tokens, token_probs,
+                                         token_indices.masked_fill(token_probs == 0, -1))
 
     def dispatch_preprocess2(self, hidden_states, num_local_tokens, token_probs, token_indices):
         """The compact routing: token_indices [T, K] (-1 unused), token_probs [T, K]. num_local_tokens is

@@ -19,7 +19,10 @@ the probs, backward of the combine a dispatch reusing the handle (epx.torch).
 import dataclasses
 import importlib
 
+import torch
+
 from .dispatcher import BufferPool, DispatcherConfig, TokenDispatcher, as_epx_group
+from .errors import InvalidArgument
 
 # One epx group and buffer pool per EP process group, shared by the managers of every layer (Megatron
 # makes one manager per layer): the buffers are created once per shape.
@@ -64,6 +67,30 @@ def dispatcher_config(config, num_experts, router_topk, **overrides):
     return DispatcherConfig(**fields)
 
 
+# Keywords older managers are made with (Megatron before managers took the config; NeMo Automodel),
+# as the DispatcherConfig fields they set.
+_OLDER_KEYWORDS = {"permute_fusion": "fused_permute", "router_dtype": "router_dtype",
+                   "moe_router_expert_pad_multiple": "pad_multiple"}
+
+
+def older_keywords(overrides):
+    """`overrides` with the older managers' keywords as DispatcherConfig fields. Their capacity_factor (the
+    router's moe_expert_capacity_factor, whose drops the router has made already) is refused unless None:
+    epx's own drop rule differs (docs/semantics.md) and goes through config.moe_epx_options."""
+    out = {}
+    for name, value in overrides.items():
+        if name == "capacity_factor" and value is not None:
+            raise InvalidArgument(f"epx.megatron.EpxManager: capacity_factor={value}: Megatron's router drops tokens "
+                                  "over moe_expert_capacity_factor before the dispatch; epx's own drop rule is set "
+                                  "with config.moe_epx_options={'capacity_factor': ...} (docs/integrations.md)")
+        if name == "capacity_factor":
+            continue
+        if name in _OLDER_KEYWORDS and value is None:
+            continue  # the manager's default: the config's value
+        out[_OLDER_KEYWORDS.get(name, name)] = value
+    return out
+
+
 class EpxManager:
     """Megatron's _DispatchManager contract over epx (module docstring).
 
@@ -74,6 +101,7 @@ class EpxManager:
     """
 
     def __init__(self, group, num_local_experts, router_topk=None, num_experts=None, config=None, **overrides):
+        overrides = older_keywords(overrides)
         num_experts = num_experts or config.num_moe_experts
         if router_topk is None:
             router_topk = config.moe_router_topk * (num_experts // config.num_moe_experts)
@@ -94,7 +122,15 @@ class EpxManager:
 
     def setup_metadata(self, routing_map, probs):
         """routing_map [T, E] or [T, ranks, L] bool and probs of the same shape (Megatron's flex dispatcher
-        passes the latter); keeps them as [T, E] with probs in float32."""
+        passes the latter); keeps them as [T, E] with probs in float32. The older managers' form
+        ``setup_metadata(num_local_tokens, probs)`` (NeMo Automodel): the experts are probs' top-k, a zero
+        probability an unused slot."""
+        if routing_map is None or isinstance(routing_map, int):
+            tokens = probs.numel() // self.num_experts
+            token_probs, token_indices = torch.topk(probs.reshape(tokens, self.num_experts).float(),
+                                                    self.router_topk, dim=-1)
+            self.setup_metadata_from_indices(token_indices.masked_fill(token_probs == 0, -1), token_probs)
+            return
         tokens = routing_map.shape[0]
         self.routing_map = routing_map.reshape(tokens, self.num_experts)
         self.token_probs = probs.reshape(tokens, self.num_experts).float()
@@ -162,13 +198,18 @@ class EpxManager:
 
 
 def install(token_dispatcher=None, backends=("deepep", "hybridep")):
-    """Makes Megatron's flex dispatcher use epx for the given backends: their manager classes in
+    """Makes Megatron's flex dispatcher use epx for the given backends (any of deepep, hybridep, ncclep,
+    deepepv2): their manager classes in
     ``megatron.core.transformer.moe.token_dispatcher`` (or the module given) become EpxManager
-    subclasses, so ``moe_flex_dispatcher_backend="deepep"`` (or ``"hybridep"``) builds an EpxManager
+    subclasses, so ``moe_flex_dispatcher_backend="deepep"`` (or another of them) builds an EpxManager
     with the arguments Megatron passes. Call it before the model is built. Returns the replaced classes
     by name (for uninstall)."""
     module = token_dispatcher or importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
-    names = {"deepep": "_DeepepManager", "hybridep": "_HybridEPManager"}
+    names = {"deepep": "_DeepepManager", "hybridep": "_HybridEPManager", "ncclep": "_NCCLEPManager",
+             "deepepv2": "_DeepepV2Manager"}
+    unknown = [b for b in backends if b not in names]
+    if unknown:
+        raise InvalidArgument(f"epx.megatron.install: backends {unknown}: epx stands in for {sorted(names)}")
     replaced = {}
     for backend in backends:
         name = names[backend]

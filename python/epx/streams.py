@@ -23,12 +23,30 @@ def handle_of(stream):
     return stream.cuda_stream or _LEGACY_STREAM
 
 
+class EventHandle:
+    """DeepEP's EventHandle: an event recorded on torch's current stream when it is made (with no CUDA
+    device, none: the CPU backend has no streams to order). ``current_stream_wait()`` makes the
+    current stream wait for it. ``EventOverlap(EventHandle())`` is how Megatron passes "after what is
+    queued now" as a call's previous_event."""
+
+    def __init__(self):
+        self.event = None
+        if torch.cuda.is_available():
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def current_stream_wait(self):
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+
 class EventOverlap:
     """A CUDA event recorded after an asynchronous epx call (or nothing to wait for).
 
-    ``current_stream_wait()`` makes torch's current stream wait for it; as a context manager, the
-    block runs (overlapping the communication) and the current stream waits at its end.
-    ``extra_tensors`` are kept alive until then.
+    ``event`` is a torch.cuda.Event, an :class:`EventHandle` or None. ``current_stream_wait()``
+    makes torch's current stream wait for it (nothing when there is none; DeepEP asserts instead);
+    as a context manager, the block runs (overlapping the communication) and the current stream
+    waits at its end. ``extra_tensors`` are kept alive until then.
     """
 
     def __init__(self, event=None, extra_tensors=()):
@@ -36,8 +54,9 @@ class EventOverlap:
         self.extra_tensors = tuple(extra_tensors)
 
     def current_stream_wait(self):
-        if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
+        event = event_of(self)
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
 
     def __enter__(self):
         return self
@@ -51,8 +70,21 @@ NO_EVENT = EventOverlap()
 
 
 def event_of(previous_event):
-    """A torch.cuda.Event from an EventOverlap or an event."""
-    return previous_event.event if isinstance(previous_event, EventOverlap) else previous_event
+    """The torch.cuda.Event (or None) of an EventOverlap, an EventHandle or an event."""
+    if isinstance(previous_event, EventOverlap):
+        previous_event = previous_event.event
+    if isinstance(previous_event, EventHandle):
+        previous_event = previous_event.event
+    return previous_event
+
+
+def wait_for(stream, previous_event, current):
+    """`stream` waits for previous_event's event, or for the stream `current` when it has none."""
+    event = event_of(previous_event)
+    if event is not None:
+        stream.wait_event(event)
+    else:
+        stream.wait_stream(current)
 
 
 class CallStreams:
@@ -95,10 +127,7 @@ def on_side_stream(side, make, inputs, previous_event, async_finish):
     record_stream'ed on `side` (torch's allocator must not reuse them before it is done) and the
     EventOverlap to wait on comes back; else the current stream waits for `side`. (result, EventOverlap)."""
     current = torch.cuda.current_stream()
-    if previous_event is not None:
-        side.wait_event(event_of(previous_event))
-    else:
-        side.wait_stream(current)
+    wait_for(side, previous_event, current)
     with torch.cuda.stream(side):
         result = make()
     for t in tensors_in(result):

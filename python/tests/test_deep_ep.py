@@ -296,6 +296,143 @@ def test_backward_style_combine_of_gradients(ranks):
         assert torch.equal(grad_w, ref_combined_weights(refs, [run[1] for run in runs], s, p))
 
 
+def megatron_style_functions(buffer, num_experts, async_finish):
+    """Autograd functions in the manner of Megatron's fused_a2a (its FusedDispatch / FusedCombine): the
+    previous event is EventOverlap(EventHandle()) imported from deep_ep.utils, the dispatch's backward a
+    combine of the gradients with topk_weights, the combine's backward a cached dispatch."""
+    from deep_ep.utils import EventHandle, EventOverlap  # noqa: F811 (the module under its DeepEP name)
+
+    def before():
+        return EventOverlap(EventHandle()) if async_finish else None
+
+    class Dispatch(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, idx, probs):
+            per_rank, rdma, per_expert, in_rank, event = buffer.get_dispatch_layout(
+                idx, num_experts, previous_event=before(), async_finish=async_finish)
+            recv_x, recv_idx, recv_probs, counts, handle, after = buffer.dispatch(
+                x, topk_idx=idx, topk_weights=probs, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=rdma,
+                is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, previous_event=event,
+                async_finish=async_finish)
+            if async_finish:
+                after.current_stream_wait()
+            ctx.handle = handle
+            return recv_x, recv_idx, recv_probs, torch.tensor(counts), handle
+
+        @staticmethod
+        def backward(ctx, grad_x, grad_idx, grad_probs, grad_counts, grad_handle):
+            gx, gprobs, after = buffer.combine(grad_x.contiguous(), ctx.handle, topk_weights=grad_probs.float(),
+                                               previous_event=before(), async_finish=async_finish)
+            if async_finish:
+                after.current_stream_wait()
+            return gx, None, gprobs
+
+    class Combine(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, y, handle):
+            out, _, after = buffer.combine(y, handle=handle, previous_event=before(), async_finish=async_finish)
+            if async_finish:
+                after.current_stream_wait()
+            ctx.handle = handle
+            return out
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            grad_y, _, _, _, _, after = buffer.dispatch(grad_out.contiguous(), handle=ctx.handle,
+                                                        previous_event=before(), async_finish=async_finish)
+            if async_finish:
+                after.current_stream_wait()
+            return grad_y, None
+
+    return Dispatch, Combine
+
+
+@pytest.fixture
+def deep_ep_module_name():
+    """epx.deep_ep importable as deep_ep (and deep_ep.utils), as a stack that imports DeepEP sees it."""
+    import sys
+
+    saved = {name: sys.modules.get(name) for name in ("deep_ep", "deep_ep.utils")}
+    sys.modules["deep_ep"] = deep_ep
+    yield
+    for name, module in saved.items():
+        if module is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = module
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+@pytest.mark.parametrize("async_finish", [False, True])
+def test_megatron_fused_a2a_pattern_forward_and_backward(deep_ep_module_name, ranks, async_finish):
+    """x -> dispatch -> experts (y = 2 x times the row's local probs) -> combine, with autograd as
+    Megatron's fused_a2a drives DeepEP, against the dense statement in float64: out[t] = 2 x[t] sum_k p[t,k]."""
+    p = problem(ranks, seed=80 + ranks)
+    groups = epx.Group.host(ranks)
+    buffers = make_buffers(groups)
+    grads = [torch.randn(T, H, generator=torch.Generator().manual_seed(90 + r)) for r in range(ranks)]
+
+    def rank(g):
+        r = g.rank
+        Dispatch, Combine = megatron_style_functions(buffers[r], E, async_finish)
+        x = p.x[r].clone().requires_grad_()
+        probs = p.w[r].clone().requires_grad_()
+        recv_x, recv_idx, recv_probs, counts, handle = Dispatch.apply(x, p.idx[r], probs)
+        local_probs = recv_probs.masked_fill(recv_idx < 0, 0.0).sum(dim=1, keepdim=True)
+        out = Combine.apply((recv_x.float() * 2 * local_probs).bfloat16(), handle)
+        (out.float() * grads[r]).sum().backward()
+        return out.detach(), x.grad, probs.grad
+
+    for r, (out, gx, gp) in enumerate(run_all(groups, rank)):
+        x = p.x[r].double().requires_grad_()
+        w = p.w[r].double().requires_grad_()
+        used = (p.idx[r] >= 0).double()
+        want = 2 * x * (w * used).sum(dim=1, keepdim=True)
+        (want * grads[r].double()).sum().backward()
+        for got, ref, what in ((out, want.detach(), "out"), (gx, x.grad, "grad x"), (gp, w.grad * used, "grad probs")):
+            err = (got.double() - ref).abs().max()
+            assert err <= 0.02 * ref.abs().max() + 1e-6, f"rank {r} {what}: max error {float(err):.3g}"
+
+
+def test_deep_ep_utils_and_topk_idx_t_import_as_deep_ep(deep_ep_module_name):
+    import deep_ep as imported
+    from deep_ep.utils import EventHandle, EventOverlap
+
+    assert imported.topk_idx_t == torch.int64
+    assert EventOverlap is deep_ep.EventOverlap and EventHandle is deep_ep.EventHandle
+    overlap = EventOverlap(EventHandle())
+    overlap.current_stream_wait()  # nothing queued on the CPU: returns
+    with deep_ep.Buffer.capture():
+        pass
+
+
+@pytest.mark.parametrize("ranks", [2])
+def test_cached_dispatch_refuses_what_would_make_it_another_call(ranks):
+    p = problem(ranks, seed=95)
+    groups = epx.Group.host(ranks)
+    buffers = make_buffers(groups)
+    cases = {"rdma": (dict(num_tokens_per_rdma_rank=torch.ones(2)), epx.Unsupported, "internode"),
+             "worst": (dict(num_worst_tokens=7), epx.InvalidArgument, "num_worst_tokens=7"),
+             "sms": (dict(config=deep_ep.Config(8)), epx.InvalidArgument, "config.num_sms=8")}
+
+    def rank(g):
+        b, r = buffers[g.rank], g.rank
+        _, _, _, _, handle, _ = b.dispatch(p.x[r], **_dispatch_kwargs(b, p, r))
+        outcomes = {}
+        for name, (extra, _, _) in cases.items():
+            try:
+                b.dispatch(p.x[r], handle=handle, **extra)
+            except epx.Error as e:
+                outcomes[name] = e
+        again = b.dispatch(p.x[r], handle=handle, config=deep_ep.Buffer.get_dispatch_config(ranks))
+        return outcomes, again
+
+    for outcomes, again in run_all(groups, rank):
+        for name, (_, error, message) in cases.items():
+            assert isinstance(outcomes.get(name), error) and message in str(outcomes[name]), (name, outcomes.get(name))
+        assert again[1:5] == (None, None, None, None)
+
+
 # --- low latency -----------------------------------------------------------------------------------
 
 LL_WIRES = {"bf16": dict(use_fp8=False), "fp8": dict(use_fp8=True), "fp8_round": dict(use_fp8=True, round_scale=True),
@@ -412,8 +549,8 @@ def test_low_latency_dispatch_and_combine_match_reference(ranks, wire, hook):
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_low_latency_hooks_overlap_two_layers(ranks):
-    """One layer's combine in flight while the next layer's dispatch is sent (the send halves' order of
-    SGLang's two-batch overlap, one send of each kind in flight)."""
+    """One layer's combine in flight while the next layer's dispatch is sent (one send of each kind in flight,
+    as a two-batch overlap may interleave two micro-batches)."""
     problems = [problem(ranks, seed=100 + i, tokens=M, hidden=512) for i in range(2)]
     groups = epx.Group.host(ranks)
     buffers = make_buffers(groups, hidden=512)
@@ -543,6 +680,10 @@ REFUSED_EVERYWHERE = {
     "hook_and_async": (lambda b, p, r: b.low_latency_dispatch(p.x[r], p.idx[r], M, E, async_finish=True,
                                                               return_recv_hook=True),
                        epx.InvalidArgument, "exclude"),
+    # a second dispatch send before the first one's receive (hook): one send of each kind in flight
+    "two_dispatch_sends": (lambda b, p, r: [b.low_latency_dispatch(p.x[r], p.idx[r], M, E, use_fp8=False,
+                                                                   return_recv_hook=True) for _ in range(2)],
+                           epx.InvalidArgument, "has no dispatch_recv yet"),
 }
 
 
@@ -619,8 +760,11 @@ def test_low_latency_bad_input_on_one_rank_fails_every_rank():
 
 @pytest.mark.parametrize("ranks", [2, 4])
 @pytest.mark.parametrize("worst", [False, True])
-def test_vllm_high_throughput_pattern(ranks, worst):
-    """vllm/model_executor/layers/fused_moe/deepep_ht_prepare_finalize.py (and all2all.py's buffer)."""
+@pytest.mark.parametrize("async_prepare", [False, True])
+def test_vllm_high_throughput_pattern(ranks, worst, async_prepare):
+    """vllm/model_executor/layers/fused_moe/deepep_ht_prepare_finalize.py (and all2all.py's buffer); with
+    async_prepare as its current form runs it: the calls wait for Buffer.capture() and finish
+    asynchronously, and the caller waits for the returned event where it has one."""
     p = problem(ranks, seed=200 + ranks)
     groups = epx.Group.host(ranks)
     buffers = [deep_ep.Buffer(group=g, num_nvl_bytes=nvl_bytes(ranks), num_rdma_bytes=0, low_latency_mode=False,
@@ -637,16 +781,22 @@ def test_vllm_high_throughput_pattern(ranks, worst):
                             num_tokens_per_rdma_rank=num_tokens_per_rdma_rank, is_token_in_rank=is_token_in_rank,
                             num_tokens_per_expert=expert_num_tokens, topk_idx=p.idx[r], topk_weights=p.w[r],
                             expert_alignment=1, num_worst_tokens=ranks * T if worst else 0,
-                            config=deep_ep.Buffer.get_dispatch_config(ranks), previous_event=None, async_finish=False,
-                            allocate_on_comm_stream=False)
+                            config=deep_ep.Buffer.get_dispatch_config(ranks),
+                            previous_event=deep_ep.Buffer.capture() if async_prepare else None,
+                            async_finish=async_prepare, allocate_on_comm_stream=False)
+        if event.event is not None:
+            event.current_stream_wait()
         offset = r * local  # vLLM moves the ids back to global ones, -1 to an expert elsewhere
         global_ids = torch.where(expert_topk_ids == -1, E - 1 if offset == 0 else 0, expert_topk_ids + offset)
         # experts: y = 2 x weighted by the local slots' weights (vLLM weighs before the combine)
         weight = expert_topk_weights.sum(dim=1, keepdim=True)
         fused_expert_output = (token_data.float() * 2 * weight).bfloat16()
         combined_x, _, event = buffer.combine(x=fused_expert_output, handle=handle, topk_weights=None,
-                                              config=deep_ep.Buffer.get_combine_config(ranks), previous_event=None,
-                                              async_finish=False, allocate_on_comm_stream=False)
+                                              config=deep_ep.Buffer.get_combine_config(ranks),
+                                              previous_event=deep_ep.Buffer.capture() if async_prepare else None,
+                                              async_finish=async_prepare, allocate_on_comm_stream=False)
+        if event.event is not None:
+            event.current_stream_wait()
         output = torch.empty_like(p.x[r])
         output.copy_(combined_x, non_blocking=True)
         return global_ids, expert_num_tokens_per_expert_list, fused_expert_output, output
@@ -696,6 +846,41 @@ def test_vllm_low_latency_pattern(ranks, use_fp8):
         check_ll_dispatch(p, d, recv, count, handle, "fp8" if use_fp8 else "bf16")
         want, scale = ll_expected_combine(p, handles, ys, d, p.w[d])
         assert_close_sum(output, want, scale, f"rank {d}")
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_vllm_low_latency_two_micro_batches(ranks):
+    """vLLM's dual-batch overlap of the low-latency path: two micro-batches, each call's send half then its
+    hook, in the order d0, d1, c0, c1 (dispatch and combine of micro-batch 0 and 1)."""
+    hidden = 512
+    problems = [problem(ranks, seed=230 + i, tokens=M - i, hidden=hidden) for i in range(2)]
+    groups = epx.Group.host(ranks)
+    rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(M, hidden, ranks, E)
+    buffers = [deep_ep.Buffer(group=g, num_nvl_bytes=0, num_rdma_bytes=rdma, low_latency_mode=True,
+                              num_qps_per_rank=E // ranks, epx_timeout_ms=TIMEOUT_MS) for g in groups]
+
+    def rank(g):
+        buffer, r = buffers[g.rank], g.rank
+        handles, ys, outs = [], [], []
+        for p in problems:  # d0, hook, d1, hook
+            _, _, handle, _, hook = buffer.low_latency_dispatch(p.x[r], p.idx[r], M, E, use_fp8=False,
+                                                                return_recv_hook=True)
+            hook()
+            handles.append(handle)
+        for i, p in enumerate(problems):  # c0, hook, c1, hook
+            y = random_bf16((E // ranks, ranks * M, hidden), 240 + 10 * i + r)
+            out, _, hook = buffer.low_latency_combine(y, p.idx[r], p.w[r], handles[i], return_recv_hook=True)
+            hook()
+            ys.append(y)
+            outs.append(out.clone())
+        return handles, ys, outs
+
+    runs = run_all(groups, rank)
+    for i, p in enumerate(problems):
+        handles, ys = [run[0][i] for run in runs], [run[1][i] for run in runs]
+        for d, run in enumerate(runs):
+            want, scale = ll_expected_combine(p, handles, ys, d, p.w[d])
+            assert_close_sum(run[2][i], want, scale, f"micro-batch {i} rank {d}")
 
 
 @pytest.mark.parametrize("ranks", [2, 4])

@@ -131,6 +131,75 @@ def test_layer_matches_dense_reference(ranks, fused, compact):
     check_against_reference(p, runs, p.idx, expert_w, grad_outs)
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_nemo_form_takes_the_token_count_and_dense_probs(ranks):
+    """token_permutation(hidden_states, num_local_tokens, probs): the experts are probs' top-k (zero where a
+    token has none), as Megatron's managers read dense probs."""
+    p = Problem(ranks, H, E, K, [9, 6][:ranks], seed=21 + ranks)
+    expert_w, grad_outs = expert_weights(E, H), grads_for(p)
+    groups = epx.Group.host(ranks)
+    local = E // ranks
+
+    def rank(g):
+        r = g.rank
+        d = TokenDispatcher(g, local_range(g, E), config())
+        x = p.x[r].clone().requires_grad_()
+        dense = p.dense(r)[1].clone().requires_grad_()
+        permuted, counts, probs = d.token_permutation(x, x.shape[0], dense)
+        out = d.token_unpermutation(experts_forward(permuted, counts, probs, expert_w[r * local:(r + 1) * local])
+                                    .bfloat16())
+        (out.float() * grad_outs[r]).sum().backward()
+        return out.detach(), x.grad, slot_grads(dense.grad, p.idx[r])
+
+    check_against_reference(p, run_all(groups, rank), p.idx, expert_w, grad_outs)
+    with pytest.raises(epx.InvalidArgument, match="num_local_tokens=5"):
+        g = epx.Group.host(1)[0]
+        TokenDispatcher(g, range(E), config()).dispatch_preprocess(p.x[0], 5, p.dense(0)[1])
+
+
+def test_one_dispatcher_serves_two_layers_forward_and_backward():
+    """Two MoE layers through one TokenDispatcher (one shared per model), the gradients of both layers' probs
+    and of x through the second and the first, against the dense reference composed."""
+    p1 = Problem(2, H, E, K, [8, 6], seed=71)
+    p2 = Problem(2, H, E, K, [8, 6], seed=72)
+    w1, w2 = expert_weights(E, H, seed=5), expert_weights(E, H, seed=6)
+    grad_outs = grads_for(p1)
+    groups = epx.Group.host(2)
+    local = E // 2
+
+    def rank(g):
+        r = g.rank
+        d = TokenDispatcher(g, local_range(g, E), config(num_sms=6))
+        x = p1.x[r].clone().requires_grad_()
+        probs1, probs2 = p1.w[r].clone().requires_grad_(), p2.w[r].clone().requires_grad_()
+        h = layer(d, x, (p1.idx[r], probs1), w1[r * local:(r + 1) * local], compact=True)
+        assert d.pool._blocking[H].config.num_sms == 6, "num_sms reaches the epx buffer"
+        out = layer(d, h, (p2.idx[r], probs2), w2[r * local:(r + 1) * local], compact=True)
+        (out.float() * grad_outs[r]).sum().backward()
+        return out.detach(), x.grad, probs1.grad, probs2.grad
+
+    runs = run_all(groups, rank)
+    xs = [x.double().requires_grad_() for x in p1.x]
+    ws1 = [w.double().requires_grad_() for w in p1.w]
+    ws2 = [w.double().requires_grad_() for w in p2.w]
+
+    def dense_layer(xr, idx, w, expert_w):
+        out = torch.zeros_like(xr)
+        for k in range(K):
+            used = torch.nonzero(idx[:, k] >= 0).flatten()
+            y = torch.bmm(xr[used].unsqueeze(1), expert_w.double()[idx[used, k]]).squeeze(1) * w[used, k:k + 1]
+            out = out.index_add(0, used, y)
+        return out
+
+    for r, (out, gx, gp1, gp2) in enumerate(runs):
+        want = dense_layer(dense_layer(xs[r], p1.idx[r], ws1[r], w1), p2.idx[r], ws2[r], w2)
+        (want * grad_outs[r].double()).sum().backward()
+        close(out, want.detach(), f"rank {r} out", rel=0.04)
+        close(gx, xs[r].grad, f"rank {r} grad x", rel=0.04)
+        close(gp1, ws1[r].grad, f"rank {r} grad probs, layer 1", rel=0.04)
+        close(gp2, ws2[r].grad, f"rank {r} grad probs, layer 2", rel=0.04)
+
+
 @pytest.mark.parametrize("static_capacity", [False, True])
 def test_checkpointed_layer_replays_its_dispatch_and_matches_the_reference(static_capacity):
     """epx.torch.checkpoint around the layer: the recompute replays the recorded dispatch on the buffer that

@@ -184,6 +184,52 @@ def test_dispatcher_config_from_megatron_fields():
     assert epx.megatron.dispatcher_config(megatron_config(), 8, 2, static_capacity=True).static_capacity
 
 
+def test_install_covers_ncclep_and_deepepv2_and_refuses_unknown_backends():
+    module = types.ModuleType("token_dispatcher")
+    module._NCCLEPManager = module._DeepepV2Manager = _Missing
+    replaced = epx.megatron.install(module, backends=("ncclep", "deepepv2"))
+    assert issubclass(module._NCCLEPManager, EpxManager) and issubclass(module._DeepepV2Manager, EpxManager)
+    epx.megatron.uninstall(replaced, module)
+    assert module._NCCLEPManager is _Missing
+    with pytest.raises(epx.InvalidArgument, match="backends"):
+        epx.megatron.install(module, backends=("deepep", "nvshmem"))
+
+
+def test_older_managers_keywords_and_their_num_local_tokens_form():
+    """Megatron before managers took the config (and NeMo Automodel) builds them with permute_fusion=,
+    capacity_factor=, router_dtype=, moe_router_expert_pad_multiple= and calls setup_metadata(num_local_tokens,
+    probs): the same layer as the routing-map form."""
+    p = Problem(2, H, E, K, [7, 5], seed=41)
+    expert_w = expert_weights(E, H)
+    groups = epx.Group.host(2)
+    local = E // 2
+
+    def rank(g):
+        r = g.rank
+        outs = []
+        for older in (False, True):
+            if older:
+                m = EpxManager(group=g, router_topk=K, permute_fusion=False, capacity_factor=None, num_experts=E,
+                               num_local_experts=local, router_dtype="fp64", moe_router_expert_pad_multiple=4,
+                               timeout_ms=TIMEOUT_MS)
+                assert (m.dispatcher_config.fused_permute, m.dispatcher_config.router_dtype,
+                        m.dispatcher_config.pad_multiple) == (False, "fp64", 4)
+                m.setup_metadata(p.x[r].shape[0], p.dense(r)[1])
+            else:
+                m = EpxManager(g, local, router_topk=K, num_experts=E, config=megatron_config())
+                m.setup_metadata(*p.dense(r))
+            hidden, probs = m.get_permuted_hidden_states_by_experts(m.dispatch(p.x[r]))
+            counts = m.get_number_of_tokens_per_expert()
+            y = experts_forward(hidden, torch.as_tensor(counts), probs, expert_w[r * local:(r + 1) * local])
+            outs.append(m.combine(m.get_restored_hidden_states_by_experts(y.bfloat16())))
+        return outs
+
+    for r, (plain, older) in enumerate(run_all(groups, rank)):
+        close(older, plain.double(), f"rank {r}")
+    with pytest.raises(epx.InvalidArgument, match="moe_epx_options"):
+        EpxManager(group=groups[0], router_topk=K, num_experts=E, num_local_experts=E, capacity_factor=1.0)
+
+
 # --- GPU (skipped without one) -------------------------------------------------------------------------------
 
 needs_gpu = pytest.mark.skipif(not (epx.has_cuda and epx.cuda_available()), reason="needs the CUDA backend and a GPU")

@@ -19,7 +19,7 @@ from ..buffer import Buffer as EpxBuffer
 from ..config import Op, WireFormat
 from ..errors import InvalidArgument, Unsupported
 from ..group import Group
-from ..streams import EventOverlap, on_side_stream
+from ..streams import EventHandle, EventOverlap, on_side_stream
 from .config import Config, nvl_bytes_per_token
 from .handles import DispatchHandle, is_dispatch_handle
 from .layout import aligned_counts, dispatch_layout, finish_on, rank_prefix_matrix
@@ -105,12 +105,8 @@ class Buffer(LowLatencyCalls):
 
     @staticmethod
     def capture():
-        """An EventOverlap recorded on torch's current stream (nothing to wait for without CUDA)."""
-        if not torch.cuda.is_available():
-            return EventOverlap()
-        event = torch.cuda.Event()
-        event.record()
-        return EventOverlap(event)
+        """EventOverlap(EventHandle()): an event recorded on torch's current stream (none without CUDA)."""
+        return EventOverlap(EventHandle())
 
     @staticmethod
     def is_sm90_compiled():
@@ -175,6 +171,7 @@ class Buffer(LowLatencyCalls):
             if topk_idx is not None or topk_weights is not None:
                 raise InvalidArgument("dispatch: a cached dispatch (handle given) takes no topk_idx / topk_weights")
             if is_dispatch_handle(handle):
+                self._check_cached_args(handle, num_tokens_per_rdma_rank, num_worst_tokens, config)
                 order_copies(handle.buffer, given, x_scales, previous_event)
             return self._cached_dispatch(x, x_scales, handle, streams)
         self._check_routing_args(topk_idx, num_tokens_per_expert, num_tokens_per_rdma_rank, expert_alignment,
@@ -246,6 +243,24 @@ class Buffer(LowLatencyCalls):
         d = buffer.dispatch(x, handle=handle.epx, x_scales=x_scales, **streams)
         recv_x = d.recv_x if x_scales is None else (d.recv_x, d.recv_scales)
         return recv_x, None, None, None, None, d.event
+
+    def _check_cached_args(self, handle, num_tokens_per_rdma_rank, num_worst_tokens, config):
+        """A cached dispatch takes its layout from the handle, as DeepEP's does (num_tokens_per_rank,
+        is_token_in_rank, num_tokens_per_expert and expert_alignment are not read); what would make it
+        another call than the handle's dispatch is refused, on every rank alike."""
+        buffer = handle.buffer
+        if num_tokens_per_rdma_rank is not None:
+            refuse(buffer, Op.cached_dispatch, "dispatch: num_tokens_per_rdma_rank is for internode dispatch; "
+                                               "epx is intranode only")
+        if num_worst_tokens not in (0, buffer.config.capacity_rows):
+            refuse(buffer, Op.cached_dispatch,
+                   f"dispatch: num_worst_tokens={num_worst_tokens} with a handle whose dispatch had "
+                   f"{buffer.config.capacity_rows}: a cached dispatch has its handle's output rows", InvalidArgument)
+        if config is not None and config.num_sms != buffer.config.num_sms:
+            refuse(buffer, Op.cached_dispatch,
+                   f"dispatch: config.num_sms={config.num_sms} with a handle whose dispatch ran with "
+                   f"{buffer.config.num_sms}: a cached dispatch runs on its handle's buffer and SM budget; pass "
+                   "the config of that dispatch (or none)", InvalidArgument)
 
     def _check_routing_args(self, topk_idx, num_tokens_per_expert, num_tokens_per_rdma_rank, expert_alignment,
                             num_worst_tokens):
