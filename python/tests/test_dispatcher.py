@@ -4,6 +4,7 @@ forward and backward, at 1, 2 and 4 ranks on the CPU backend; the torch permute 
 reference.py's layout; dropping; the pre/post split; capacity calibration, its cross-rank agreement
 and overflow; buffers shared by layers. GPU tests at the end (skipped without a GPU)."""
 
+import contextlib
 import math
 
 import pytest
@@ -497,6 +498,12 @@ def test_group_all_gather_and_agree_max():
 # --- GPU (skipped without one) -------------------------------------------------------------------------------
 
 needs_gpu = pytest.mark.skipif(not (epx.has_cuda and epx.cuda_available()), reason="needs the CUDA backend and a GPU")
+has_calling_thread_backward = hasattr(torch.autograd, "set_multithreading_enabled")  # torch >= 2.0
+
+
+def on_calling_thread():
+    """Autograd's backward on the calling thread (torch >= 2.0), not on the engine's one thread per device."""
+    return torch.autograd.set_multithreading_enabled(False) if has_calling_thread_backward else contextlib.nullcontext()
 
 
 def gpu_layer_rank(g, p, cfg, expert_w, grad_outs, backward, stream=None):
@@ -514,7 +521,8 @@ def gpu_layer_rank(g, p, cfg, expert_w, grad_outs, backward, stream=None):
             out = d.token_unpermutation(experts_forward(permuted, counts, probs, w_local).bfloat16())
             result = [out.detach().cpu()]
             if backward:
-                (out.float() * grad_outs[g.rank].to(device)).sum().backward()
+                with on_calling_thread():  # ranks that are threads of one process (docs/python.md)
+                    (out.float() * grad_outs[g.rank].to(device)).sum().backward()
                 result += [x.grad.cpu(), w.grad.cpu()]
             torch.cuda.current_stream().synchronize()
     finally:
@@ -558,13 +566,19 @@ def test_gpu_ep1_capacity_calibration(ep1_group):
 @pytest.mark.parametrize("ranks", [2, 4])
 @pytest.mark.parametrize("async_dispatch", [False, True])
 @pytest.mark.parametrize("fused", [True, False])
-def test_gpu_shared_forward_matches_reference(ranks, async_dispatch, fused):
-    """Forward only: ranks that are threads must not run autograd backward on one GPU (docs/python.md)."""
+@pytest.mark.parametrize("backward", [False, True])
+def test_gpu_shared_forward_matches_reference(ranks, async_dispatch, fused, backward):
+    """Ranks that are threads on one GPU: backward runs each rank's on its own thread (docs/python.md)."""
+    if backward and not has_calling_thread_backward:
+        pytest.skip("backward of thread ranks on one GPU needs torch.autograd.set_multithreading_enabled")
     p = Problem(ranks, 256, 8, 4, 32, seed=90 + ranks)
-    expert_w = expert_weights(8, 256)
+    expert_w, grad_outs = expert_weights(8, 256), grads_for(p)
     cfg = config(experts=8, topk=4, async_dispatch=async_dispatch, fused_permute=fused, pad_multiple=8)
     groups = epx.Group.shared_gpu(ranks, 0)
-    runs = run_all(groups, lambda g: gpu_layer_rank(g, p, cfg, expert_w, None, False, torch.cuda.Stream(0)))
-    want_out = dense_reference(p, p.idx, expert_w, grads_for(p))[0]
-    for r, (out,) in enumerate(runs):
-        close(out, want_out[r], f"rank {r} out")
+    runs = run_all(groups, lambda g: gpu_layer_rank(g, p, cfg, expert_w, grad_outs, backward, torch.cuda.Stream(0)))
+    want_out, want_x, want_w = dense_reference(p, p.idx, expert_w, grad_outs)
+    for r, run in enumerate(runs):
+        close(run[0], want_out[r], f"rank {r} out")
+        if backward:
+            close(run[1], want_x[r], f"rank {r} grad x")
+            close(run[2], want_w[r], f"rank {r} grad w")

@@ -14,7 +14,8 @@ import epx.megatron
 from epx.megatron import EpxManager
 from helpers import Problem, TIMEOUT_MS, run_all
 from reference import expected_layout
-from test_dispatcher import close, dense_reference, expert_weights, experts_forward, grads_for, slot_grads
+from test_dispatcher import (close, dense_reference, expert_weights, experts_forward, grads_for,
+                             has_calling_thread_backward, on_calling_thread, slot_grads)
 
 H, E, K = 32, 8, 2
 
@@ -247,7 +248,8 @@ def gpu_megatron_rank(module, g, p, config, expert_w, grad_outs, backward, strea
                                    expert_w[g.rank * local:(g.rank + 1) * local].to(device))
         result = [out.detach().cpu()]
         if backward:
-            (out.float() * grad_outs[g.rank].to(device)).sum().backward()
+            with on_calling_thread():  # ranks that are threads of one process (docs/python.md)
+                (out.float() * grad_outs[g.rank].to(device)).sum().backward()
             result += [x.grad.cpu(), slot_grads(probs.grad.cpu(), p.idx[g.rank])]
         torch.cuda.current_stream().synchronize()
     pool = dispatcher._comm_manager.dispatcher.pool
@@ -271,15 +273,21 @@ def test_gpu_ep1_manager_forward_backward(megatron_module, ep1_group, permute_fu
 
 @needs_gpu
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_gpu_shared_manager_forward(megatron_module, ranks):
-    """Forward only (threads as ranks must not run autograd backward on one GPU); async_finish and
+@pytest.mark.parametrize("backward", [False, True])
+def test_gpu_shared_manager_forward(megatron_module, ranks, backward):
+    """Thread ranks on one GPU, each rank's backward on its own thread (docs/python.md); async_finish and
     allocate_on_comm_stream as Megatron passes them (the manager runs on the comm stream)."""
+    if backward and not has_calling_thread_backward:
+        pytest.skip("backward of thread ranks on one GPU needs torch.autograd.set_multithreading_enabled")
     p = Problem(ranks, H, E, K, 24, seed=130 + ranks)
-    expert_w = expert_weights(E, H)
+    expert_w, grad_outs = expert_weights(E, H), grads_for(p)
     config = megatron_config(moe_flex_dispatcher_backend="hybridep")
     groups = epx.Group.shared_gpu(ranks, 0)
-    runs = run_all(groups, lambda g: gpu_megatron_rank(megatron_module, g, p, config, expert_w, None, False,
+    runs = run_all(groups, lambda g: gpu_megatron_rank(megatron_module, g, p, config, expert_w, grad_outs, backward,
                                                        torch.cuda.Stream(0)))
-    want_out = dense_reference(p, p.idx, expert_w, grads_for(p))[0]
-    for r, (out,) in enumerate(runs):
-        close(out, want_out[r], f"rank {r} out")
+    want_out, want_x, want_w = dense_reference(p, p.idx, expert_w, grad_outs)
+    for r, run in enumerate(runs):
+        close(run[0], want_out[r], f"rank {r} out")
+        if backward:
+            close(run[1], want_x[r], f"rank {r} grad x")
+            close(run[2], want_w[r], f"rank {r} grad probs")
