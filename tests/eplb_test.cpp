@@ -1,71 +1,18 @@
 // Redundant experts (EPLB, docs/semantics.md "Redundant experts (EPLB)"): an EPLB dispatch is a
 // plain dispatch (num_experts = P, no EPLB) of the routing rewritten to the physical experts the
-// replica rule picks, bit for bit in every output of every operation; the rule is computed here
-// on its own. Then the rule's preference for own-rank replicas, the table's refusals, the load
+// replica rule picks, bit for bit in every output of every operation; the rule is computed apart
+// from the library (verify/replicas.hpp). Then the rule's preference for own-rank replicas, the table's refusals, the load
 // counters and low-latency mode.
 #include <algorithm>
 #include <cstring>
-#include <random>
 
 #include "harness.hpp"
+#include "verify/replicas.hpp"
 
 namespace epx::test {
 namespace {
 
 using testing::HasSubstr;
-
-// A replica table [E, M]: physical ids 0..P-1 shuffled, the first E one per logical expert, the
-// rest as extra replicas of random experts; each row's entries at random columns, -1 elsewhere.
-std::vector<int32_t> random_table(int64_t experts, int64_t physical, int64_t width, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<int32_t> ids(physical);
-  for (int64_t p = 0; p < physical; ++p) ids[p] = static_cast<int32_t>(p);
-  std::shuffle(ids.begin(), ids.end(), rng);
-  std::vector<std::vector<int32_t>> rows(experts);
-  for (int64_t e = 0; e < experts; ++e) rows[e].push_back(ids[e]);
-  for (int64_t p = experts; p < physical; ++p) {
-    int64_t e = static_cast<int64_t>(rng() % experts);
-    while (static_cast<int64_t>(rows[e].size()) >= width) e = (e + 1) % experts;
-    rows[e].push_back(ids[p]);
-  }
-  std::vector<int32_t> table(experts * width, -1);
-  for (int64_t e = 0; e < experts; ++e) {
-    std::vector<int64_t> cols(width);
-    for (int64_t j = 0; j < width; ++j) cols[j] = j;
-    std::shuffle(cols.begin(), cols.end(), rng);
-    std::sort(cols.begin(), cols.begin() + static_cast<int64_t>(rows[e].size()));  // keep the row's order
-    for (size_t i = 0; i < rows[e].size(); ++i) table[e * width + cols[i]] = rows[e][i];
-  }
-  return table;
-}
-
-// The rule, stated on its own: the row's replicas on rank s if any, else all of them, in table
-// order; token t takes number (t + s) mod n.
-int32_t expected_physical(const std::vector<int32_t>& table, int64_t width, int64_t per_rank, int32_t logical, int s,
-                          int64_t t) {
-  if (logical < 0) return -1;
-  std::vector<int32_t> own, all;
-  for (int64_t j = 0; j < width; ++j) {
-    const int32_t p = table[logical * width + j];
-    if (p < 0) continue;
-    all.push_back(p);
-    if (p / per_rank == s) own.push_back(p);
-  }
-  const std::vector<int32_t>& c = own.empty() ? all : own;
-  return c[(t + s) % static_cast<int64_t>(c.size())];
-}
-
-// A problem's routing [T*K] per rank rewritten to physical ids by the rule.
-std::vector<std::vector<int32_t>> physical_routing(const verify::Problem& p, const std::vector<int32_t>& table,
-                                                   int64_t physical, int64_t width) {
-  std::vector<std::vector<int32_t>> out(p.ranks);
-  const int64_t k_count = p.cfg.topk;
-  for (int s = 0; s < p.ranks; ++s)
-    for (size_t i = 0; i < p.inputs[s].idx.size(); ++i)
-      out[s].push_back(expected_physical(table, width, physical / p.ranks, p.inputs[s].idx[i], s,
-                                         static_cast<int64_t>(i) / k_count));
-  return out;
-}
 
 // Same dtype, shape and bytes (both undefined counts as equal).
 std::string same_tensor(const Tensor& a, const Tensor& b, const std::string& what) {
@@ -195,7 +142,7 @@ TEST_P(Eplb, EqualsAPlainDispatchOfThePhysicalRouting) {
   const Case& c = GetParam();
   const verify::Problem p = case_problem(c);
   const int64_t width = c.width > 0 ? c.width : c.physical - c.experts + 1;
-  const std::vector<int32_t> table = random_table(c.experts, c.physical, width, 7 + c.physical);
+  const std::vector<int32_t> table = verify::random_replicas(c.experts, c.physical, width, 7 + c.physical);
   BufferConfig eplb_cfg = p.cfg;
   eplb_cfg.num_physical_experts = c.physical;
   eplb_cfg.max_replicas = c.width;
@@ -204,7 +151,7 @@ TEST_P(Eplb, EqualsAPlainDispatchOfThePhysicalRouting) {
   // The plain run's routing: top-k (slots as the dense rule fills them: experts ascending), in physical ids.
   const verify::DenseRouting dense = verify::dense_routing(p);
   const verify::Problem& topk_form = c.dense ? dense.sorted : p;
-  const auto physical = physical_routing(topk_form, table, c.physical, width);
+  const auto physical = verify::physical_routing(topk_form, table, c.physical, width);
   const verify::Problem fresh = fresh_x_problem(p);
   const bool weighted = c.layout == Layout::expert_major;
   std::vector<OpsRun> eplb(c.ranks), plain(c.ranks);
@@ -460,8 +407,8 @@ TEST(EplbLowLatency, EqualsAPlainBufferOfThePhysicalRouting) {
     spec.unused_slot_fraction = 0.1;
     const verify::Problem p = verify::make_problem(spec);
     const int64_t width = physical - experts + 1;
-    const std::vector<int32_t> table = random_table(experts, physical, width, 41);
-    const auto phys = physical_routing(p, table, physical, width);
+    const std::vector<int32_t> table = verify::random_replicas(experts, physical, width, 41);
+    const auto phys = verify::physical_routing(p, table, physical, width);
     LowLatencyConfig base;
     base.hidden = hidden;
     base.max_tokens_per_rank = max_tokens;
