@@ -409,16 +409,9 @@ TEST(EplbLowLatency, EqualsAPlainBufferOfThePhysicalRouting) {
     const int64_t width = physical - experts + 1;
     const std::vector<int32_t> table = verify::random_replicas(experts, physical, width, 41);
     const auto phys = verify::physical_routing(p, table, physical, width);
-    LowLatencyConfig base;
-    base.hidden = hidden;
-    base.max_tokens_per_rank = max_tokens;
-    base.topk = topk;
-    base.wire = wire;
-    base.timeout_ms = 20000;
-    LowLatencyConfig eplb_cfg = base, plain_cfg = base;
-    eplb_cfg.num_experts = experts;
+    LowLatencyConfig eplb_cfg = small_ll_config(hidden, max_tokens, experts, topk, wire);
     eplb_cfg.num_physical_experts = physical;
-    plain_cfg.num_experts = physical;
+    const LowLatencyConfig plain_cfg = small_ll_config(hidden, max_tokens, physical, topk, wire);
     struct LlRun {
       LowLatencyDispatchResult d;
       Tensor out, load;
@@ -476,13 +469,8 @@ TEST(EplbLowLatency, EqualsAPlainBufferOfThePhysicalRouting) {
 
 // A bad table in low-latency mode fails the call on every rank; the next one works.
 TEST(EplbLowLatency, ABadTableFailsEveryRank) {
-  LowLatencyConfig cfg;
-  cfg.hidden = 64;
-  cfg.max_tokens_per_rank = 4;
-  cfg.num_experts = 2;
+  LowLatencyConfig cfg = small_ll_config(64, 4, 2, 1);
   cfg.num_physical_experts = 4;
-  cfg.topk = 1;
-  cfg.timeout_ms = 20000;
   auto errors = verify::run_ranks(2, [&](const Group& g) {
     LowLatencyBuffer b(g, cfg);
     std::vector<int32_t> good = {0, 2, -1, 1, 3, -1}, bad = {0, 2, -1, 1, 2, -1};
