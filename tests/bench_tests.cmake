@@ -31,3 +31,11 @@ add_test(NAME bench_records_killed
                  ${CMAKE_CURRENT_BINARY_DIR}/bench_records_killed.json 10
                  -- $<TARGET_FILE:epx-bench> ${EPX_BENCH_SMALL} --json ${CMAKE_CURRENT_BINARY_DIR}/bench_records_killed.json)
 set_tests_properties(bench_records_all bench_records_killed PROPERTIES TIMEOUT 120 PASS_REGULAR_EXPRESSION "OK: ")
+
+# Redundant experts (--replicas): every op, both layouts and low-latency mode verified against the
+# plain problem of N * E experts in the replica rule's routing (docs/benchmarks.md).
+add_test(NAME bench_replicas
+         COMMAND epx-bench --backend host --ranks 4 --preset ll --tokens 32 --hidden 256 --experts 16 --topk 4
+                 --replicas 2 --wire bf16,fp8 --iters 1 --warmup 0)
+set_tests_properties(bench_replicas PROPERTIES TIMEOUT 60 PASS_REGULAR_EXPRESSION "all results verified"
+                     FAIL_REGULAR_EXPRESSION "VERIFICATION FAILED")

@@ -5,6 +5,7 @@
  *   makes both ranks fail that same call at once (rank 1 with the reason, rank 0 with peer_failed
  *   naming rank 1 and the reason), and the next good calls on both ranks still work; buffer
  *   creation likewise;
+ * - redundant experts (EPLB): the replica table, topk_physical, the load counters;
  * - groups (epx_host_world_group, epx_buffer_create_in_group), and the CUDA functions' status in
  *   any build (EPX_ERR_UNSUPPORTED without the CUDA backend). */
 #define _POSIX_C_SOURCE 200809L
@@ -182,6 +183,64 @@ static void dispatch_refused(rank_state* s, const epx_dispatch_args* bad, int nu
   check_round_trip(s, reason);
 }
 
+/* Redundant experts (EPLB): P = 8 physical experts, logical e served by e (rank 0) and 4 + e (rank
+ * 1), so every rank keeps its tokens home; topk_physical says so, combine(dispatch(x)) is still
+ * x * (experts chosen), the load counts this rank's used slots and resets; a table with an id out of
+ * range on rank 1 fails both ranks' dispatch. */
+static void check_eplb(rank_state* s) {
+  epx_buffer_config cfg = config();
+  cfg.num_physical_experts = 2 * E;
+  cfg.max_replicas = 2;
+  epx_buffer* buf = NULL;
+  epx_status st = epx_buffer_create(world, s->rank, &cfg, &buf);
+  CHECK(st == EPX_OK, "rank %d EPLB buffer_create: %s", s->rank, epx_last_error());
+  if (st != EPX_OK) return;
+  int32_t table[E * 2], bad_table[E * 2];
+  for (int e = 0; e < E; ++e) {
+    table[2 * e] = bad_table[2 * e] = e;
+    table[2 * e + 1] = bad_table[2 * e + 1] = E + e;
+  }
+  bad_table[3] = 2 * E; /* expert_replicas[1][1] out of [0, P) */
+  epx_buffer* plain = s->buf;
+  s->buf = buf;
+  s->args.expert_replicas = tensor2(table, 4, E, 2);
+  epx_result* d = NULL;
+  st = epx_dispatch(buf, &s->args, &d);
+  CHECK(st == EPX_OK, "rank %d EPLB dispatch: %s", s->rank, epx_last_error());
+  epx_tensor chosen, load;
+  if (st == EPX_OK && epx_result_tensor(d, "topk_physical", &chosen) == EPX_OK) {
+    const int32_t* p = (const int32_t*)chosen.data;
+    int wrong = 0;
+    for (int i = 0; i < T * K; ++i) wrong += p[i] != (s->idx[i] < 0 ? -1 : s->idx[i] + E * s->rank);
+    CHECK(wrong == 0, "rank %d topk_physical: %d slots not on their own rank's replica", s->rank, wrong);
+  } else {
+    CHECK(0, "rank %d EPLB dispatch: no topk_physical", s->rank);
+  }
+  st = epx_buffer_expert_load(buf, &load);
+  int64_t counted = 0, used = 0;
+  for (int i = 0; st == EPX_OK && i < load.shape[0]; ++i) counted += ((const int64_t*)load.data)[i];
+  for (int i = 0; i < T * K; ++i) used += s->idx[i] >= 0;
+  CHECK(st == EPX_OK && load.ndim == 1 && load.shape[0] == E && counted == used, "rank %d expert_load: %lld, want %lld",
+        s->rank, (long long)counted, (long long)used);
+  CHECK(epx_buffer_reset_expert_load(buf) == EPX_OK && ((const int64_t*)load.data)[0] == 0,
+        "rank %d reset_expert_load: %s", s->rank, epx_last_error());
+  epx_result_destroy(d);
+  check_round_trip(s, "an EPLB dispatch");
+
+  epx_result* bad_result = NULL;
+  if (s->rank == 1) s->args.expert_replicas = tensor2(bad_table, 4, E, 2);
+  st = epx_dispatch(buf, &s->args, &bad_result);
+  CHECK(st == (s->rank == 1 ? EPX_ERR_INVALID_ARGUMENT : EPX_ERR_PEER_FAILED), "rank %d bad table status %d", s->rank,
+        st);
+  CHECK(strstr(epx_last_error(), "expert_replicas[1][1] = 8 is out of range") != NULL, "rank %d message: %s",
+        s->rank, epx_last_error());
+  s->args.expert_replicas = tensor2(table, 4, E, 2);
+  check_round_trip(s, "a bad replica table");
+  memset(&s->args.expert_replicas, 0, sizeof s->args.expert_replicas);
+  s->buf = plain;
+  epx_buffer_destroy(buf);
+}
+
 static void* rank_main(void* arg) {
   rank_state state;
   rank_state* s = &state;
@@ -317,6 +376,7 @@ static void* rank_main(void* arg) {
   CHECK(strstr(epx_last_error(), "topk_idx[1, 1] = 99") != NULL, "rank %d message: %s", rank, epx_last_error());
   make_inputs(s);
   check_round_trip(s, "a bad expert id");
+  check_eplb(s);
 
   epx_result_destroy(c);
   epx_result_destroy(d);

@@ -215,7 +215,7 @@ RankData random_input(Rng& rng, const BufferConfig& c, int64_t tokens) {
 
 // The reference's view of the accepted inputs (after the valid spoils).
 verify::Problem problem_of(const BufferConfig& c, const std::vector<RankData>& data) {
-  verify::Problem p{c, static_cast<int>(data.size()), false, {}};
+  verify::Problem p{c, static_cast<int>(data.size()), false, {}, {}};
   for (const RankData& d : data) {
     verify::RankInput in;
     in.tokens = d.in.x.shape[0];

@@ -207,6 +207,18 @@ inline BufferConfig small_config(int64_t hidden, int64_t tokens, int64_t experts
   return c;
 }
 
+inline LowLatencyConfig small_ll_config(int64_t hidden, int64_t tokens, int64_t experts, int64_t topk,
+                                        WireFormat wire = WireFormat::bf16) {
+  LowLatencyConfig l;
+  l.hidden = hidden;
+  l.max_tokens_per_rank = tokens;
+  l.num_experts = experts;
+  l.topk = topk;
+  l.wire = wire;
+  l.timeout_ms = 20000;
+  return l;
+}
+
 // Every round's low-latency dispatch and combine on every rank against the reference. Only the
 // counted rows travel: the reference sees each problem cut to its num_tokens (counts[round][rank]).
 inline void expect_ll_rounds_match(const std::vector<verify::Problem>& problems,

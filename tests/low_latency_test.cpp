@@ -8,14 +8,8 @@ namespace {
 using testing::HasSubstr;
 
 LowLatencyConfig ll_config(const BufferConfig& c) {
-  LowLatencyConfig l;
-  l.hidden = c.hidden;
-  l.max_tokens_per_rank = c.max_tokens_per_rank;
-  l.num_experts = c.num_experts;
-  l.topk = c.topk;
-  l.wire = c.wire;
+  LowLatencyConfig l = small_ll_config(c.hidden, c.max_tokens_per_rank, c.num_experts, c.topk, c.wire);
   l.combine_wire = c.combine_wire;
-  l.timeout_ms = 20000;
   return l;
 }
 

@@ -214,12 +214,7 @@ TEST(SharedExpertRefusals, CapacityBelowTheSharedSegmentAndLowLatency) {
     EXPECT_EQ(code, ErrorCode::invalid_argument);
     EXPECT_THAT(what, testing::HasSubstr("shared_expert in capacity mode needs capacity_rows >= 12"));
   }
-  LowLatencyConfig ll;
-  ll.hidden = 64;
-  ll.max_tokens_per_rank = 8;
-  ll.num_experts = 4;
-  ll.topk = 2;
-  ll.timeout_ms = 20000;
+  LowLatencyConfig ll = small_ll_config(64, 8, 4, 2);
   ll.shared_expert = true;
   for (const auto& [code, what] : errors_of(2, [&](const Group& g) { LowLatencyBuffer b(g, ll); })) {
     EXPECT_EQ(code, ErrorCode::unsupported);

@@ -51,6 +51,14 @@ class Buffer {
   CombineBackwardResult combine_backward(const CombineBackwardInput& in, const Handle& handle,
                                          const CombineOptions& opt = {});
 
+  // Load of this rank's local (physical) experts: [L] i64 on the backend's device, the (token,
+  // slot) rows each received over every dispatch since creation or the last reset_expert_load
+  // (after capacity-factor dropping; padding and shared rows not counted; a cached dispatch
+  // counts nothing). A view of the buffer's counters, valid as long as the buffer: it shows
+  // later calls' counts. Not collective. The CUDA backend does not count yet (unsupported).
+  Tensor expert_load() const;
+  void reset_expert_load();
+
   // For bindings and front ends whose own checks fail before they can build a call's input:
   // takes part in this rank's next collective call `op` as a rank whose input is bad, so every
   // rank fails that same call at once: this rank throws invalid_argument with `reason`, its peers

@@ -55,6 +55,15 @@ struct BufferConfig {
   // dequantized and summed in fp32 at the source. nvfp4 is refused. dispatch_backward stays bf16.
   // The CPU backend only, for now. docs/semantics.md, "Combine wire".
   WireFormat combine_wire = WireFormat::bf16;
+  // Redundant experts (EPLB): > 0 gives the group this many physical experts P (P >= num_experts,
+  // a multiple of the group size); rank r holds physical experts [r*P/R, (r+1)*P/R), and each
+  // dispatch takes DispatchInput::expert_replicas, the physical experts serving each logical
+  // expert. The local experts of the output are then physical ones. 0: off (physical = logical).
+  // docs/semantics.md, "Redundant experts (EPLB)".
+  int64_t num_physical_experts = 0;
+  // M, the columns of expert_replicas (the most replicas of one logical expert); 0 = P - E + 1.
+  // Only with num_physical_experts > 0.
+  int64_t max_replicas = 0;
 };
 
 std::string_view wire_name(WireFormat w);

@@ -73,6 +73,8 @@ typedef struct {
   int64_t send_blocks; /* CUDA: of the num_sms blocks, those that send; 0 = the default split (BufferConfig::send_blocks) */
   int32_t shared_expert; /* nonzero: the fused shared expert (BufferConfig::shared_expert; CPU backend only) */
   int32_t combine_wire; /* what combine's partials cross back as: 0 bf16 (default), 1 fp8, 2 fp8_ue8m0 (BufferConfig::combine_wire; CPU backend only for now) */
+  int64_t num_physical_experts; /* redundant experts (EPLB): P physical experts, 0 = off (BufferConfig::num_physical_experts; CPU backend only) */
+  int64_t max_replicas; /* columns M of expert_replicas, 0 = P - E + 1 (BufferConfig::max_replicas) */
 } epx_buffer_config;
 
 typedef struct epx_world epx_world;   /* a host group: ranks are threads */
@@ -86,6 +88,7 @@ typedef struct {
   int32_t layout;
   float nvfp4_global_scale;
   epx_tensor shared_gate; /* [T] f32, optional with shared_expert (DispatchInput::shared_gate) */
+  epx_tensor expert_replicas; /* [E, M] i32, required with num_physical_experts > 0 (DispatchInput::expert_replicas) */
 } epx_dispatch_args;
 
 const char* epx_last_error(void);
@@ -126,6 +129,12 @@ epx_status epx_buffer_set_stream(epx_buffer* buffer, void* stream);
  * complete). Host buffers: returns at once. */
 epx_status epx_buffer_synchronize(epx_buffer* buffer);
 
+/* The buffer's load counters (Buffer::expert_load): [L] i64 rows received per local physical expert
+ * since creation or the last reset. *out views the buffer's memory: valid while the buffer lives,
+ * and it shows later dispatches' counts. Not collective. */
+epx_status epx_buffer_expert_load(const epx_buffer* buffer, epx_tensor* out);
+epx_status epx_buffer_reset_expert_load(epx_buffer* buffer);
+
 epx_status epx_dispatch(epx_buffer* buffer, const epx_dispatch_args* args, epx_result** out);
 /* Cached dispatch: x (x_scales may be NULL) in the layout of `dispatched`'s dispatch, with no
  * routing and no plan exchange (docs/semantics.md). The result holds recv_x, recv_scales,
@@ -143,7 +152,7 @@ epx_status epx_combine_backward(epx_buffer* buffer, const epx_result* dispatched
                                 const epx_tensor* y, int32_t weighted, epx_result** out);
 
 /* Tensor names: dispatch: recv_x recv_scales recv_global_scale recv_src recv_weights recv_topk_idx
- * recv_topk_weights expert_offsets tokens_per_expert rank_offsets; dispatch_cached: recv_x
+ * recv_topk_weights expert_offsets tokens_per_expert rank_offsets topk_physical (EPLB); dispatch_cached: recv_x
  * recv_scales recv_global_scale; combine: out;
  * dispatch_backward: grad_x grad_topk_weights grad_shared_gate; combine_backward: grad_y
  * grad_topk_weights grad_shared_gate (the shared_gate ones with shared_expert, as in epx/ops.hpp).

@@ -28,6 +28,9 @@ struct LowLatencyConfig {
   // As BufferConfig::combine_wire: each (token, rank) partial of ll_combine crosses back as bf16,
   // or quantized to fp8 / fp8_ue8m0. docs/low-latency.md.
   WireFormat combine_wire = WireFormat::bf16;
+  // Redundant experts (EPLB), as BufferConfig's: P physical experts, M replica columns.
+  int64_t num_physical_experts = 0;
+  int64_t max_replicas = 0;
 };
 // One line with every field, used to compare configs across ranks and in messages.
 std::string describe(const LowLatencyConfig& c);
@@ -41,6 +44,8 @@ struct LowLatencyDispatchInput {
   // they travel with the routing and the combine waits for nothing but the expert outputs (its own
   // topk_weights then stay empty). docs/low-latency.md.
   TensorView topk_weights;
+  // [E, M] i32 with num_physical_experts > 0 (refused otherwise), as DispatchInput's.
+  TensorView expert_replicas;
 };
 
 namespace detail {
@@ -67,6 +72,7 @@ struct LowLatencyDispatchResult {
   Tensor recv_count;         // [L] i32: rows of each local expert (rows past it are zero)
   Tensor recv_src;           // [L, R*M, 2] i32 (source rank, source token); (-1, -1) past the count
   Tensor recv_layout;        // [L, R, 2] i32 (first row, rows) of each source rank in each expert
+  Tensor topk_physical;      // EPLB: [T, K] i32 the physical expert chosen for each slot (-1 unused); else empty
   LowLatencyHandle handle;
 };
 
@@ -103,6 +109,11 @@ class LowLatencyBuffer {
   // captured into a CUDA graph; and a wait for the calls so far. The CPU backend ignores both.
   void set_stream(void* stream);
   void synchronize();
+
+  // As Buffer::expert_load / reset_expert_load: [L] i64 rows received per local (physical)
+  // expert over every ll_dispatch since creation or the last reset (recv_count summed).
+  Tensor expert_load() const;
+  void reset_expert_load();
 
   // Split forms. The send half returns at once; the receive half waits for every peer.
   void dispatch_send(const LowLatencyDispatchInput& in);

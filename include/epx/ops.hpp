@@ -37,6 +37,10 @@ struct DispatchInput {
   TensorView routing_map;   // [T, E] boolean: alternative to topk_idx
   TensorView probs;         // [T, E] f32 with routing_map, optional
   TensorView shared_gate;   // [T] f32, optional with shared_expert: the weight of token t's shared row
+  // [E, M] i32, required with BufferConfig::num_physical_experts > 0 (EPLB), refused otherwise:
+  // row e = the physical experts serving logical expert e, -1 for unused entries. Every rank
+  // passes the same table; it is read at each call, so rewriting it between calls needs no sync.
+  TensorView expert_replicas;
 };
 
 struct DispatchOptions {
@@ -72,6 +76,9 @@ struct DispatchResult {
   int64_t num_rows = 0;       // rows the layout needs (may exceed capacity_rows); -1 when only on the device
   bool overflow = false;      // capacity mode: num_rows > capacity_rows; rows past capacity not written
   int64_t dropped_slots = 0;  // (token, expert) pairs this rank sent that capacity_factor dropped
+  // EPLB: [T, K] i32 on the source, the physical expert chosen for each slot (-1 unused; a
+  // dropped slot keeps its choice); else empty.
+  Tensor topk_physical;
   Handle handle;
 };
 

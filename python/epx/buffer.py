@@ -19,6 +19,7 @@ BF16 = (DType.bf16,)
 F32 = (DType.f32,)
 X_TYPES = (DType.bf16, DType.fp8_e4m3)
 INDEX_TYPES = (DType.i32, DType.i64)
+INT32 = (DType.i32,)
 BOOL = (DType.boolean,)
 
 
@@ -31,7 +32,8 @@ class Buffer:
 
     def __init__(self, group, hidden, max_tokens_per_rank, num_experts, topk, *, wire="bf16",
                  expert_alignment=1, mode=None, capacity_rows=0, capacity_factor=0.0, timeout_ms=0,
-                 num_sms=0, check_finite=False, send_blocks=0, shared_expert=False, combine_wire="bf16"):
+                 num_sms=0, check_finite=False, send_blocks=0, shared_expert=False, combine_wire="bf16",
+                 num_physical_experts=0, max_replicas=0):
         if mode is None:
             mode = CapacityMode.capacity if capacity_rows else CapacityMode.blocking
         wire_code, mode_code = code_of(WireFormat, wire), code_of(CapacityMode, mode)
@@ -42,7 +44,8 @@ class Buffer:
             mode=-1 if mode_code is None else mode_code, capacity_rows=capacity_rows,
             capacity_factor=capacity_factor, timeout_ms=timeout_ms, num_sms=num_sms, check_finite=check_finite,
             send_blocks=send_blocks, shared_expert=shared_expert,
-            combine_wire=-1 if combine_code is None else combine_code)
+            combine_wire=-1 if combine_code is None else combine_code,
+            num_physical_experts=num_physical_experts, max_replicas=max_replicas)
         try:
             self._c = _C.Buffer(group._c, config)  # an unknown code fails on every rank (epx refuses it)
         except InvalidArgument as e:
@@ -62,7 +65,10 @@ class Buffer:
         c = self._config
         self.hidden, self.num_experts, self.topk, self.wire_code = c.hidden, c.num_experts, c.topk, c.wire
         self.capacity_rows = c.capacity_rows if c.mode == CapacityMode.capacity else 0
-        self.num_local_experts = c.num_experts // group.size
+        # Redundant experts (EPLB): the ranks hold P physical experts; the local experts are physical ones.
+        self.num_physical_experts = c.num_physical_experts or c.num_experts
+        self.num_local_experts = self.num_physical_experts // group.size
+        self.eplb = c.num_physical_experts > 0
         self.shared_expert = c.shared_expert
         self.num_ranks = group.size
         self._cuda = self.device.type == "cuda"
@@ -104,6 +110,16 @@ class Buffer:
         Outputs stay valid; later calls raise."""
         self._c.close()
 
+    def expert_load(self):
+        """[L] int64: (token, slot) rows each local (physical) expert received over every dispatch since creation
+        or the last reset_expert_load (after dropping; no padding, shared or cached-dispatch rows). A view of the
+        buffer's counters: later dispatches show in it. Not collective. CPU backend only (CUDA: Unsupported)."""
+        return out(self._c.expert_load())
+
+    def reset_expert_load(self):
+        """Zeroes the load counters (not collective)."""
+        self._c.reset_expert_load()
+
     def reject(self, op, reason):
         """Joins this rank's next call `op` as a rank whose input is bad: raises InvalidArgument here, and
         every peer's same call fails with PeerFailed quoting `reason` (C++ Buffer::reject)."""
@@ -113,13 +129,16 @@ class Buffer:
 
     def dispatch(self, x, topk_idx=None, topk_weights=None, *, x_scales=None, routing_map=None, probs=None,
                  layout=None, nvfp4_global_scale=0.0, handle=None, previous_event=None, async_finish=False,
-                 allocate_on_comm_stream=False, shared_gate=None):
+                 allocate_on_comm_stream=False, shared_gate=None, expert_replicas=None):
         """Sends each token to the ranks of its experts. Routing: topk_idx [T, K] (int32/int64, -1 unused)
         with optional topk_weights [T, K] float32, or routing_map [T, E] bool with optional probs [T, E].
         x: [T, H] bfloat16, or fp8 codes (float8_e4m3fn or uint8) with x_scales [T, H/128] (wire fp8).
         layout: expert_major (the default) or rank_major.
         With shared_expert=True (the buffer's): the output starts with this rank's own tokens as segment 0
         (expert_offsets [L+2], tokens_per_expert [L+1]), weighted by shared_gate [T] float32 if given.
+        With num_physical_experts > 0 (EPLB): expert_replicas [E, M] int32, the physical experts serving each
+        logical expert (-1 unused), read at this call; the output's topk_physical [T, K] says which one each
+        slot went to (docs/semantics.md, "Redundant experts (EPLB)").
 
         With ``handle`` (a cached dispatch, DeepEP's dispatch with a handle): no routing; x of the same T
         goes out in the layout of the dispatch that made the handle, with no routing work and no plan
@@ -127,7 +146,7 @@ class Buffer:
         (they are the handle's dispatch's) and ``handle`` is the one given."""
         if handle is not None:
             return self._cached_dispatch(x, x_scales, handle, layout, nvfp4_global_scale,
-                                         (topk_idx, topk_weights, routing_map, probs, shared_gate),
+                                         (topk_idx, topk_weights, routing_map, probs, shared_gate, expert_replicas),
                                          (previous_event, async_finish, allocate_on_comm_stream))
         layout = Layout.expert_major if layout is None else layout
         layout_code = code_of(Layout, layout)
@@ -138,10 +157,13 @@ class Buffer:
                                             ("dispatch: topk_weights", topk_weights, F32),
                                             ("dispatch: routing_map", routing_map, BOOL),
                                             ("dispatch: probs", probs, F32),
-                                            ("dispatch: shared_gate", shared_gate, F32)))
+                                            ("dispatch: shared_gate", shared_gate, F32),
+                                            ("dispatch: expert_replicas", expert_replicas, INT32)))
         streams = self._begin(Op.dispatch, previous_event, async_finish, allocate_on_comm_stream)
-        result = self._c.dispatch(*inputs, layout_code, float(nvfp4_global_scale), self._consumer(streams))
-        event = self._finish(streams, (x, x_scales, topk_idx, topk_weights, routing_map, probs, shared_gate))
+        result = self._c.dispatch(*inputs[:7], layout_code, float(nvfp4_global_scale), self._consumer(streams),
+                                  inputs[7])
+        event = self._finish(streams, (x, x_scales, topk_idx, topk_weights, routing_map, probs, shared_gate,
+                                       expert_replicas))
         weights = topk_weights if routing_map is None else probs
         return self.dispatch_output(result, layout_code, x.shape[0], weights, routing_map, event)
 
@@ -150,7 +172,7 @@ class Buffer:
         self._check_handle(op, handle, "dispatch")
         if any(t is not None for t in routing):
             self.reject(op, "dispatch: a handle and routing given; a cached dispatch takes the routing of the "
-                            "handle's dispatch (its shared_gate too): pass x (and x_scales) only")
+                            "handle's dispatch (its shared_gate and replica choice too): pass x (and x_scales) only")
         if layout is not None and code_of(Layout, layout) != handle.layout:
             self.reject(op, f"dispatch: layout {layout!r} given with a handle of a {Layout(handle.layout).name} "
                             "dispatch; a cached dispatch has its handle's layout (leave layout out)")
@@ -211,8 +233,10 @@ class Buffer:
         wire = self._config.wire
         handle = Handle(out(token), self.id, layout, tokens,
                         layout == Layout.expert_major and weights is not None, weights, routing_map)
+        *layout_fields, topk_physical = (out(c) for c in rest)
         return DispatchOutput(out(recv_x, fp8=wire in (WireFormat.fp8, WireFormat.fp8_ue8m0)),
-                              out(recv_scales, fp8=wire == WireFormat.nvfp4), *(out(c) for c in rest), handle, event)
+                              out(recv_scales, fp8=wire == WireFormat.nvfp4), *layout_fields, handle, event,
+                              topk_physical)
 
     def _inputs(self, op, specs):
         """The compiled module's arguments; the first tensor refused fails the call on every rank."""

@@ -46,18 +46,21 @@ class LowLatencyDispatchOutput(NamedTuple):
     recv_src: torch.Tensor  # [L, R*M, 2] int32
     recv_layout: torch.Tensor  # [L, R, 2] int32
     handle: LowLatencyHandle
+    topk_physical: Optional[torch.Tensor] = None  # EPLB: [T, K] int32 the physical expert of each slot (-1 unused)
 
 
 class LowLatencyBuffer:
     """Collective to create (every rank, the same arguments, in the same order as other buffers)."""
 
     def __init__(self, group, hidden, max_tokens_per_rank, num_experts, topk, *, wire="bf16", timeout_ms=0,
-                 check_finite=False, shared_expert=False, combine_wire="bf16"):
+                 check_finite=False, shared_expert=False, combine_wire="bf16", num_physical_experts=0,
+                 max_replicas=0):
         wire_code, combine_code = code_of(WireFormat, wire), code_of(WireFormat, combine_wire)
         config = _C.LowLatencyConfig(hidden=hidden, max_tokens_per_rank=max_tokens_per_rank,
                                      num_experts=num_experts, topk=topk, wire=-1 if wire_code is None else wire_code,
                                      timeout_ms=timeout_ms, check_finite=check_finite, shared_expert=shared_expert,
-                                     combine_wire=-1 if combine_code is None else combine_code)
+                                     combine_wire=-1 if combine_code is None else combine_code,
+                                     num_physical_experts=num_physical_experts, max_replicas=max_replicas)
         try:
             self._c = _C.LowLatencyBuffer(group._c, config)
         except InvalidArgument as e:
@@ -75,7 +78,9 @@ class LowLatencyBuffer:
         c = self._config  # plain Python copies, for what torch.compile traces (buffer.py)
         self.hidden, self.num_experts, self.topk, self.wire_code = c.hidden, c.num_experts, c.topk, c.wire
         self.max_tokens_per_rank, self.num_ranks = c.max_tokens_per_rank, group.size
-        self.num_local_experts = c.num_experts // group.size
+        self.num_physical_experts = c.num_physical_experts or c.num_experts  # P (= E without EPLB)
+        self.num_local_experts = self.num_physical_experts // group.size  # local physical experts
+        self.eplb = c.num_physical_experts > 0
         self._cuda = self.device.type == "cuda"
         self._stream = None
         self.dispatch_calls = 0  # calls started so far, of each kind
@@ -96,23 +101,26 @@ class LowLatencyBuffer:
 
     # --- dispatch ------------------------------------------------------------------------------
 
-    def dispatch(self, x, topk_idx, *, num_tokens=None, topk_weights=None, nvfp4_global_scale=0.0, clone=False):
+    def dispatch(self, x, topk_idx, *, num_tokens=None, topk_weights=None, nvfp4_global_scale=0.0, clone=False,
+                 expert_replicas=None):
         """x [T, H] bfloat16 (T <= max_tokens_per_rank), topk_idx [T, K]; num_tokens: optional [1] int32 on the
-        device (rows that count; may change between graph replays); topk_weights: the combine's weights, sent now."""
+        device (rows that count; may change between graph replays); topk_weights: the combine's weights, sent now.
+        expert_replicas: [E, M] int32, required with num_physical_experts > 0 (docs/semantics.md, EPLB)."""
         call = self._start_dispatch()
-        inputs = self._dispatch_inputs(x, topk_idx, num_tokens, topk_weights)
+        inputs = self._dispatch_inputs(x, topk_idx, num_tokens, topk_weights, expert_replicas)
         self._use_current_stream()
-        result = self._c.dispatch(*inputs, float(nvfp4_global_scale))
+        result = self._c.dispatch(*inputs[:4], float(nvfp4_global_scale), inputs[4])
         return self._dispatch_output(result, call, topk_weights is not None, clone)
 
-    def dispatch_send(self, x, topk_idx, *, num_tokens=None, topk_weights=None, nvfp4_global_scale=0.0):
+    def dispatch_send(self, x, topk_idx, *, num_tokens=None, topk_weights=None, nvfp4_global_scale=0.0,
+                      expert_replicas=None):
         """The send half: returns at once. Its dispatch_recv must come before the next dispatch_send."""
         call = self._start_dispatch()
-        inputs = self._dispatch_inputs(x, topk_idx, num_tokens, topk_weights)
+        inputs = self._dispatch_inputs(x, topk_idx, num_tokens, topk_weights, expert_replicas)
         self._use_current_stream()
-        self._c.dispatch_send(*inputs, float(nvfp4_global_scale))
+        self._c.dispatch_send(*inputs[:4], float(nvfp4_global_scale), inputs[4])
         self._pending_dispatch = (call, topk_weights is not None)
-        self._pending_dispatch_inputs = (x, topk_idx, num_tokens, topk_weights)
+        self._pending_dispatch_inputs = (x, topk_idx, num_tokens, topk_weights, expert_replicas)
 
     def dispatch_recv(self, clone=False):
         """The receive half: waits for every peer."""
@@ -145,6 +153,14 @@ class LowLatencyBuffer:
         self._pending_combine_inputs = ()
         return result.clone() if clone else result
 
+    def expert_load(self):
+        """[L] int64: rows received per local (physical) expert over every dispatch since creation or the last
+        reset_expert_load (recv_count summed). A view of the buffer's counters (CPU backend; CUDA: Unsupported)."""
+        return out(self._c.expert_load())
+
+    def reset_expert_load(self):
+        self._c.reset_expert_load()
+
     def reject(self, op, reason):
         """Joins this rank's next call `op` ("dispatch" or "combine", its send half) as a rank whose input is
         bad: raises InvalidArgument here, and every peer's same call fails with PeerFailed quoting `reason`
@@ -167,9 +183,10 @@ class LowLatencyBuffer:
 
     # --- helpers -------------------------------------------------------------------------------
 
-    def _dispatch_inputs(self, x, topk_idx, num_tokens, topk_weights):
+    def _dispatch_inputs(self, x, topk_idx, num_tokens, topk_weights, expert_replicas):
         specs = (("ll_dispatch: x", x, _BF16), ("ll_dispatch: topk_idx", topk_idx, _INDEX),
-                 ("ll_dispatch: num_tokens", num_tokens, _I32), ("ll_dispatch: topk_weights", topk_weights, _F32))
+                 ("ll_dispatch: num_tokens", num_tokens, _I32), ("ll_dispatch: topk_weights", topk_weights, _F32),
+                 ("ll_dispatch: expert_replicas", expert_replicas, _I32))
         for what, t, allowed in specs:
             if t is not None:
                 reason = problem(t, what, allowed, self.device)
@@ -204,17 +221,17 @@ class LowLatencyBuffer:
         return call
 
     def _dispatch_output(self, result, call, weights_at_dispatch, clone):
-        token, recv_x, recv_scales, recv_global_scale, recv_count, recv_src, recv_layout = result
+        token, recv_x, recv_scales, recv_global_scale, recv_count, recv_src, recv_layout, topk_physical = result
         wire = self._config.wire
         token = out(token)
         token[2] = call  # the token's words: id, tokens, call (ops.py reads the call back)
         tensors = [out(recv_x, fp8=wire in (WireFormat.fp8, WireFormat.fp8_ue8m0)),
                    out(recv_scales, fp8=wire == WireFormat.nvfp4), out(recv_global_scale), out(recv_count),
-                   out(recv_src), out(recv_layout)]
+                   out(recv_src), out(recv_layout), out(topk_physical)]
         if clone:
             tensors = [None if t is None else t.clone() for t in tensors]
         handle = LowLatencyHandle(token, self.id, call, int(token[1]), weights_at_dispatch)
-        return LowLatencyDispatchOutput(*tensors, handle)
+        return LowLatencyDispatchOutput(*tensors[:6], handle, tensors[6])
 
     def _use_current_stream(self):
         if self._cuda:

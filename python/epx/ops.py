@@ -23,23 +23,29 @@ from .tensors import fp8_dtype
 _lib = Library("epx", "DEF")
 
 _lib.define("dispatch(int buffer, Tensor x, Tensor? x_scales, Tensor? topk_idx, Tensor? topk_weights, "
-            "Tensor? routing_map, Tensor? probs, int layout, float nvfp4_global_scale) -> Tensor[]")
+            "Tensor? routing_map, Tensor? probs, int layout, float nvfp4_global_scale, "
+            "Tensor? expert_replicas=None) -> Tensor[]")
 _lib.define("combine(int buffer, Tensor y, Tensor handle, Tensor? shared_out, bool weighted, SymInt tokens) -> Tensor")
 _lib.define("dispatch_backward(int buffer, Tensor grad_recv_x, Tensor? grad_recv_weights, Tensor handle, "
             "SymInt tokens) -> Tensor[]")
 _lib.define("combine_backward(int buffer, Tensor grad_out, Tensor? y, Tensor handle, bool weighted, "
             "SymInt rows) -> Tensor[]")
 _lib.define("ll_dispatch(int buffer, Tensor x, Tensor topk_idx, Tensor? num_tokens, Tensor? topk_weights, "
-            "float nvfp4_global_scale) -> Tensor[]")
+            "float nvfp4_global_scale, Tensor? expert_replicas=None) -> Tensor[]")
 _lib.define("ll_combine(int buffer, Tensor y, Tensor handle, Tensor? topk_weights, bool weighted, "
             "SymInt tokens) -> Tensor")
 
 
 # --- output shapes (the fake kernels, and which optional outputs exist) ------------------------
 
-def dispatch_outputs(buffer, layout, rows):
-    """(shape, dtype) of each tensor of the dispatch op after the token (outputs.DISPATCH_TENSORS order),
-    None where the configuration gives none."""
+def _topk_physical(buffer, tokens):
+    """EPLB's topk_physical [T, K] int32 (None without EPLB)."""
+    return ((tokens, buffer.topk), torch.int32) if buffer.eplb else None
+
+
+def dispatch_outputs(buffer, layout, rows, tokens=0):
+    """(shape, dtype) of each tensor of the dispatch op after the token (outputs.DISPATCH_TENSORS order, then
+    topk_physical), None where the configuration gives none."""
     h, k, local, ranks, wire = buffer.hidden, buffer.topk, buffer.num_local_experts, buffer.num_ranks, buffer.wire_code
     expert_major = layout == Layout.expert_major
     segments = local + (1 if buffer.shared_expert else 0)  # shared_expert: its segment comes first
@@ -55,10 +61,11 @@ def dispatch_outputs(buffer, layout, rows):
             None if expert_major else ((rows, k), torch.int32),
             None if expert_major else ((rows, k), torch.float32),
             ((segments + 1,), torch.int64) if expert_major else None,
-            ((segments,), torch.int64), ((ranks + 1,), torch.int64), ((4,), torch.int64)]
+            ((segments,), torch.int64), ((ranks + 1,), torch.int64), ((4,), torch.int64),
+            _topk_physical(buffer, tokens)]
 
 
-def ll_dispatch_outputs(buffer):
+def ll_dispatch_outputs(buffer, tokens=0):
     """(shape, dtype) of each tensor of the ll_dispatch op after the token, None where absent."""
     h, local, wire = buffer.hidden, buffer.num_local_experts, buffer.wire_code
     slots = buffer.num_ranks * buffer.max_tokens_per_rank
@@ -69,7 +76,8 @@ def ll_dispatch_outputs(buffer):
     else:
         x, scales = ((local, slots, h), fp8_dtype()), ((local, slots, h // 128), torch.float32)
     return [x, scales, ((local, slots), torch.float32) if wire == WireFormat.nvfp4 else None,
-            ((local,), torch.int32), ((local, slots, 2), torch.int32), ((local, buffer.num_ranks, 2), torch.int32)]
+            ((local,), torch.int32), ((local, slots, 2), torch.int32), ((local, buffer.num_ranks, 2), torch.int32),
+            _topk_physical(buffer, tokens)]
 
 
 def present(outputs):
@@ -106,12 +114,13 @@ def _dynamic_rows():
 
 # --- real kernels --------------------------------------------------------------------------
 
-def _dispatch(buffer_id, x, x_scales, topk_idx, topk_weights, routing_map, probs, layout, nvfp4_global_scale):
+def _dispatch(buffer_id, x, x_scales, topk_idx, topk_weights, routing_map, probs, layout, nvfp4_global_scale,
+              expert_replicas=None):
     buffer = registry.get(buffer_id)
     d = buffer.dispatch(x, topk_idx, topk_weights, x_scales=x_scales, routing_map=routing_map, probs=probs,
-                        layout=layout, nvfp4_global_scale=nvfp4_global_scale)
-    specs = dispatch_outputs(buffer, layout, 0)
-    return [d.handle.token] + _fill(d[:11], specs, x.device)
+                        layout=layout, nvfp4_global_scale=nvfp4_global_scale, expert_replicas=expert_replicas)
+    specs = dispatch_outputs(buffer, layout, 0, x.shape[0])
+    return [d.handle.token] + _fill(list(d[:11]) + [d.topk_physical], specs, x.device)
 
 
 def _combine(buffer_id, y, token, shared_out, weighted, tokens):
@@ -133,11 +142,11 @@ def _combine_backward(buffer_id, grad_out, y, token, weighted, rows):
             else _empty(torch.float32, grad_out.device)]
 
 
-def _ll_dispatch(buffer_id, x, topk_idx, num_tokens, topk_weights, nvfp4_global_scale):
+def _ll_dispatch(buffer_id, x, topk_idx, num_tokens, topk_weights, nvfp4_global_scale, expert_replicas=None):
     buffer = registry.get(buffer_id)
     d = buffer.dispatch(x, topk_idx, num_tokens=num_tokens, topk_weights=topk_weights,
-                        nvfp4_global_scale=nvfp4_global_scale)
-    return [d.handle.token] + _fill(d[:6], ll_dispatch_outputs(buffer), x.device)
+                        nvfp4_global_scale=nvfp4_global_scale, expert_replicas=expert_replicas)
+    return [d.handle.token] + _fill(list(d[:6]) + [d.topk_physical], ll_dispatch_outputs(buffer, x.shape[0]), x.device)
 
 
 def _ll_combine(buffer_id, y, token, topk_weights, weighted, tokens):
@@ -156,10 +165,11 @@ def _handle(buffer, token, tokens, weighted):
 
 # --- fake kernels --------------------------------------------------------------------------
 
-def _dispatch_fake(buffer_id, x, x_scales, topk_idx, topk_weights, routing_map, probs, layout, nvfp4_global_scale):
+def _dispatch_fake(buffer_id, x, x_scales, topk_idx, topk_weights, routing_map, probs, layout, nvfp4_global_scale,
+                   expert_replicas=None):
     buffer = registry.get(buffer_id)
     rows = buffer.capacity_rows if buffer.capacity_rows else _dynamic_rows()
-    specs = dispatch_outputs(buffer, layout, rows)
+    specs = dispatch_outputs(buffer, layout, rows, x.shape[0])
     token = torch.empty(4, dtype=torch.int64, device=_token_device(x.device))
     return [token] + [_empty(torch.float32, x.device) if s is None else x.new_empty(s[0], dtype=s[1]) for s in specs]
 
@@ -182,8 +192,8 @@ def _combine_backward_fake(buffer_id, grad_out, y, token, weighted, rows):
     return [grad_out.new_empty((rows, c.hidden), dtype=torch.bfloat16), gw]
 
 
-def _ll_dispatch_fake(buffer_id, x, topk_idx, num_tokens, topk_weights, nvfp4_global_scale):
-    specs = ll_dispatch_outputs(registry.get(buffer_id))
+def _ll_dispatch_fake(buffer_id, x, topk_idx, num_tokens, topk_weights, nvfp4_global_scale, expert_replicas=None):
+    specs = ll_dispatch_outputs(registry.get(buffer_id), x.shape[0])
     token = torch.empty(4, dtype=torch.int64, device=_token_device(x.device))
     return [token] + [_empty(torch.float32, x.device) if s is None else x.new_empty(s[0], dtype=s[1]) for s in specs]
 

@@ -61,6 +61,9 @@ class DispatchOutput(NamedTuple):
     recv_info: Optional[torch.Tensor]
     handle: Handle
     event: EventOverlap
+    # EPLB (num_physical_experts > 0): [T, K] int32, the physical expert chosen for each slot (-1 unused).
+    # Last, with a default, so that positional users of the fields above are unaffected.
+    topk_physical: Optional[torch.Tensor] = None
 
     @property
     def num_rows(self):

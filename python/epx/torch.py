@@ -16,6 +16,8 @@ for static shapes). Under an active :class:`epx.LayoutRecorder` (epx.torch.check
 recomputed dispatch is a cached dispatch with the recorded handle (replay.py).
 """
 
+import functools as _functools
+
 import torch as _torch
 import torch.utils.checkpoint as _checkpoint
 
@@ -41,32 +43,35 @@ _RECV_X, _RECV_WEIGHTS, _RECV_TOPK_WEIGHTS = 1, 5, 7
 
 
 def dispatch(buffer, x, topk_idx=None, topk_weights=None, *, x_scales=None, routing_map=None, probs=None,
-             layout=Layout.expert_major, nvfp4_global_scale=0.0):
+             layout=Layout.expert_major, nvfp4_global_scale=0.0, expert_replicas=None):
     """Buffer.dispatch, differentiable in x (wire bf16), topk_weights and probs. Returns a DispatchOutput
-    (its ``event`` is None: these run on torch's current stream)."""
+    (its ``event`` is None: these run on torch's current stream). expert_replicas: the EPLB replica table
+    [E, M] int32 (buffers with num_physical_experts > 0); not differentiable."""
     if isinstance(layout, str):
         if layout not in Layout.__members__:
             raise InvalidArgument(f"dispatch: layout: unknown {layout!r}; use {', '.join(Layout.__members__)}")
         layout = Layout.__members__[layout]
     layout = int(layout)
     recorder = None if _compiling() else _replay.active()
-    if recorder is not None:
+    if recorder is not None:  # a replayed dispatch keeps its recorded replica choice (the handle's)
         return recorder.dispatch(buffer, x, topk_idx, topk_weights, x_scales=x_scales, routing_map=routing_map,
                                  probs=probs, layout=layout, nvfp4_global_scale=nvfp4_global_scale,
-                                 run=_plain_dispatch, replay=_replay_dispatch)
+                                 run=_functools.partial(_plain_dispatch, expert_replicas=expert_replicas),
+                                 replay=_replay_dispatch)
     return _plain_dispatch(buffer, x, topk_idx, topk_weights, x_scales, routing_map, probs, layout,
-                           nvfp4_global_scale)
+                           nvfp4_global_scale, expert_replicas)
 
 
-def _plain_dispatch(buffer, x, topk_idx, topk_weights, x_scales, routing_map, probs, layout, nvfp4_global_scale):
+def _plain_dispatch(buffer, x, topk_idx, topk_weights, x_scales, routing_map, probs, layout, nvfp4_global_scale,
+                    expert_replicas=None):
     outs = _Dispatch.apply(buffer.id, layout, float(nvfp4_global_scale), buffer.num_experts, x, x_scales,
-                           topk_idx, topk_weights, routing_map, probs)
+                           topk_idx, topk_weights, routing_map, probs, expert_replicas)
     keep = present(dispatch_outputs(buffer, layout, 0))
     tensors = [t if real else None for t, real in zip(outs[1:], keep)]
     weights = topk_weights if routing_map is None else probs
     handle = Handle(outs[0], buffer.id, layout, x.shape[0], layout == Layout.expert_major and weights is not None,
                     weights, routing_map)
-    return DispatchOutput(*tensors, handle, None)
+    return DispatchOutput(*tensors[:-1], handle, None, tensors[-1])
 
 
 def _replay_dispatch(buffer, x, x_scales, weights, recorded, nvfp4_global_scale):
@@ -91,14 +96,16 @@ def combine(buffer, y, handle, *, shared_out=None, weighted=None):
                           handle.routing_map if weighted else None, shared_out)
 
 
-def ll_dispatch(buffer, x, topk_idx, *, num_tokens=None, topk_weights=None, nvfp4_global_scale=0.0):
+def ll_dispatch(buffer, x, topk_idx, *, num_tokens=None, topk_weights=None, nvfp4_global_scale=0.0,
+                expert_replicas=None):
     """LowLatencyBuffer.dispatch through torch.ops.epx.ll_dispatch (no autograd: decode). Traces under
     torch.compile; the outputs are views of the buffer's receive set (low_latency.py, lifetimes)."""
-    outs = _torch.ops.epx.ll_dispatch(buffer.id, x, topk_idx, num_tokens, topk_weights, float(nvfp4_global_scale))
+    outs = _torch.ops.epx.ll_dispatch(buffer.id, x, topk_idx, num_tokens, topk_weights, float(nvfp4_global_scale),
+                                      expert_replicas)
     keep = present(ll_dispatch_outputs(buffer))
     tensors = [t if real else None for t, real in zip(outs[1:], keep)]
     handle = LowLatencyHandle(outs[0], buffer.id, -1, x.shape[0], topk_weights is not None)
-    return LowLatencyDispatchOutput(*tensors, handle)
+    return LowLatencyDispatchOutput(*tensors[:-1], handle, tensors[-1])
 
 
 def ll_combine(buffer, y, handle, *, topk_weights=None, weighted=True):
@@ -138,9 +145,10 @@ def _probs_grad(grad_slots, routing_map, num_experts):
 
 class _Dispatch(_torch.autograd.Function):
     @staticmethod
-    def forward(ctx, buffer_id, layout, gscale, num_experts, x, x_scales, topk_idx, topk_weights, routing_map, probs):
+    def forward(ctx, buffer_id, layout, gscale, num_experts, x, x_scales, topk_idx, topk_weights, routing_map, probs,
+                expert_replicas):
         outs = _torch.ops.epx.dispatch(buffer_id, x, x_scales, topk_idx, topk_weights, routing_map, probs, layout,
-                                       gscale)
+                                       gscale, expert_replicas)
         ctx.buffer_id, ctx.layout, ctx.tokens, ctx.num_experts = buffer_id, layout, x.shape[0], num_experts
         ctx.x_grad = outs[_RECV_X].dtype == _torch.bfloat16
         ctx.weights_given = topk_weights is not None or probs is not None
@@ -166,7 +174,7 @@ class _Dispatch(_torch.autograd.Function):
         elif ctx.weights_given:
             grad_probs = _probs_grad(grad_slots, routing_map, ctx.num_experts)
         return (None, None, None, None, grad_x if ctx.x_grad else None, None, None, grad_topk_weights, None,
-                grad_probs)
+                grad_probs, None)
 
 
 class _CachedDispatch(_torch.autograd.Function):

@@ -99,7 +99,7 @@ Layout layout_of(int code) {
 
 py::tuple dispatch(PyBuffer& self, py::handle x, py::handle x_scales, py::handle topk_idx, py::handle topk_weights,
                    py::handle routing_map, py::handle probs, py::handle shared_gate, int layout,
-                   float nvfp4_global_scale, std::uintptr_t consumer) {
+                   float nvfp4_global_scale, std::uintptr_t consumer, py::handle expert_replicas) {
   DispatchInput in;
   DispatchOptions opt;
   self.build(Op::dispatch, [&] {
@@ -110,6 +110,7 @@ py::tuple dispatch(PyBuffer& self, py::handle x, py::handle x_scales, py::handle
     in.routing_map = input_view(routing_map, "dispatch: routing_map");
     in.probs = input_view(probs, "dispatch: probs");
     in.shared_gate = input_view(shared_gate, "dispatch: shared_gate");
+    in.expert_replicas = input_view(expert_replicas, "dispatch: expert_replicas");
     opt.layout = layout_of(layout);
     opt.nvfp4_global_scale = nvfp4_global_scale;
   });
@@ -120,7 +121,8 @@ py::tuple dispatch(PyBuffer& self, py::handle x, py::handle x_scales, py::handle
   }
   std::vector<py::object> out =
       self.export_all({&r.recv_x, &r.recv_scales, &r.recv_global_scale, &r.recv_src, &r.recv_weights, &r.recv_topk_idx,
-                       &r.recv_topk_weights, &r.expert_offsets, &r.tokens_per_expert, &r.rank_offsets, &r.recv_info},
+                       &r.recv_topk_weights, &r.expert_offsets, &r.tokens_per_expert, &r.rank_offsets, &r.recv_info,
+                       &r.topk_physical},
                       consumer);
   py::tuple result(out.size() + 1);
   result[0] = export_token(r.handle, r.num_rows, r.overflow, r.dropped_slots);
@@ -203,7 +205,8 @@ py::tuple combine_backward(PyBuffer& self, py::handle grad_out, py::handle y, py
 BufferConfig make_config(int64_t hidden, int64_t max_tokens_per_rank, int64_t num_experts, int64_t topk, int wire,
                          int64_t expert_alignment, int mode, int64_t capacity_rows, double capacity_factor,
                          int64_t timeout_ms, int64_t num_sms, bool check_finite, int64_t send_blocks,
-                         bool shared_expert, int combine_wire) {
+                         bool shared_expert, int combine_wire, int64_t num_physical_experts,
+                         int64_t max_replicas) {
   BufferConfig c;
   c.hidden = hidden;
   c.max_tokens_per_rank = max_tokens_per_rank;
@@ -220,6 +223,8 @@ BufferConfig make_config(int64_t hidden, int64_t max_tokens_per_rank, int64_t nu
   c.send_blocks = send_blocks;
   c.shared_expert = shared_expert;
   c.combine_wire = static_cast<WireFormat>(combine_wire);  // refused, on every rank, when unknown
+  c.num_physical_experts = num_physical_experts;
+  c.max_replicas = max_replicas;
   return c;
 }
 
@@ -231,7 +236,8 @@ void bind_buffer(py::module_& m) {
            py::arg("num_experts"), py::arg("topk"), py::arg("wire") = 0, py::arg("expert_alignment") = 1,
            py::arg("mode") = 0, py::arg("capacity_rows") = 0, py::arg("capacity_factor") = 0.0,
            py::arg("timeout_ms") = 0, py::arg("num_sms") = 0, py::arg("check_finite") = false,
-           py::arg("send_blocks") = 0, py::arg("shared_expert") = false, py::arg("combine_wire") = 0)
+           py::arg("send_blocks") = 0, py::arg("shared_expert") = false, py::arg("combine_wire") = 0,
+           py::arg("num_physical_experts") = 0, py::arg("max_replicas") = 0)
       .def_readonly("hidden", &BufferConfig::hidden)
       .def_readonly("max_tokens_per_rank", &BufferConfig::max_tokens_per_rank)
       .def_readonly("num_experts", &BufferConfig::num_experts)
@@ -247,6 +253,8 @@ void bind_buffer(py::module_& m) {
       .def_readonly("send_blocks", &BufferConfig::send_blocks)
       .def_readonly("shared_expert", &BufferConfig::shared_expert)
       .def_property_readonly("combine_wire", [](const BufferConfig& c) { return static_cast<int>(c.combine_wire); })
+      .def_readonly("num_physical_experts", &BufferConfig::num_physical_experts)
+      .def_readonly("max_replicas", &BufferConfig::max_replicas)
       .def("__repr__", [](const BufferConfig& c) { return describe(c); });
 
   py::class_<PyBuffer, HolderWithoutGil<PyBuffer>>(m, "Buffer")
@@ -267,6 +275,9 @@ void bind_buffer(py::module_& m) {
       .def("wait_event", [](PyBuffer& b, std::uintptr_t e) { b.buffer().wait_event(reinterpret_cast<void*>(e)); })
       .def("record_event", [](PyBuffer& b, std::uintptr_t e) { b.buffer().record_event(reinterpret_cast<void*>(e)); })
       .def("reject", &PyBuffer::reject, py::arg("op"), py::arg("reason"))
+      // A view of the buffer's counters (the tensor shares their memory; the CUDA backend refuses).
+      .def("expert_load", [](PyBuffer& b) { return export_tensor(b.buffer().expert_load()); })
+      .def("reset_expert_load", [](PyBuffer& b) { b.buffer().reset_expert_load(); })
       .def("dispatch", &dispatch)
       .def("cached_dispatch", &cached_dispatch)
       .def("combine", &combine)

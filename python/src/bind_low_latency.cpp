@@ -53,13 +53,14 @@ class PyLowLatency {
   }
 
   LowLatencyDispatchInput dispatch_input(py::handle x, py::handle topk_idx, py::handle num_tokens,
-                                         py::handle topk_weights, float nvfp4_global_scale) {
+                                         py::handle topk_weights, float nvfp4_global_scale, py::handle replicas) {
     LowLatencyDispatchInput in;
     try {
       in.x = input_view(x, "ll_dispatch: x");
       in.topk_idx = input_view(topk_idx, "ll_dispatch: topk_idx");
       in.num_tokens = input_view(num_tokens, "ll_dispatch: num_tokens");
       in.topk_weights = input_view(topk_weights, "ll_dispatch: topk_weights");
+      in.expert_replicas = input_view(replicas, "ll_dispatch: expert_replicas");
     } catch (const BindingError& e) {
       reject_dispatch(e.what());
     }
@@ -92,11 +93,12 @@ class PyLowLatency {
 py::tuple export_dispatch(const LowLatencyDispatchResult& r, int64_t tokens) {
   return py::make_tuple(export_token(r.handle, tokens), export_tensor(r.recv_x), export_tensor(r.recv_scales),
                         export_tensor(r.recv_global_scale), export_tensor(r.recv_count), export_tensor(r.recv_src),
-                        export_tensor(r.recv_layout));
+                        export_tensor(r.recv_layout), export_tensor(r.topk_physical));
 }
 
 LowLatencyConfig make_config(int64_t hidden, int64_t max_tokens_per_rank, int64_t num_experts, int64_t topk, int wire,
-                             int64_t timeout_ms, bool check_finite, bool shared_expert, int combine_wire) {
+                             int64_t timeout_ms, bool check_finite, bool shared_expert, int combine_wire,
+                             int64_t num_physical_experts, int64_t max_replicas) {
   LowLatencyConfig c;
   c.hidden = hidden;
   c.max_tokens_per_rank = max_tokens_per_rank;
@@ -107,6 +109,8 @@ LowLatencyConfig make_config(int64_t hidden, int64_t max_tokens_per_rank, int64_
   c.check_finite = check_finite;
   c.shared_expert = shared_expert;  // refused at creation (unsupported), on every rank
   c.combine_wire = static_cast<WireFormat>(combine_wire);  // refused, on every rank, when unknown
+  c.num_physical_experts = num_physical_experts;
+  c.max_replicas = max_replicas;
   return c;
 }
 
@@ -116,7 +120,8 @@ void bind_low_latency(py::module_& m) {
   py::class_<LowLatencyConfig>(m, "LowLatencyConfig")
       .def(py::init(&make_config), py::kw_only(), py::arg("hidden"), py::arg("max_tokens_per_rank"),
            py::arg("num_experts"), py::arg("topk"), py::arg("wire") = 0, py::arg("timeout_ms") = 0,
-           py::arg("check_finite") = false, py::arg("shared_expert") = false, py::arg("combine_wire") = 0)
+           py::arg("check_finite") = false, py::arg("shared_expert") = false, py::arg("combine_wire") = 0,
+           py::arg("num_physical_experts") = 0, py::arg("max_replicas") = 0)
       .def_readonly("hidden", &LowLatencyConfig::hidden)
       .def_readonly("max_tokens_per_rank", &LowLatencyConfig::max_tokens_per_rank)
       .def_readonly("num_experts", &LowLatencyConfig::num_experts)
@@ -126,6 +131,8 @@ void bind_low_latency(py::module_& m) {
       .def_readonly("check_finite", &LowLatencyConfig::check_finite)
       .def_readonly("shared_expert", &LowLatencyConfig::shared_expert)
       .def_property_readonly("combine_wire", [](const LowLatencyConfig& c) { return static_cast<int>(c.combine_wire); })
+      .def_readonly("num_physical_experts", &LowLatencyConfig::num_physical_experts)
+      .def_readonly("max_replicas", &LowLatencyConfig::max_replicas)
       .def("__repr__", [](const LowLatencyConfig& c) { return describe(c); });
 
   py::class_<PyLowLatency, HolderWithoutGil<PyLowLatency>>(m, "LowLatencyBuffer")
@@ -147,9 +154,11 @@ void bind_low_latency(py::module_& m) {
       .def("reject_combine", [](PyLowLatency& b, const std::string& reason) {
         b.reject_combine(reason);
       })
+      .def("expert_load", [](PyLowLatency& b) { return export_tensor(b.buffer().expert_load()); })
+      .def("reset_expert_load", [](PyLowLatency& b) { b.buffer().reset_expert_load(); })
       .def("dispatch", [](PyLowLatency& b, py::handle x, py::handle idx, py::handle num_tokens, py::handle weights,
-                          float gscale) {
-        const LowLatencyDispatchInput in = b.dispatch_input(x, idx, num_tokens, weights, gscale);
+                          float gscale, py::handle replicas) {
+        const LowLatencyDispatchInput in = b.dispatch_input(x, idx, num_tokens, weights, gscale, replicas);
         LowLatencyDispatchResult r;
         {
           py::gil_scoped_release release;
@@ -158,8 +167,8 @@ void bind_low_latency(py::module_& m) {
         return export_dispatch(r, in.x.shape[0]);
       })
       .def("dispatch_send", [](PyLowLatency& b, py::handle x, py::handle idx, py::handle num_tokens,
-                               py::handle weights, float gscale) {
-        const LowLatencyDispatchInput in = b.dispatch_input(x, idx, num_tokens, weights, gscale);
+                               py::handle weights, float gscale, py::handle replicas) {
+        const LowLatencyDispatchInput in = b.dispatch_input(x, idx, num_tokens, weights, gscale, replicas);
         py::gil_scoped_release release;
         b.buffer().dispatch_send(in);
         b.pending_tokens = in.x.shape[0];

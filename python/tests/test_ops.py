@@ -27,7 +27,9 @@ def test_ops_run_the_calls():
         return outs, ref, y, gx, gw, gy, gtw
 
     for outs, ref, y, gx, gw, gy, gtw in run_all(groups, rank):
-        assert len(outs) == 12 and outs[0].dtype == torch.int64 and outs[0].shape == (4,)
+        # the token, DISPATCH_TENSORS, then topk_physical (empty without EPLB)
+        assert len(outs) == 13 and outs[0].dtype == torch.int64 and outs[0].shape == (4,)
+        assert outs[12].numel() == 0
         assert torch.equal(outs[1], ref.recv_x) and torch.equal(outs[4], ref.recv_src)
         assert outs[6].numel() == 0 and outs[7].numel() == 0  # rank-major outputs: absent
         assert y.shape == (8, 64) and gx.shape == (8, 64) and gw.numel() == 0
@@ -84,7 +86,7 @@ def test_ll_fake_kernel_shapes():
         return [tuple(t.shape) for t in outs], tuple(out.shape)
 
     shapes, combined = run_fake(call)
-    assert shapes[1:] == [(4, 8, 128), (4, 8, 1), (0,), (4,), (4, 8, 2), (4, 1, 2)]
+    assert shapes[1:] == [(4, 8, 128), (4, 8, 1), (0,), (4,), (4, 8, 2), (4, 1, 2), (0,)]  # no EPLB: no topk_physical
     assert combined == (8, 128)
 
 

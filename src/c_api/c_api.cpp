@@ -135,6 +135,8 @@ void create(const epx::Group& group, const epx_buffer_config* cfg, epx_buffer** 
     c.send_blocks = cfg->send_blocks;
     c.shared_expert = cfg->shared_expert != 0;
     c.combine_wire = static_cast<epx::WireFormat>(cfg->combine_wire);
+    c.num_physical_experts = cfg->num_physical_experts;
+    c.max_replicas = cfg->max_replicas;
   }
   if (const char* missing = !cfg ? "cfg" : !out ? "out" : nullptr)
     epx::detail::agree_on_creation(group, "buffer", epx::describe(c), cat(fn, ": ", missing, " must not be NULL"),
@@ -264,6 +266,21 @@ epx_status epx_buffer_synchronize(epx_buffer* buffer) {
   });
 }
 
+epx_status epx_buffer_expert_load(const epx_buffer* buffer, epx_tensor* out) {
+  return guard([&] {
+    need(buffer, "epx_buffer_expert_load: buffer");
+    need(out, "epx_buffer_expert_load: out");
+    *out = tensor_of(buffer->buffer.expert_load().view());  // the buffer keeps the counters
+  });
+}
+
+epx_status epx_buffer_reset_expert_load(epx_buffer* buffer) {
+  return guard([&] {
+    need(buffer, "epx_buffer_reset_expert_load: buffer");
+    buffer->buffer.reset_expert_load();
+  });
+}
+
 epx_status epx_dispatch(epx_buffer* buffer, const epx_dispatch_args* args, epx_result** out) {
   return guard([&] {
     const auto [in, opt] = converted(buffer, "epx_dispatch", epx::Op::dispatch, [&] {
@@ -275,7 +292,8 @@ epx_status epx_dispatch(epx_buffer* buffer, const epx_dispatch_args* args, epx_r
                             view_of(&args->topk_weights, "epx_dispatch: args->topk_weights"),
                             view_of(&args->routing_map, "epx_dispatch: args->routing_map"),
                             view_of(&args->probs, "epx_dispatch: args->probs"),
-                            view_of(&args->shared_gate, "epx_dispatch: args->shared_gate")};
+                            view_of(&args->shared_gate, "epx_dispatch: args->shared_gate"),
+                            view_of(&args->expert_replicas, "epx_dispatch: args->expert_replicas")};
       require(args->layout == 0 || args->layout == 1, "epx_dispatch: args->layout: unknown layout code ", args->layout,
               " (0 expert_major, 1 rank_major)");
       epx::DispatchOptions opt;
@@ -295,6 +313,7 @@ epx_status epx_dispatch(epx_buffer* buffer, const epx_dispatch_args* args, epx_r
     put(*r, "expert_offsets", d.expert_offsets);
     put(*r, "tokens_per_expert", d.tokens_per_expert);
     put(*r, "rank_offsets", d.rank_offsets);
+    put(*r, "topk_physical", d.topk_physical);
     r->ints = {{"num_rows", d.num_rows}, {"overflow", d.overflow}, {"dropped_slots", d.dropped_slots}};
     r->handle = d.handle;
     *out = r.release();

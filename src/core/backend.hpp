@@ -35,6 +35,9 @@ class Backend {
                                                  const CombineOptions& opt) = 0;
   // Buffer::reject: posts `reason` as this rank's input error in the next call `op`, then throws.
   [[noreturn]] virtual void reject(Op op, const std::string& reason) = 0;
+  // Buffer::expert_load / reset_expert_load: the per-local-expert load counters.
+  virtual Tensor expert_load() const = 0;
+  virtual void reset_expert_load() = 0;
   virtual void set_stream(void*) {}
   virtual void synchronize() {}
   virtual void wait_event(void*) {}

@@ -57,6 +57,9 @@ CombineBackwardResult Buffer::combine_backward(const CombineBackwardInput& in, c
   return backend_->combine_backward(in, h, opt);
 }
 
+Tensor Buffer::expert_load() const { return backend_->expert_load(); }
+void Buffer::reset_expert_load() { backend_->reset_expert_load(); }
+
 void Buffer::reject(Op op, const std::string& reason) {
   backend_->reject(op, reason);
   detail::fail(ErrorCode::internal, "Buffer::reject: the backend returned");  // it always throws

@@ -6,6 +6,7 @@
 
 #include "core/check.hpp"
 #include "core/creation.hpp"
+#include "core/replicas.hpp"
 #include "core/timeout.hpp"
 #include "core/validate.hpp"
 #include "core/wire.hpp"
@@ -22,6 +23,7 @@ struct LowLatencyHandleState {
   std::vector<int32_t> slot_expert;  // [T*K] this rank's routing (-1 unused, and for rows >= num_tokens)
   bool weights_at_dispatch = false;   // ll_dispatch took the combine's weights
   std::vector<float> dispatch_weights;  // CPU backend: [T*K] those weights
+  Tensor topk_physical;                 // CPU backend, EPLB: [T, K] the choice, until dispatch_recv returns it
   // Receiver side: for each row (l, j < count[l]) of the dispatch output, where it came from.
   std::vector<int32_t> recv_count;   // [L]
   std::vector<int32_t> src_rank;     // [L * R * M]
@@ -34,7 +36,9 @@ class LowLatencyBackend {
   LowLatencyBackend(const Group& group, const LowLatencyConfig& c)
       : rank_(group.rank()),
         ranks_(group.size()),
-        local_(c.num_experts / group.size()),
+        local_(physical_experts(c.num_experts, c.num_physical_experts) / group.size()),
+        replicas_(replica_shape(c.num_experts, c.num_physical_experts, c.max_replicas, group.size(),
+                                "low-latency buffer")),
         slots_(group.size() * c.max_tokens_per_rank),
         wire_(wire_row(c.wire, c.hidden)),
         timeout_(creation_timeout(c.timeout_ms)),  // a bad EPX_TIMEOUT_MS is one of the checks agreed on
@@ -55,6 +59,9 @@ class LowLatencyBackend {
     combine_send(in, h);
     return combine_recv();
   }
+  // LowLatencyBuffer::expert_load / reset_expert_load.
+  virtual Tensor expert_load() const = 0;
+  virtual void reset_expert_load() = 0;
   virtual void set_stream(void* /*stream*/) {}
   virtual void synchronize() {}
   // LowLatencyBuffer::reject: the send half of call `op` with its checks failing with `reason`
@@ -96,7 +103,9 @@ class LowLatencyBackend {
   }
 
   const int rank_, ranks_;
-  const int64_t local_, slots_;  // local experts L; receive rows per expert R * M
+  const int64_t local_;  // local (physical) experts L
+  const ReplicaShape replicas_;  // EPLB: P and M (replicas_.enabled() when on)
+  const int64_t slots_;  // receive rows per expert R * M
   const WireRow wire_;
   const std::chrono::milliseconds timeout_;
   int64_t dispatch_calls_ = 0, combine_calls_ = 0;  // calls so far (call n uses buffer set n % 2)

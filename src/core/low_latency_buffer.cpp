@@ -1,6 +1,7 @@
 #include "core/check.hpp"
 #include "core/creation.hpp"
 #include "core/low_latency_backend.hpp"
+#include "core/replicas.hpp"
 #include "core/wire.hpp"
 #include "epx/codec.hpp"
 
@@ -10,7 +11,8 @@ std::string describe(const LowLatencyConfig& c) {
   return detail::cat("hidden=", c.hidden, " max_tokens_per_rank=", c.max_tokens_per_rank, " num_experts=", c.num_experts,
                      " topk=", c.topk, " wire=", wire_name(c.wire), " timeout_ms=", c.timeout_ms,
                      " check_finite=", c.check_finite ? 1 : 0, " shared_expert=", c.shared_expert ? 1 : 0,
-                     " combine_wire=", wire_name(c.combine_wire));
+                     " combine_wire=", wire_name(c.combine_wire), " num_physical_experts=", c.num_physical_experts,
+                     " max_replicas=", c.max_replicas);
 }
 
 namespace {
@@ -18,7 +20,8 @@ void validate(const LowLatencyConfig& c, int ranks) {
   using detail::require;
   require(c.hidden > 0, "low-latency buffer: hidden must be > 0");
   require(c.max_tokens_per_rank > 0, "low-latency buffer: max_tokens_per_rank must be > 0");
-  require(c.num_experts > 0 && c.num_experts % ranks == 0, "low-latency buffer: num_experts (", c.num_experts,
+  require(c.num_experts > 0 && (c.num_physical_experts > 0 || c.num_experts % ranks == 0),
+          "low-latency buffer: num_experts (", c.num_experts,
           ") must be a positive multiple of the group size (", ranks, ")");
   require(c.topk >= 1 && c.topk <= c.num_experts && c.topk <= 64, "low-latency buffer: topk must be in [1, min(64, E)], got ",
           c.topk);
@@ -30,6 +33,7 @@ void validate(const LowLatencyConfig& c, int ranks) {
     require(c.hidden % kNvfp4Block == 0, "low-latency buffer: wire nvfp4 needs hidden to be a multiple of ", kNvfp4Block,
             ", got ", c.hidden);
   detail::validate_combine_wire(c.combine_wire, c.hidden, "low-latency buffer");
+  detail::replica_shape(c.num_experts, c.num_physical_experts, c.max_replicas, ranks, "low-latency buffer");
   // A valid request not served yet, on any backend: unsupported, agreed like any refusal.
   if (c.shared_expert)
     detail::fail(ErrorCode::unsupported,
@@ -77,6 +81,8 @@ void LowLatencyBuffer::combine_send(const LowLatencyCombineInput& in, const LowL
   backend_->combine_send(in, handle);
 }
 Tensor LowLatencyBuffer::combine_recv() { return backend_->combine_recv(); }
+Tensor LowLatencyBuffer::expert_load() const { return backend_->expert_load(); }
+void LowLatencyBuffer::reset_expert_load() { backend_->reset_expert_load(); }
 void LowLatencyBuffer::set_stream(void* stream) { backend_->set_stream(stream); }
 void LowLatencyBuffer::synchronize() { backend_->synchronize(); }
 

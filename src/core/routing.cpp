@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/check.hpp"
+#include "core/replicas.hpp"
 #include "core/validate.hpp"
 #include "core/validate_ops.hpp"
 #include "core/wire.hpp"
@@ -22,7 +23,8 @@ void validate_config(const BufferConfig& c, int ranks) {
   require(c.max_tokens_per_rank >= 0, "buffer: max_tokens_per_rank must be >= 0 (", cfg, ")");
   require(c.max_tokens_per_rank <= (int64_t{1} << 30), "buffer: max_tokens_per_rank must be <= 2^30");
   require(c.num_experts > 0, "buffer: num_experts must be > 0 (", cfg, ")");
-  require(c.num_experts % ranks == 0, "buffer: num_experts (", c.num_experts,
+  // With redundant experts the ranks hold the P physical experts instead (checked below).
+  require(c.num_physical_experts > 0 || c.num_experts % ranks == 0, "buffer: num_experts (", c.num_experts,
           ") must be a multiple of the group size (", ranks, ") so every rank holds the same number of experts");
   require(c.topk >= 1 && c.topk <= c.num_experts, "buffer: topk must be in [1, num_experts], got ", c.topk);
   require(c.topk <= 64, "buffer: topk must be <= 64, got ", c.topk);
@@ -50,6 +52,7 @@ void validate_config(const BufferConfig& c, int ranks) {
     require(c.hidden % kNvfp4Block == 0, "buffer: wire nvfp4 needs hidden to be a multiple of ", kNvfp4Block,
             ", got hidden=", c.hidden);
   validate_combine_wire(c.combine_wire, c.hidden, "buffer");
+  replica_shape(c.num_experts, c.num_physical_experts, c.max_replicas, ranks, "buffer");
 }
 
 void validate_dispatch_x(const DispatchInput& in, const BufferConfig& c, DeviceKind device) {

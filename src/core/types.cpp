@@ -54,7 +54,8 @@ std::string describe(const BufferConfig& c) {
                      " capacity_rows=", c.capacity_rows, " capacity_factor=", c.capacity_factor,
                      " timeout_ms=", c.timeout_ms, " num_sms=", c.num_sms, " check_finite=", c.check_finite ? 1 : 0,
                      " send_blocks=", c.send_blocks, " shared_expert=", c.shared_expert ? 1 : 0,
-                     " combine_wire=", wire_name(c.combine_wire));
+                     " combine_wire=", wire_name(c.combine_wire), " num_physical_experts=", c.num_physical_experts,
+                     " max_replicas=", c.max_replicas);
 }
 
 TensorView TensorView::of(void* data, DType dtype, std::initializer_list<int64_t> shape, DeviceKind device,

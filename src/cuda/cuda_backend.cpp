@@ -12,6 +12,7 @@
 
 #include "core/creation.hpp"
 #include "core/env.hpp"
+#include "core/replicas.hpp"
 #include "core/routing.hpp"
 #include "core/timeout.hpp"
 #include "core/validate.hpp"
@@ -219,6 +220,7 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
     state = dynamic_cast<CudaGroupState*>(group.state().get());
     require(state != nullptr, "buffer: group is not a CUDA group");
     refuse_low_precision_combine(config.combine_wire, "buffer");
+    refuse_redundant_experts(config.num_physical_experts, "buffer");
     require(ranks_ <= kMaxRanks, "buffer: the CUDA backend supports at most ", kMaxRanks, " ranks, got ", ranks_);
     if (config.shared_expert)  // a valid config (the CPU backend serves it): unsupported, not invalid
       fail(ErrorCode::unsupported, "buffer: the CUDA backend does not have the fused shared expert yet (shared_expert)");
@@ -599,6 +601,9 @@ void CudaBackend::OutputBlock::allocate() {
   }
 }
 
+Tensor CudaBackend::expert_load() const { refuse_expert_load("buffer"); }
+void CudaBackend::reset_expert_load() { refuse_expert_load("buffer"); }
+
 void CudaBackend::check_device_tensor(const TensorView& t, std::string_view what) const {
   if (t.defined())
     require(t.device_index == device_, what, ": tensor is on cuda:", t.device_index, " but this rank drives cuda:", device_);
@@ -621,6 +626,8 @@ CudaBackend::DispatchRequest CudaBackend::read_dispatch(const DispatchInput& in,
     rq.tokens = in.x.shape[0];
     validate_routing_tensors(in, c, rq.tokens, DeviceKind::cuda);
     validate_shared_expert(in, c, opt, rq.tokens, DeviceKind::cuda);  // refuses a shared_gate (no shared expert here)
+    validate_replica_tensor(in.expert_replicas, ReplicaShape{c.num_experts, c.num_experts, 0}, "dispatch",
+                            DeviceKind::cuda);  // refuses a table (no EPLB here)
     rq.routing = routing_input(in);
     rq.has_weights = in.topk_idx.defined() ? in.topk_weights.defined() : in.probs.defined();
     rq.rows = send_rows(in, c.wire, opt.nvfp4_global_scale);

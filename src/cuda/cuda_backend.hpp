@@ -32,6 +32,8 @@ class CudaBackend final : public Backend {
   CombineBackwardResult combine_backward(const CombineBackwardInput& in, const Handle& h,
                                          const CombineOptions& opt) override;
   [[noreturn]] void reject(Op op, const std::string& reason) override;
+  Tensor expert_load() const override;  // refused: no load counters on this backend yet
+  void reset_expert_load() override;
   void set_stream(void* stream) override;
   void synchronize() override;
   void wait_event(void* event) override;

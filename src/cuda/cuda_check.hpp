@@ -34,4 +34,19 @@ inline void refuse_low_precision_combine(WireFormat combine_wire, const char* wh
          "combine_wire bf16");
 }
 
+// As refuse_low_precision_combine, for redundant experts (EPLB): the CUDA backends route by
+// logical expert only for now (docs/semantics.md, "Redundant experts (EPLB)").
+inline void refuse_redundant_experts(int64_t num_physical_experts, const char* what) {
+  if (num_physical_experts > 0)
+    fail(ErrorCode::unsupported, what, ": the CUDA backend does not have redundant experts (EPLB) yet "
+         "(num_physical_experts=", num_physical_experts, "); only the CPU backend has them");
+}
+
+// Buffer::expert_load and LowLatencyBuffer::expert_load: the CUDA backends keep no load
+// counters yet.
+[[noreturn]] inline void refuse_expert_load(const char* what) {
+  fail(ErrorCode::unsupported, what, ": the CUDA backend does not count expert load yet (expert_load, "
+       "reset_expert_load); only the CPU backend has the counters");
+}
+
 }  // namespace epx::detail

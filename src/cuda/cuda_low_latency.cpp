@@ -43,6 +43,7 @@ class CudaLowLatency final : public LowLatencyBackend {
       state = dynamic_cast<CudaGroupState*>(group.state().get());
       require(state != nullptr, "low-latency buffer: group is not a CUDA group");
       refuse_low_precision_combine(c.combine_wire, "low-latency buffer");
+      refuse_redundant_experts(c.num_physical_experts, "low-latency buffer");
       require(ranks_ <= kMaxRanks, "low-latency buffer: at most ", kMaxRanks, " ranks, got ", ranks_);
       require(c.num_experts <= kMaxLlExperts, "low-latency buffer: at most ", kMaxLlExperts, " experts, got ",
               c.num_experts);
@@ -136,6 +137,8 @@ class CudaLowLatency final : public LowLatencyBackend {
   }
 
   void synchronize() override { EPX_CUDA(cudaStreamSynchronize(stream_)); }
+  Tensor expert_load() const override { refuse_expert_load("low-latency buffer"); }
+  void reset_expert_load() override { refuse_expert_load("low-latency buffer"); }
 
   void dispatch_send(const LowLatencyDispatchInput& in) override {
     require(!dispatch_pending_, "ll dispatch_send: the previous dispatch_send has no dispatch_recv yet");
@@ -163,6 +166,7 @@ class CudaLowLatency final : public LowLatencyBackend {
         on_device(in.num_tokens, "ll_dispatch: num_tokens");
       }
       check_dispatch_weights(in, tokens, DeviceKind::cuda);
+      validate_replica_tensor(in.expert_replicas, replicas_, "ll_dispatch", DeviceKind::cuda);  // refused: no EPLB here
       if (in.topk_weights.defined()) on_device(in.topk_weights, "ll_dispatch: topk_weights");
       route = {in.topk_idx.data, in.topk_idx.dtype == DType::i64, in.topk_idx.strides[0],
                in.num_tokens.defined() ? in.num_tokens.ptr<const int32_t>() : nullptr, tokens,

@@ -23,7 +23,9 @@ HostBackend::HostBackend(const Group& group, const BufferConfig& config)
     : Backend(group, config),
       rank_(group.rank()),
       ranks_(group.size()),
-      local_experts_(config.num_experts / group.size()),
+      replicas_(replica_shape(config.num_experts, config.num_physical_experts, config.max_replicas, group.size(),
+                              "buffer")),
+      local_experts_(replicas_.physical / group.size()),
       wire_(wire_row(config.wire, config.hidden)),
       combine_wire_(wire_row(config.combine_wire, config.hidden)),
       gradient_wire_(wire_row(WireFormat::bf16, config.hidden)),
@@ -43,8 +45,25 @@ HostBackend::HostBackend(const Group& group, const BufferConfig& config)
   a.fwd_rows.assign(ranks_, 0);
   a.rev_rows.assign(rows * 2 * config.hidden, 0);  // a bf16 row, the largest combine wire row
   a.rev_slot_value.assign(rows * k, 0.0f);
+  load_ = Tensor::zeros_host(DType::i64, {local_experts_});
   // Peers write into these areas from their first call on: every rank's are ready before any
   // rank's first call returns from its plan exchange (a barrier of the call itself).
+}
+
+void HostBackend::reset_expert_load() { std::fill_n(load_.data<int64_t>(), local_experts_, int64_t{0}); }
+
+void HostBackend::count_load(const RecvLayout& r) {
+  const size_t first = r.shared_expert ? 1 : 0;  // the shared segment is no expert's load
+  for (int64_t l = 0; l < local_experts_; ++l) load_.data<int64_t>()[l] += r.tokens_per_expert[first + l];
+}
+
+Tensor HostBackend::route_to_replicas(const DispatchInput& in, Routing& routing) const {
+  validate_replica_tensor(in.expert_replicas, replicas_, "dispatch", DeviceKind::host);
+  if (!replicas_.enabled()) return {};
+  choose_replicas(routing.expert, routing.topk, read_replica_choice(in.expert_replicas, replicas_, rank_, ranks_, "dispatch"));
+  Tensor chosen = Tensor::zeros_host(DType::i32, {routing.tokens, routing.topk});
+  std::copy(routing.expert.begin(), routing.expert.end(), chosen.data<int32_t>());
+  return chosen;
 }
 
 HostBackend::Call HostBackend::begin_call(const char* op) {

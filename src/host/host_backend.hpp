@@ -13,6 +13,8 @@
 
 #include "core/backend.hpp"
 #include "core/handle.hpp"
+#include "core/replicas.hpp"
+#include "core/routing.hpp"
 #include "core/wire.hpp"
 #include "host/host_group.hpp"
 
@@ -29,6 +31,8 @@ class HostBackend final : public Backend {
   CombineBackwardResult combine_backward(const CombineBackwardInput& in, const Handle& h,
                                          const CombineOptions& opt) override;
   [[noreturn]] void reject(Op op, const std::string& reason) override;
+  Tensor expert_load() const override { return load_; }
+  void reset_expert_load() override;
 
  private:
   // One collective call: numbered, so ranks can check they make the same calls in order.
@@ -47,6 +51,13 @@ class HostBackend final : public Backend {
   // Runs `body`; if it throws, breaks the barrier so peers fail fast instead of timing out.
   template <typename F>
   auto guarded(const Call& call, F&& body) -> decltype(body());
+
+  // Dispatch's routing in physical experts: with EPLB, reads the call's replica table and
+  // rewrites each slot's logical expert to the replica chosen; returns [T, K] of the choice
+  // (empty without EPLB).
+  Tensor route_to_replicas(const DispatchInput& in, Routing& routing) const;
+  // Adds a dispatch's routed segment counts to the load counters.
+  void count_load(const RecvLayout& r);
 
   // Checks that a handle came from this buffer's dispatch.
   const HandleState& state_of(const Handle& h, const Call& call) const;
@@ -78,7 +89,8 @@ class HostBackend final : public Backend {
 
   int rank_;
   int ranks_;
-  int64_t local_experts_;
+  ReplicaShape replicas_;   // EPLB: P and M; without it P = E
+  int64_t local_experts_;   // local physical experts, P / R
   WireRow wire_;
   WireRow combine_wire_;   // how combine's partials cross back (BufferConfig::combine_wire)
   WireRow gradient_wire_;  // dispatch_backward's partials: always bf16 (docs/semantics.md)
@@ -86,6 +98,7 @@ class HostBackend final : public Backend {
   std::chrono::milliseconds timeout_;
   std::shared_ptr<SharedBuffer> shared_;
   int64_t calls_ = 0;
+  Tensor load_;  // [L] i64: Buffer::expert_load
 };
 
 template <typename F>

@@ -9,6 +9,7 @@
 #include "core/creation.hpp"
 #include "core/low_latency_backend.hpp"
 #include "core/reduce.hpp"
+#include "core/replicas.hpp"
 #include "core/timeout.hpp"
 #include "core/validate.hpp"
 #include "core/wire.hpp"
@@ -60,6 +61,7 @@ class HostLowLatency final : public LowLatencyBackend {
     for (auto& set : a.combine) {
       set.rows.assign(c.max_tokens_per_rank * c.topk * c.hidden, 0);
     }
+    load_ = Tensor::zeros_host(DType::i64, {local_});
     // A send half writes into its peers' areas before any barrier of its call.
     sync("low-latency buffer creation (areas ready)");
   }
@@ -125,10 +127,15 @@ class HostLowLatency final : public LowLatencyBackend {
       }
       h->recv_count[l] = static_cast<int32_t>(row);
       out.recv_count.data<int32_t>()[l] = static_cast<int32_t>(row);
+      load_.data<int64_t>()[l] += row;
     }
+    out.topk_physical = std::move(h->topk_physical);
     out.handle = LowLatencyHandle(std::move(h));
     return out;
   }
+
+  Tensor expert_load() const override { return load_; }
+  void reset_expert_load() override { std::fill_n(load_.data<int64_t>(), local_, int64_t{0}); }
 
   void combine_send(const LowLatencyCombineInput& in, const LowLatencyHandle& handle) override {
     require(combine_pending_.handle == nullptr, "ll combine_send: the previous combine_send has no combine_recv yet");
@@ -279,6 +286,7 @@ class HostLowLatency final : public LowLatencyBackend {
           require(h.slot_expert[t * c.topk + j] != e, "ll_dispatch: token ", t, " selects expert ", e, " twice");
         h.slot_expert[t * c.topk + k] = static_cast<int32_t>(e);
       }
+    choose_physical(in, h);
     for (int64_t t = 0; c.check_finite && t < h.num_tokens; ++t)  // the rows that count; the first NaN or infinity
       for (int64_t i = 0; i < c.hidden; ++i) {
         const float v = bf16_to_float(at<uint16_t>(in.x, t, i));
@@ -286,10 +294,21 @@ class HostLowLatency final : public LowLatencyBackend {
       }
   }
 
+  // EPLB: the slots' logical experts become the physical ones the replica rule picks
+  // (core/replicas.hpp); the choice goes back to the caller as topk_physical.
+  void choose_physical(const LowLatencyDispatchInput& in, LowLatencyHandleState& h) const {
+    validate_replica_tensor(in.expert_replicas, replicas_, "ll_dispatch", DeviceKind::host);
+    if (!replicas_.enabled()) return;
+    choose_replicas(h.slot_expert, config().topk, read_replica_choice(in.expert_replicas, replicas_, rank_, ranks_, "ll_dispatch"));
+    h.topk_physical = Tensor::zeros_host(DType::i32, {h.tokens, config().topk});
+    std::copy(h.slot_expert.begin(), h.slot_expert.end(), h.topk_physical.data<int32_t>());
+  }
+
   // Every (token, expert) pair to the expert's rank, at this rank's next slot of that expert.
   void send_rows(const LowLatencyDispatchInput& in, const LowLatencyHandleState& h, int set) {
     const LowLatencyConfig& c = config();
-    std::vector<int64_t> next(c.num_experts, 0);
+    const int64_t experts = replicas_.physical;
+    std::vector<int64_t> next(experts, 0);
     std::vector<uint8_t> row(wire_.bytes());
     DispatchInput as_dispatch;
     as_dispatch.x = in.x;
@@ -307,7 +326,7 @@ class HostLowLatency final : public LowLatencyBackend {
         dst.slot[at] = static_cast<int32_t>(k);
       }
     }
-    for (int64_t e = 0; e < c.num_experts; ++e)
+    for (int64_t e = 0; e < experts; ++e)
       shared_->areas[e / local_].dispatch[set].count[(e % local_) * ranks_ + rank_] = next[e];
   }
 
@@ -344,6 +363,7 @@ class HostLowLatency final : public LowLatencyBackend {
   std::shared_ptr<LowLatencyShared> shared_;
   std::shared_ptr<LowLatencyHandleState> dispatch_pending_;
   PendingCombine combine_pending_;
+  Tensor load_;  // [L] i64: LowLatencyBuffer::expert_load
 };
 
 }  // namespace

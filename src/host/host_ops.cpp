@@ -119,14 +119,16 @@ DispatchResult HostBackend::dispatch(const DispatchInput& in, const DispatchOpti
   Mailbox mine;
   mine.signature = cat("layout=", layout_name(opt.layout));
   Routing routing;
+  Tensor topk_physical;
   try {
     validate_dispatch_options(opt);
     validate_dispatch_x(in, c, DeviceKind::host);
     routing = routing_from_input(in, c);
     validate_shared_expert(in, c, opt, routing.tokens, DeviceKind::host);
+    topk_physical = route_to_replicas(in, routing);  // from here on, experts are physical ones
     if (c.check_finite) check_finite_x(in, routing.tokens, c.hidden);
     mine.tokens = routing.tokens;
-    mine.expert_counts = count_per_expert(routing, c.num_experts);
+    mine.expert_counts = count_per_expert(routing, replicas_.physical);
   } catch (const Error& e) {
     mine.error = e.what();
   }
@@ -142,7 +144,8 @@ DispatchResult HostBackend::dispatch(const DispatchInput& in, const DispatchOpti
         counts[r] = boxes[r]->expert_counts;
         total_tokens += boxes[r]->tokens;
       }
-      const int64_t cap = expert_capacity(c.capacity_factor, total_tokens, c.topk, c.num_experts);
+      // Per physical expert: with EPLB, C spreads the slots over the P experts that serve them.
+      const int64_t cap = expert_capacity(c.capacity_factor, total_tokens, c.topk, replicas_.physical);
       dropped = drop_over_capacity(routing, counts, rank_, cap);
     }
 
@@ -243,6 +246,8 @@ DispatchResult HostBackend::dispatch(const DispatchInput& in, const DispatchOpti
     out.overflow = r.overflow();
     out.recv_info = offsets_tensor({r.tokens, r.num_rows, r.capacity, r.overflow() ? 1 : 0});
     out.dropped_slots = dropped;
+    out.topk_physical = std::move(topk_physical);
+    count_load(r);
     out.handle = Handle(std::move(h));
     return out;
   });

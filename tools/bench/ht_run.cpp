@@ -1,7 +1,10 @@
 // High-throughput runs of one rank: ht_run.hpp.
 #include "bench/ht_run.hpp"
 
+#include <algorithm>
 #include <cstdlib>
+
+#include "verify/replicas.hpp"
 
 namespace epx::bench {
 
@@ -21,6 +24,8 @@ RankOutputs run_rank(const Options& o, const Group& g, int device, const verify:
   din.x = io.view(in.x, DType::bf16, {tokens, h});
   din.topk_idx = io.view(in.idx, DType::i32, {tokens, k_count});
   din.topk_weights = io.view(in.weights, DType::f32, {tokens, k_count});
+  if (!p.replicas.empty())
+    din.expert_replicas = io.view(p.replicas, DType::i32, {p.cfg.num_experts, p.cfg.max_replicas});
   DispatchOptions dopt;
   dopt.layout = layout;
   DispatchResult d;
@@ -65,8 +70,19 @@ void make_rank_inputs(const Options& o, const verify::Problem& p, int r, int64_t
   if (wants(o, "combine_backward")) out.grad_out = verify::random_bf16(p.inputs[r].tokens * h, o.seed * 13 + r);
 }
 
-std::string verify_op(const std::string& op, const verify::Problem& p, Layout layout, const std::vector<RankOutputs>& outs,
-                      int only) {
+namespace {
+// EPLB: the choice dispatch reports is the rule's (verify/replicas.hpp).
+std::string check_topk_physical(const std::vector<int32_t>& want, const Tensor& got, int rank) {
+  if (got.numel() != static_cast<int64_t>(want.size()) || !std::equal(want.begin(), want.end(), got.data<int32_t>()))
+    return "rank " + std::to_string(rank) + ": topk_physical is not the replica rule's choice";
+  return "";
+}
+}  // namespace
+
+std::string verify_op(const std::string& op, const verify::Problem& given, Layout layout,
+                      const std::vector<RankOutputs>& outs, int only) {
+  // EPLB: the outputs are those of the plain problem of P experts in the rule's physical routing.
+  const verify::Problem p = given.replicas.empty() ? given : verify::physical_problem(given);
   const auto kept = verify::kept_routing(p);
   std::vector<verify::Expected> layouts;
   for (int r = 0; r < p.ranks; ++r) layouts.push_back(verify::expected_dispatch(p, kept, r, layout));
@@ -83,6 +99,7 @@ std::string verify_op(const std::string& op, const verify::Problem& p, Layout la
     const int64_t tokens = p.inputs[r].tokens;
     if (op == "dispatch") {
       err = verify::check_dispatch(p, kept, r, layout, 0.0f, o.dispatched);
+      if (err.empty() && !given.replicas.empty()) err = check_topk_physical(p.inputs[r].idx, o.dispatched.topk_physical, r);
     } else if (op == "combine") {
       const auto want = verify::expected_combine(p, kept, layouts, gather(&RankOutputs::y), r, layout, weighted, nullptr);
       err = verify::compare_bits(o.combined.out.data<uint16_t>(), want.data(), tokens * h, 2, "combine out");
@@ -170,6 +187,7 @@ Record base_record(const Options& o, const Ranks& ranks, const verify::Problem& 
   rec.git_commit = EPX_GIT_COMMIT;
   if (o.shared_gpu) rec.transport = "shared-gpu";
   rec.shared_expert = o.shared_expert;
+  rec.replicas = o.replicas;
   if (o.backend == "cuda" && op.rfind("ll_", 0) == 0) rec.timing = o.ll_eager ? "eager" : "graph";
   if (op.rfind("ll_", 0) == 0 && o.ll_weights_at_dispatch) rec.weights_at = "dispatch";
   if (o.backend == "cuda" && op.rfind("ll_", 0) != 0) {  // the engines asked for (docs/cuda.md)

@@ -36,6 +36,7 @@ struct Record {
   std::string weights_at;  // low-latency ops with --ll-weights-at dispatch: "dispatch"; else empty
   std::string ranks_as;    // "processes" with --processes (one process per rank); else empty (threads)
   bool shared_expert = false;  // --shared-expert (written only when true)
+  int64_t replicas = 0;        // --replicas (written only when > 0)
   std::string engines;    // CUDA high-throughput ops: the engines asked for ("dispatch=auto"); else empty
   std::string gpu;  // empty on the host backend
   std::string git_commit;

@@ -24,6 +24,7 @@
 #include "bench/options.hpp"
 #include "bench/record_sink.hpp"
 #include "bench/staging.hpp"
+#include "verify/replicas.hpp"
 #include "verify/reference.hpp"
 
 #ifdef EPX_HAS_CUDA
@@ -103,11 +104,15 @@ std::vector<RankOutputs> run_config(const Options& o, const Ranks& ranks, const 
 
 // Low-latency mode: ll_dispatch and ll_combine (fused forms), verified against the reference.
 constexpr int kGraphCalls = 10;  // calls per timed CUDA-graph replay (even: the buffer sets alternate)
-std::vector<Record> run_low_latency(const Options& o, const Ranks& ranks, const verify::Problem& p, WireFormat wire) {
+std::vector<Record> run_low_latency(const Options& o, const Ranks& ranks, const verify::Problem& given, WireFormat wire) {
+  // EPLB: the buffer routes `given`'s logical ids; rows, outputs and checks are the plain problem's.
+  const verify::Problem p = given.replicas.empty() ? given : verify::physical_problem(given);
   const int64_t h = p.cfg.hidden, k_count = p.cfg.topk, l_count = p.cfg.num_experts / p.ranks;
   const int64_t slots = p.ranks * p.cfg.max_tokens_per_rank;
-  LowLatencyConfig cfg{h, p.cfg.max_tokens_per_rank, p.cfg.num_experts, k_count, wire, 0};
+  LowLatencyConfig cfg{h, p.cfg.max_tokens_per_rank, given.cfg.num_experts, k_count, wire, 0};
   cfg.combine_wire = p.cfg.combine_wire;
+  cfg.num_physical_experts = given.cfg.num_physical_experts;
+  cfg.max_replicas = given.cfg.max_replicas;
   std::vector<LowLatencyDispatchResult> got(p.ranks);
   std::vector<Tensor> outs(p.ranks);
   std::vector<std::vector<uint16_t>> ys(p.ranks);
@@ -130,7 +135,9 @@ std::vector<Record> run_low_latency(const Options& o, const Ranks& ranks, const 
         start.arrive_and_wait();  // every y down to its used rows before any receive area exists
         LowLatencyDispatchInput in;
         in.x = io.view(p.inputs[r].x, DType::bf16, {p.inputs[r].tokens, h});
-        in.topk_idx = io.view(p.inputs[r].idx, DType::i32, {p.inputs[r].tokens, k_count});
+        in.topk_idx = io.view(given.inputs[r].idx, DType::i32, {p.inputs[r].tokens, k_count});
+        if (!given.replicas.empty())
+          in.expert_replicas = io.view(given.replicas, DType::i32, {given.cfg.num_experts, given.cfg.max_replicas});
         LowLatencyCombineInput ci;
         ci.y = io.view(ys[r], DType::bf16, {l_count, slots, h});
         const TensorView weights = io.view(p.inputs[r].weights, DType::f32, {p.inputs[r].tokens, k_count});
@@ -205,9 +212,9 @@ std::vector<Record> run_low_latency(const Options& o, const Ranks& ranks, const 
   remote /= p.ranks;
   std::vector<const std::vector<double>*> td, tc;
   for (int r = 0; r < p.ranks; ++r) td.push_back(&t_dispatch[r]), tc.push_back(&t_combine[r]);
-  Record d = base_record(o, ranks, p, "ll_dispatch", wire, "ll", td);
+  Record d = base_record(o, ranks, given, "ll_dispatch", wire, "ll", td);
   set_bytes(d, rows * wire_row_bytes(wire, h), remote * wire_row_bytes(wire, h));
-  Record c = base_record(o, ranks, p, "ll_combine", WireFormat::bf16, "ll", tc);
+  Record c = base_record(o, ranks, given, "ll_combine", WireFormat::bf16, "ll", tc);
   if (o.backend == "cuda") d.sms = c.sms = ranks.sm_count;
   d.kernel_us = kernel_dispatch_us;
   c.kernel_us = kernel_combine_us;
@@ -218,6 +225,10 @@ std::vector<Record> run_low_latency(const Options& o, const Ranks& ranks, const 
     verify::Problem pw = p;
     pw.cfg.wire = wire;
     d.verify_error = verify::check_ll_dispatch(pw, all, r, 0.0f, got[r]);
+    const std::vector<int32_t>& chosen = p.inputs[r].idx;  // EPLB: the rule's choice
+    if (d.verify_error.empty() && !given.replicas.empty() &&
+        !std::equal(chosen.begin(), chosen.end(), got[r].topk_physical.data<int32_t>()))
+      d.verify_error = "rank " + std::to_string(r) + ": topk_physical is not the replica rule's choice";
   }
   for (int r = 0; r < p.ranks && c.verify_error.empty(); ++r) {
     c.verify_error = verify::check_ll_combine(p, all, ys, r, true, outs[r], "rank " + std::to_string(r) + " ll_combine out");
@@ -266,6 +277,11 @@ int run(const Options& o) {
   spec.cfg.send_blocks = o.send_blocks;
   spec.cfg.shared_expert = o.shared_expert;
   verify::Problem base = verify::make_problem(spec);
+  if (o.replicas > 0) {  // EPLB: the same logical routing, served by N replicas of each expert
+    base.cfg.num_physical_experts = o.replicas * o.experts;
+    base.cfg.max_replicas = o.replicas;
+    base.replicas = verify::spread_replicas(o.experts, o.replicas);
+  }
   // The shared-GPU transport runs one stream per rank on one GPU: each needs a hardware queue of
   // its own, or a rank's waiting kernel can hold up a peer's queued behind it (docs/cuda.md).
   if (o.shared_gpu) setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);

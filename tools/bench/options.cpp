@@ -33,6 +33,10 @@ const char* kUsage = R"(epx-bench: dispatch and combine of one MoE layer over N 
                           measured split)
   --shared-expert         BufferConfig::shared_expert: the fused shared expert (expert-major only;
                           CPU backend only for now; records say "shared_expert": true)
+  --replicas N            redundant experts (EPLB): N physical replicas of each logical expert,
+                          P = N * experts, replica j of expert e = physical expert j * E + e
+                          (BufferConfig::num_physical_experts; CPU backend only for now; records
+                          say "replicas": N; verified against the plain problem of P experts)
   --shared-gpu            CUDA: all ranks on GPU 0 over the tests' shared-GPU transport (records say
                           "transport": "shared-gpu"; a test transport's times, real host steps)
   --ll-eager              time low-latency calls one by one with events (host launch included)
@@ -130,6 +134,7 @@ Options parse_options(int argc, char** argv) {
     else if (flag == "--topk") o.topk = to_int(flag, v);
     else if (flag == "--alignment") o.alignment = to_int(flag, v);
     else if (flag == "--sms") o.sms = static_cast<int>(to_int(flag, v));
+    else if (flag == "--replicas") o.replicas = to_int(flag, v);
     else if (flag == "--send-blocks") o.send_blocks = to_int(flag, v);
     else if (flag == "--warmup") o.warmup = static_cast<int>(to_int(flag, v));
     else if (flag == "--iters") o.iters = static_cast<int>(to_int(flag, v));
@@ -188,6 +193,9 @@ Options parse_options(int argc, char** argv) {
                                                      : std::vector<Layout>{Layout::expert_major, Layout::rank_major};
   for (Layout l : o.layouts)
     if (o.shared_expert && l == Layout::rank_major) usage_error("--shared-expert needs --layout expert_major");
+  if (o.replicas < 0) usage_error("--replicas must be >= 1 (0: none)");
+  if (o.replicas > 0 && o.backend != "host")
+    usage_error("--replicas needs --backend host: the CUDA backend does not have redundant experts yet");
   if (o.ops.empty()) {
     o.ops = {"dispatch", "combine", "dispatch_backward", "combine_backward"};
     if (!v3) o.ops.insert(o.ops.end(), {"ll_dispatch", "ll_combine"});

@@ -33,6 +33,7 @@ struct Options {
   bool tokens_scaled = false;  // the host backend shrank the preset's token count
   bool shared_gpu = false;     // CUDA: every rank on GPU 0 (the tests' transport)
   bool shared_expert = false;  // BufferConfig::shared_expert (expert-major only)
+  int64_t replicas = 0;        // EPLB: replicas per logical expert (0: off), verify::spread_replicas
   bool ll_eager = false;       // low-latency ops timed call by call (host launch included), not as graph replays
   bool ll_weights_at_dispatch = false;  // the combine's weights given to ll_dispatch instead of ll_combine
   bool processes = false;  // CUDA, high-throughput ops: one process per rank (bench/processes.hpp)

@@ -77,14 +77,16 @@ DispatchResult Staging::fetch(const DispatchResult& d) const {
   DispatchResult h = d;
   h.handle = Handle();  // device state stays with the caller's copy (freed on this stream)
   for (Tensor* t : {&h.recv_x, &h.recv_scales, &h.recv_global_scale, &h.recv_src, &h.recv_weights, &h.recv_topk_idx,
-                    &h.recv_topk_weights, &h.expert_offsets, &h.tokens_per_expert, &h.rank_offsets, &h.recv_info})
+                    &h.recv_topk_weights, &h.expert_offsets, &h.tokens_per_expert, &h.rank_offsets, &h.recv_info,
+                    &h.topk_physical})
     *t = fetch(*t);
   return h;
 }
 
 LowLatencyDispatchResult Staging::fetch(const LowLatencyDispatchResult& d) const {
   LowLatencyDispatchResult h = d;
-  for (Tensor* t : {&h.recv_x, &h.recv_scales, &h.recv_global_scale, &h.recv_count, &h.recv_src, &h.recv_layout})
+  for (Tensor* t : {&h.recv_x, &h.recv_scales, &h.recv_global_scale, &h.recv_count, &h.recv_src, &h.recv_layout,
+                    &h.topk_physical})
     *t = fetch(*t);
   return h;
 }

@@ -56,7 +56,7 @@ void quantize_x(RankInput& in, int64_t hidden) {
 }  // namespace
 
 Problem make_problem(const ProblemSpec& spec) {
-  Problem p{spec.cfg, spec.ranks, spec.prequantized, {}};
+  Problem p{spec.cfg, spec.ranks, spec.prequantized, {}, {}};
   const BufferConfig& c = spec.cfg;
   std::mt19937_64 rng(spec.seed * 0x9e3779b97f4a7c15ull + 12345);
   // Skewed routing: expert e drawn with weight 1 / (e + 1); uniform: all equal.

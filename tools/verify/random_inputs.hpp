@@ -26,6 +26,8 @@ struct Problem {
   int ranks = 1;
   bool prequantized = false;  // x given as fp8 + scales (cfg.wire must be fp8)
   std::vector<RankInput> inputs;
+  // cfg.num_physical_experts > 0 (EPLB): the replica table every rank passes, [E, M] (verify/replicas.hpp).
+  std::vector<int32_t> replicas;
 };
 
 enum class Routing { uniform, skewed };

@@ -1,0 +1,75 @@
+#include "core/replicas.hpp"
+
+#include <string>
+
+#include "core/check.hpp"
+#include "core/validate.hpp"
+
+namespace epx::detail {
+
+ReplicaShape replica_shape(int64_t num_experts, int64_t num_physical_experts, int64_t max_replicas, int ranks,
+                           const char* what) {
+  require(num_physical_experts >= 0, what, ": num_physical_experts must be >= 0 (0 = no redundant experts), got ",
+          num_physical_experts);
+  if (num_physical_experts == 0) {
+    require(max_replicas == 0, what, ": max_replicas goes with num_physical_experts > 0 (EPLB), got ", max_replicas);
+    return {num_experts, num_experts, 0};
+  }
+  require(num_physical_experts >= num_experts, what, ": num_physical_experts (", num_physical_experts,
+          ") must be >= num_experts (", num_experts, "): every logical expert needs a physical one");
+  require(num_physical_experts % ranks == 0, what, ": num_physical_experts (", num_physical_experts,
+          ") must be a multiple of the group size (", ranks, ") so every rank holds the same number of experts");
+  require(num_physical_experts <= (int64_t{1} << 30), what, ": num_physical_experts must be <= 2^30, got ",
+          num_physical_experts);
+  // With every row holding one entry and no id twice, a row holds at most P - E + 1 entries.
+  const int64_t most = num_physical_experts - num_experts + 1;
+  require(max_replicas >= 0 && max_replicas <= most, what, ": max_replicas must be in [0, P - E + 1 = ", most,
+          "] (0 = P - E + 1), got ", max_replicas);
+  return {num_experts, num_physical_experts, max_replicas > 0 ? max_replicas : most};
+}
+
+void validate_replica_tensor(const TensorView& table, const ReplicaShape& shape, const char* op, DeviceKind device) {
+  if (!shape.enabled()) {
+    require(!table.defined(), op, ": expert_replicas given but the buffer has no redundant experts; create it with "
+            "num_physical_experts > 0 or drop expert_replicas");
+    return;
+  }
+  require(table.defined(), op, ": expert_replicas is missing; a buffer with num_physical_experts=", shape.physical,
+          " needs the replica table [E=", shape.logical, ", M=", shape.width, "] i32 at every dispatch");
+  check_tensor(table, cat(op, ": expert_replicas"), cat("[E=", shape.logical, ", M=", shape.width, "]"), DType::i32,
+               {shape.logical, shape.width}, device);
+}
+
+ReplicaChoice read_replica_choice(const TensorView& table, const ReplicaShape& shape, int rank, int ranks,
+                                  const char* op) {
+  const int64_t per_rank = shape.physical / ranks;
+  std::vector<int64_t> seen_at(shape.physical, -1);  // entry (e * M + j) holding each physical id
+  ReplicaChoice choice{std::vector<std::vector<int32_t>>(shape.logical), rank};
+  std::vector<int32_t> all;
+  for (int64_t e = 0; e < shape.logical; ++e) {
+    all.clear();
+    for (int64_t j = 0; j < shape.width; ++j) {
+      const int32_t p = at<int32_t>(table, e, j);
+      if (p == -1) continue;
+      require(p >= 0 && p < shape.physical, op, ": expert_replicas[", e, "][", j, "] = ", p,
+              " is out of range; physical expert ids must be in [0, ", shape.physical, ") or -1 for an unused entry");
+      const int64_t before = seen_at[p];
+      require(before < 0, op, ": expert_replicas[", e, "][", j, "] = ", p, " repeats expert_replicas[",
+              before / shape.width, "][", before % shape.width, "]; a physical expert serves one logical expert, once");
+      seen_at[p] = e * shape.width + j;
+      all.push_back(p);
+      if (p / per_rank == rank) choice.candidates[e].push_back(p);
+    }
+    require(!all.empty(), op, ": expert_replicas[", e, "] has no entry (all ", shape.width,
+            " are -1); every logical expert needs at least one physical expert");
+    if (choice.candidates[e].empty()) choice.candidates[e] = all;
+  }
+  return choice;
+}
+
+void choose_replicas(std::vector<int32_t>& slot_expert, int64_t topk, const ReplicaChoice& choice) {
+  for (size_t i = 0; i < slot_expert.size(); ++i)
+    if (slot_expert[i] >= 0) slot_expert[i] = choice.pick(slot_expert[i], static_cast<int64_t>(i) / topk);
+}
+
+}  // namespace epx::detail
