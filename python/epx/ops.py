@@ -24,7 +24,7 @@ _lib = Library("epx", "DEF")
 
 _lib.define("dispatch(int buffer, Tensor x, Tensor? x_scales, Tensor? topk_idx, Tensor? topk_weights, "
             "Tensor? routing_map, Tensor? probs, int layout, float nvfp4_global_scale, "
-            "Tensor? expert_replicas=None) -> Tensor[]")
+            "Tensor? expert_replicas=None, Tensor? shared_gate=None) -> Tensor[]")
 _lib.define("combine(int buffer, Tensor y, Tensor handle, Tensor? shared_out, bool weighted, SymInt tokens) -> Tensor")
 _lib.define("dispatch_backward(int buffer, Tensor grad_recv_x, Tensor? grad_recv_weights, Tensor handle, "
             "SymInt tokens) -> Tensor[]")
@@ -115,10 +115,11 @@ def _dynamic_rows():
 # --- real kernels --------------------------------------------------------------------------
 
 def _dispatch(buffer_id, x, x_scales, topk_idx, topk_weights, routing_map, probs, layout, nvfp4_global_scale,
-              expert_replicas=None):
+              expert_replicas=None, shared_gate=None):
     buffer = registry.get(buffer_id)
     d = buffer.dispatch(x, topk_idx, topk_weights, x_scales=x_scales, routing_map=routing_map, probs=probs,
-                        layout=layout, nvfp4_global_scale=nvfp4_global_scale, expert_replicas=expert_replicas)
+                        layout=layout, nvfp4_global_scale=nvfp4_global_scale, expert_replicas=expert_replicas,
+                        shared_gate=shared_gate)
     specs = dispatch_outputs(buffer, layout, 0, x.shape[0])
     return [d.handle.token] + _fill(list(d[:11]) + [d.topk_physical], specs, x.device)
 
@@ -131,15 +132,23 @@ def _combine(buffer_id, y, token, shared_out, weighted, tokens):
 def _dispatch_backward(buffer_id, grad_recv_x, grad_recv_weights, token, tokens):
     buffer = registry.get(buffer_id)
     g = buffer.dispatch_backward(grad_recv_x, _handle(buffer, token, tokens, False), grad_recv_weights)
-    return [g.grad_x, g.grad_topk_weights if g.grad_topk_weights is not None
-            else _empty(torch.float32, grad_recv_x.device)]
+    gate = _gate_grad(buffer, g.grad_shared_gate, grad_recv_weights is not None, tokens, grad_recv_x.device)
+    return [g.grad_x] + _fill([g.grad_topk_weights, gate], [None, None], grad_recv_x.device)
 
 
 def _combine_backward(buffer_id, grad_out, y, token, weighted, rows):
     buffer = registry.get(buffer_id)
     g = buffer.combine_backward(grad_out, _handle(buffer, token, grad_out.shape[0], weighted), y, weighted=weighted)
-    return [g.grad_y, g.grad_topk_weights if g.grad_topk_weights is not None
-            else _empty(torch.float32, grad_out.device)]
+    gate = _gate_grad(buffer, g.grad_shared_gate, weighted, grad_out.shape[0], grad_out.device)
+    return [g.grad_y] + _fill([g.grad_topk_weights, gate], [None, None], grad_out.device)
+
+
+def _gate_grad(buffer, grad, flows, tokens, device):
+    """grad_shared_gate as the fake kernels shape it: [T] wherever the buffer has the shared expert and a
+    weight gradient flows (zeros where the dispatch had no gate), else none."""
+    if grad is None and flows and buffer.shared_expert:
+        return torch.zeros(tokens, dtype=torch.float32, device=device)
+    return grad
 
 
 def _ll_dispatch(buffer_id, x, topk_idx, num_tokens, topk_weights, nvfp4_global_scale, expert_replicas=None):
@@ -166,7 +175,7 @@ def _handle(buffer, token, tokens, weighted):
 # --- fake kernels --------------------------------------------------------------------------
 
 def _dispatch_fake(buffer_id, x, x_scales, topk_idx, topk_weights, routing_map, probs, layout, nvfp4_global_scale,
-                   expert_replicas=None):
+                   expert_replicas=None, shared_gate=None):
     buffer = registry.get(buffer_id)
     rows = buffer.capacity_rows if buffer.capacity_rows else _dynamic_rows()
     specs = dispatch_outputs(buffer, layout, rows, x.shape[0])
@@ -180,16 +189,23 @@ def _combine_fake(buffer_id, y, token, shared_out, weighted, tokens):
 
 def _dispatch_backward_fake(buffer_id, grad_recv_x, grad_recv_weights, token, tokens):
     c = registry.get(buffer_id)
-    gw = grad_recv_x.new_empty((tokens, c.topk), dtype=torch.float32) if grad_recv_weights is not None \
+    weights = grad_recv_weights is not None
+    gw = grad_recv_x.new_empty((tokens, c.topk), dtype=torch.float32) if weights \
         else _empty(torch.float32, grad_recv_x.device)
-    return [grad_recv_x.new_empty((tokens, c.hidden), dtype=torch.bfloat16), gw]
+    # grad_shared_gate: [T] where the buffer has the shared expert and weights flow (empty if the
+    # dispatch had no gate: the real kernel's form, which the fake cannot see in the handle)
+    gs = grad_recv_x.new_empty((tokens,), dtype=torch.float32) if weights and c.shared_expert \
+        else _empty(torch.float32, grad_recv_x.device)
+    return [grad_recv_x.new_empty((tokens, c.hidden), dtype=torch.bfloat16), gw, gs]
 
 
 def _combine_backward_fake(buffer_id, grad_out, y, token, weighted, rows):
     c = registry.get(buffer_id)
     gw = grad_out.new_empty((grad_out.shape[0], c.topk), dtype=torch.float32) if weighted \
         else _empty(torch.float32, grad_out.device)
-    return [grad_out.new_empty((rows, c.hidden), dtype=torch.bfloat16), gw]
+    gs = grad_out.new_empty((grad_out.shape[0],), dtype=torch.float32) if weighted and c.shared_expert \
+        else _empty(torch.float32, grad_out.device)
+    return [grad_out.new_empty((rows, c.hidden), dtype=torch.bfloat16), gw, gs]
 
 
 def _ll_dispatch_fake(buffer_id, x, topk_idx, num_tokens, topk_weights, nvfp4_global_scale, expert_replicas=None):

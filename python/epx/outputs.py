@@ -13,7 +13,7 @@ class Handle(NamedTuple):
     ``token`` is a small host int64 tensor that owns the C++ handle (it lives as long as any
     reference to it: autograd's saved tensors, a graph's buffers). The other fields are what the
     Python layer needs: the buffer, the layout, the dispatch's token count, whether combine weighs
-    by default, and the router weights (or probs with routing_map) autograd differentiates.
+    by default, and the router weights (or probs with routing_map) and shared gate autograd differentiates.
     """
 
     token: torch.Tensor
@@ -23,6 +23,7 @@ class Handle(NamedTuple):
     weighted: bool
     weights: Optional[torch.Tensor] = None
     routing_map: Optional[torch.Tensor] = None
+    shared_gate: Optional[torch.Tensor] = None  # the dispatch's (shared_expert): combine weighs the shared rows by it
 
     @property
     def num_rows(self):

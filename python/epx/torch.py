@@ -24,7 +24,7 @@ import torch.utils.checkpoint as _checkpoint
 from . import registry
 from . import replay as _replay
 from .config import Layout
-from .errors import InvalidArgument
+from .errors import InvalidArgument, Unsupported
 from .low_latency import LowLatencyDispatchOutput, LowLatencyHandle
 from .ops import dispatch_outputs, ll_dispatch_outputs, present
 from .outputs import DispatchOutput, Handle
@@ -43,34 +43,39 @@ _RECV_X, _RECV_WEIGHTS, _RECV_TOPK_WEIGHTS = 1, 5, 7
 
 
 def dispatch(buffer, x, topk_idx=None, topk_weights=None, *, x_scales=None, routing_map=None, probs=None,
-             layout=Layout.expert_major, nvfp4_global_scale=0.0, expert_replicas=None):
-    """Buffer.dispatch, differentiable in x (wire bf16), topk_weights and probs. Returns a DispatchOutput
-    (its ``event`` is None: these run on torch's current stream). expert_replicas: the EPLB replica table
-    [E, M] int32 (buffers with num_physical_experts > 0); not differentiable."""
+             layout=Layout.expert_major, nvfp4_global_scale=0.0, expert_replicas=None, shared_gate=None):
+    """Buffer.dispatch, differentiable in x (wire bf16), topk_weights, probs and shared_gate. Returns a
+    DispatchOutput (its ``event`` is None: these run on torch's current stream). expert_replicas: the EPLB
+    replica table [E, M] int32 (buffers with num_physical_experts > 0); not differentiable. shared_gate
+    [T] float32 (buffers with shared_expert): the weight of each token's shared row, in recv_weights and
+    in combine's weighted sum, with its gradient from either."""
     if isinstance(layout, str):
         if layout not in Layout.__members__:
             raise InvalidArgument(f"dispatch: layout: unknown {layout!r}; use {', '.join(Layout.__members__)}")
         layout = Layout.__members__[layout]
     layout = int(layout)
     recorder = None if _compiling() else _replay.active()
+    if recorder is not None and shared_gate is not None:
+        raise Unsupported("epx.torch.dispatch: layout replay of a dispatch with a shared_gate is not supported; "
+                          "recompute without the recorder, or give the gate to the shared expert's output")
     if recorder is not None:  # a replayed dispatch keeps its recorded replica choice (the handle's)
         return recorder.dispatch(buffer, x, topk_idx, topk_weights, x_scales=x_scales, routing_map=routing_map,
                                  probs=probs, layout=layout, nvfp4_global_scale=nvfp4_global_scale,
                                  run=_functools.partial(_plain_dispatch, expert_replicas=expert_replicas),
                                  replay=_replay_dispatch)
     return _plain_dispatch(buffer, x, topk_idx, topk_weights, x_scales, routing_map, probs, layout,
-                           nvfp4_global_scale, expert_replicas)
+                           nvfp4_global_scale, expert_replicas, shared_gate)
 
 
 def _plain_dispatch(buffer, x, topk_idx, topk_weights, x_scales, routing_map, probs, layout, nvfp4_global_scale,
-                    expert_replicas=None):
+                    expert_replicas=None, shared_gate=None):
     outs = _Dispatch.apply(buffer.id, layout, float(nvfp4_global_scale), buffer.num_experts, x, x_scales,
-                           topk_idx, topk_weights, routing_map, probs, expert_replicas)
+                           topk_idx, topk_weights, routing_map, probs, expert_replicas, shared_gate)
     keep = present(dispatch_outputs(buffer, layout, 0))
     tensors = [t if real else None for t, real in zip(outs[1:], keep)]
     weights = topk_weights if routing_map is None else probs
     handle = Handle(outs[0], buffer.id, layout, x.shape[0], layout == Layout.expert_major and weights is not None,
-                    weights, routing_map)
+                    weights, routing_map, shared_gate)
     return DispatchOutput(*tensors[:-1], handle, None, tensors[-1])
 
 
@@ -93,7 +98,8 @@ def combine(buffer, y, handle, *, shared_out=None, weighted=None):
     weighted = handle.weighted if weighted is None else bool(weighted)
     weights = handle.weights if weighted else None
     return _Combine.apply(buffer.id, weighted, handle.tokens, buffer.num_experts, handle.token, y, weights,
-                          handle.routing_map if weighted else None, shared_out)
+                          handle.routing_map if weighted else None, shared_out,
+                          handle.shared_gate if weighted else None)
 
 
 def ll_dispatch(buffer, x, topk_idx, *, num_tokens=None, topk_weights=None, nvfp4_global_scale=0.0,
@@ -146,9 +152,10 @@ def _probs_grad(grad_slots, routing_map, num_experts):
 class _Dispatch(_torch.autograd.Function):
     @staticmethod
     def forward(ctx, buffer_id, layout, gscale, num_experts, x, x_scales, topk_idx, topk_weights, routing_map, probs,
-                expert_replicas):
+                expert_replicas, shared_gate):
         outs = _torch.ops.epx.dispatch(buffer_id, x, x_scales, topk_idx, topk_weights, routing_map, probs, layout,
-                                       gscale, expert_replicas)
+                                       gscale, expert_replicas, shared_gate)
+        ctx.gate_given = shared_gate is not None
         ctx.buffer_id, ctx.layout, ctx.tokens, ctx.num_experts = buffer_id, layout, x.shape[0], num_experts
         ctx.x_grad = outs[_RECV_X].dtype == _torch.bfloat16
         ctx.weights_given = topk_weights is not None or probs is not None
@@ -166,15 +173,15 @@ class _Dispatch(_torch.autograd.Function):
             grad_recv_x = _torch.zeros(grad_recv_x.shape, dtype=_torch.bfloat16, device=grad_recv_x.device)
         weight_out = _RECV_WEIGHTS if ctx.layout == Layout.expert_major else _RECV_TOPK_WEIGHTS
         grad_recv_weights = grads[weight_out].contiguous() if ctx.weights_given else None
-        grad_x, grad_slots = _torch.ops.epx.dispatch_backward(ctx.buffer_id, grad_recv_x.contiguous(),
-                                                              grad_recv_weights, token, ctx.tokens)
+        grad_x, grad_slots, grad_gate = _torch.ops.epx.dispatch_backward(ctx.buffer_id, grad_recv_x.contiguous(),
+                                                                         grad_recv_weights, token, ctx.tokens)
         grad_topk_weights = grad_probs = None
         if ctx.weights_given and routing_map is None:
             grad_topk_weights = grad_slots
         elif ctx.weights_given:
             grad_probs = _probs_grad(grad_slots, routing_map, ctx.num_experts)
         return (None, None, None, None, grad_x if ctx.x_grad else None, None, None, grad_topk_weights, None,
-                grad_probs, None)
+                grad_probs, None, grad_gate if ctx.gate_given and ctx.weights_given else None)
 
 
 class _CachedDispatch(_torch.autograd.Function):
@@ -197,7 +204,7 @@ class _CachedDispatch(_torch.autograd.Function):
     def backward(ctx, grad_recv_x, _scales, _global, grad_recv_w):
         if not ctx.x_grad:  # quantized recv_x: only the weights' gradient flows, as in _Dispatch
             grad_recv_x = _torch.zeros(grad_recv_x.shape, dtype=_torch.bfloat16, device=grad_recv_x.device)
-        grad_x, grad_slots = _torch.ops.epx.dispatch_backward(
+        grad_x, grad_slots, _ = _torch.ops.epx.dispatch_backward(
             ctx.buffer_id, grad_recv_x.contiguous(), grad_recv_w.contiguous() if ctx.weights_given else None,
             ctx.token, ctx.tokens)
         grad_weights = None
@@ -209,7 +216,9 @@ class _CachedDispatch(_torch.autograd.Function):
 
 class _Combine(_torch.autograd.Function):
     @staticmethod
-    def forward(ctx, buffer_id, weighted, tokens, num_experts, token, y, weights, routing_map, shared_out):
+    def forward(ctx, buffer_id, weighted, tokens, num_experts, token, y, weights, routing_map, shared_out,
+                shared_gate):
+        # shared_gate is the dispatch's (the C++ handle weighs by it): an input here for its gradient
         out = _torch.ops.epx.combine(buffer_id, y, token, shared_out, weighted, tokens)
         ctx.buffer_id, ctx.weighted, ctx.rows, ctx.num_experts = buffer_id, weighted, y.shape[0], num_experts
         ctx.has_shared = shared_out is not None
@@ -219,13 +228,15 @@ class _Combine(_torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         token, y, routing_map = ctx.saved_tensors
-        grad_y, grad_slots = _torch.ops.epx.combine_backward(ctx.buffer_id, grad_out.contiguous(), y, token,
-                                                             ctx.weighted, ctx.rows)
+        grad_y, grad_slots, grad_gate = _torch.ops.epx.combine_backward(ctx.buffer_id, grad_out.contiguous(), y,
+                                                                        token, ctx.weighted, ctx.rows)
         grad_weights = None
         if ctx.weighted and ctx.needs_input_grad[6]:
             grad_weights = grad_slots if routing_map is None else _probs_grad(grad_slots, routing_map,
                                                                               ctx.num_experts)
-        return (None, None, None, None, None, grad_y, grad_weights, None, grad_out if ctx.has_shared else None)
+        grad_gate = grad_gate if ctx.weighted and ctx.needs_input_grad[9] else None
+        return (None, None, None, None, None, grad_y, grad_weights, None, grad_out if ctx.has_shared else None,
+                grad_gate)
 
 
 def __getattr__(name):

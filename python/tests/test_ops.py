@@ -21,8 +21,9 @@ def test_ops_run_the_calls():
         outs = torch.ops.epx.dispatch(b.id, P.x[r], None, P.idx[r], P.w[r], None, None, 0, 0.0)
         token, recv_x = outs[0], outs[1]
         y = torch.ops.epx.combine(b.id, recv_x, token, None, True, 8)
-        gx, gw = torch.ops.epx.dispatch_backward(b.id, recv_x, None, token, 8)
-        gy, gtw = torch.ops.epx.combine_backward(b.id, y, recv_x, token, True, recv_x.shape[0])
+        gx, gw, gs = torch.ops.epx.dispatch_backward(b.id, recv_x, None, token, 8)
+        gy, gtw, gys = torch.ops.epx.combine_backward(b.id, y, recv_x, token, True, recv_x.shape[0])
+        assert gs.numel() == 0 and gys.numel() == 0  # no shared expert: no gate gradient
         ref = b.dispatch(P.x[r], P.idx[r], P.w[r])
         return outs, ref, y, gx, gw, gy, gtw
 

@@ -2,9 +2,11 @@
 layer (routed experts and a gated shared expert, each a linear map) through one grouped GEMM over
 epx's segments, forward and backward, against the same layer written densely in plain torch."""
 
+import pytest
 import torch
 
 import epx
+import epx.torch
 from helpers import Problem, assert_close_sum, make_buffers, run_all, run_ranks
 
 RANKS, HIDDEN, EXPERTS, TOPK, TOKENS, ALIGN = 2, 64, 8, 2, [12, 7], 4
@@ -74,6 +76,54 @@ def test_moe_layer_with_a_gated_shared_expert_matches_the_dense_layer():
         used = (p.idx[r] >= 0).double()
         assert_close_sum(grad_w, w.grad * used, w.grad.abs() + 1.0, f"rank {r} grad_topk_weights", rel=2.0 ** -5)
         assert_close_sum(grad_gate, gate.grad, gate.grad.abs() + 1.0, f"rank {r} grad_shared_gate", rel=2.0 ** -5)
+
+
+def differentiable_grouped_gemm(rows, offsets, stacked):
+    """grouped_gemm with autograd: each segment's rows times its weight (float32), as bf16."""
+    parts = [rows[int(offsets[s]):int(offsets[s + 1])].float() @ stacked[s] for s in range(stacked.shape[0])]
+    parts.append(rows[int(offsets[-1]):].float() * 0)  # rows past the last segment (none here)
+    return torch.cat(parts).bfloat16()
+
+
+@pytest.mark.parametrize("weights_in_combine", [True, False])
+def test_autograd_reaches_the_shared_gate(weights_in_combine):
+    """epx.torch.dispatch(shared_gate=) and combine: the gradients of x, the router weights and the gate
+    against the dense layer, with the weights applied by combine (weighted) or by the experts through
+    recv_weights (the shared rows' being the gate) and an unweighted combine."""
+    p = Problem(RANKS, HIDDEN, EXPERTS, TOPK, TOKENS, seed=17, unused=0.2)
+    routed, shared = weights(seed=4)
+    gates = [torch.rand(t, generator=torch.Generator().manual_seed(15 + t)) for t in p.tokens]
+    grad_outs = [torch.randn(t, HIDDEN, generator=torch.Generator().manual_seed(19 + t)) for t in p.tokens]
+    groups = epx.Group.host(RANKS)
+    buffers = make_buffers(groups, hidden=HIDDEN, max_tokens_per_rank=max(p.tokens), num_experts=EXPERTS, topk=TOPK,
+                           expert_alignment=ALIGN, shared_expert=True)
+
+    def rank(g):
+        r, b = g.rank, buffers[g.rank]
+        x = p.x[r].clone().requires_grad_()
+        w = p.w[r].clone().requires_grad_()
+        gate = gates[r].clone().requires_grad_()
+        d = epx.torch.dispatch(b, x, p.idx[r], w, shared_gate=gate)
+        stacked = torch.cat([shared[None], routed[r * LOCAL:(r + 1) * LOCAL]])
+        y = differentiable_grouped_gemm(d.recv_x, d.expert_offsets, stacked)
+        if weights_in_combine:
+            out = epx.torch.combine(b, y, d.handle)
+        else:
+            out = epx.torch.combine(b, (y.float() * d.recv_weights[:, None]).bfloat16(), d.handle, weighted=False)
+        (out.float() * grad_outs[r]).sum().backward()
+        return out.detach(), x.grad, w.grad, gate.grad
+
+    for r, (out, grad_x, grad_w, grad_gate) in enumerate(run_all(groups, rank)):
+        x = p.x[r].double().requires_grad_()
+        w = p.w[r].double().requires_grad_()
+        gate = gates[r].double().requires_grad_()
+        want = dense_layer(x, p.idx[r], w, gate, routed, shared)
+        want.backward(grad_outs[r].double())
+        used = (p.idx[r] >= 0).double()
+        for got, ref, what in ((out, want.detach(), "out"), (grad_x, x.grad, "grad x"),
+                               (grad_w, w.grad * used, "grad topk_weights"), (grad_gate, gate.grad, "grad gate")):
+            assert got is not None, what
+            assert_close_sum(got, ref, ref.abs() + 1.0, f"rank {r} {what}", rel=2.0 ** -4)
 
 
 def test_low_latency_refuses_the_shared_expert_as_unsupported():
