@@ -322,6 +322,103 @@ TEST(EplbTable, IsRequiredWithEplbAndRefusedWithout) {
   });
 }
 
+// Tables that differ between ranks (each valid) would send tokens to a physical expert its owner
+// counts as another logical expert's: the plan exchange compares them and every rank fails the call;
+// the failed call counts no load and the next one works.
+TEST(EplbTable, TablesThatDifferBetweenRanksFailEveryRankAndCountNoLoad) {
+  std::vector<int32_t> good = {0, 5, 1, -1, 2, -1, 3, -1, 4, -1};  // E = 5, P = 6, M = 2
+  std::vector<int32_t> other = {0, 5, 1, -1, 2, -1, 4, -1, 3, -1};  // logical 3 and 4 swapped
+  on_ranks(2, eplb_config(5, 6, 2), [&](int r, Buffer& b) {
+    Tokens tk;
+    tk.idx = {0, 4, 1, 2, 3, -1};
+    std::vector<int32_t> mine = r == 1 ? other : good;
+    std::string what;
+    EXPECT_EQ(code_of([&] { b.dispatch(tk.view(3, 2, mine, 5, 2)); }, &what), ErrorCode::config_mismatch);
+    EXPECT_THAT(what, HasSubstr("expert_replicas hash")) << "rank " << r;
+    const Tensor load = b.expert_load();
+    EXPECT_EQ(std::count(load.data<int64_t>(), load.data<int64_t>() + load.numel(), 0), load.numel()) << "rank " << r;
+    EXPECT_EQ(b.dispatch(tk.view(3, 2, good, 5, 2)).topk_physical.data<int32_t>()[0], r == 0 ? 0 : 5);
+  });
+}
+
+// A bad table on one rank counts no load on any rank.
+TEST(EplbTable, ARefusedTableCountsNoLoad) {
+  std::vector<int32_t> good = {0, 5, 1, -1, 2, -1, 3, -1, 4, -1}, bad = {0, 5, 1, -1, 2, -1, 3, 1, 4, -1};
+  on_ranks(2, eplb_config(5, 6, 2), [&](int r, Buffer& b) {
+    Tokens tk;
+    tk.idx = {0, 4, 1, 2, 3, -1};
+    std::vector<int32_t> mine = r == 1 ? bad : good;
+    EXPECT_EQ(code_of([&] { b.dispatch(tk.view(3, 2, mine, 5, 2)); }),
+              r == 1 ? ErrorCode::invalid_argument : ErrorCode::peer_failed);
+    const Tensor load = b.expert_load();
+    EXPECT_EQ(std::count(load.data<int64_t>(), load.data<int64_t>() + load.numel(), 0), load.numel()) << "rank " << r;
+  });
+}
+
+// A cached dispatch takes its handle's replica choice: a table given to it is refused.
+TEST(EplbTable, ACachedDispatchRefusesATable) {
+  std::vector<int32_t> table = {0, 5, 1, -1, 2, -1, 3, -1, 4, -1};
+  on_ranks(2, eplb_config(5, 6, 2), [&](int, Buffer& b) {
+    Tokens tk;
+    tk.idx = {0, 4, 1, 2, 3, -1};
+    const DispatchInput in = tk.view(3, 2, table, 5, 2);
+    const DispatchResult d = b.dispatch(in);
+    DispatchInput again = x_only(in);
+    again.expert_replicas = in.expert_replicas;
+    std::string what;
+    EXPECT_EQ(code_of([&] { b.dispatch(again, d.handle); }, &what), ErrorCode::invalid_argument);
+    EXPECT_THAT(what, HasSubstr("replica choice too"));
+  });
+}
+
+// In low-latency mode too, tables that differ between ranks fail every rank.
+TEST(EplbLowLatency, TablesThatDifferBetweenRanksFailEveryRank) {
+  LowLatencyConfig cfg = small_ll_config(64, 4, 2, 1);
+  cfg.num_physical_experts = 4;
+  auto errors = verify::run_ranks(2, [&](const Group& g) {
+    LowLatencyBuffer b(g, cfg);
+    std::vector<int32_t> good = {0, 2, -1, 1, 3, -1}, other = {0, 3, -1, 1, 2, -1};
+    const auto x = verify::random_bf16(4 * 64, 3);
+    std::vector<int32_t> idx = {0, 1, 1, 0};
+    LowLatencyDispatchInput d;
+    d.x = bf16_view(x, 4, 64);
+    d.topk_idx = TensorView::of(idx.data(), DType::i32, {4, 1});
+    d.expert_replicas = TensorView::of(g.rank() == 0 ? other.data() : good.data(), DType::i32, {2, 3});
+    std::string what;
+    EXPECT_EQ(code_of([&] { b.dispatch(d); }, &what), ErrorCode::config_mismatch);
+    EXPECT_THAT(what, HasSubstr("expert_replicas hash"));
+    d.expert_replicas = TensorView::of(good.data(), DType::i32, {2, 3});
+    EXPECT_EQ(b.dispatch(d).topk_physical.numel(), 4);
+  });
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+}
+
+// max_replicas = 0 means P - E + 1: ranks that write either agree.
+TEST(EplbConfig, TheDefaultMaxReplicasAgreesWithItsValue) {
+  auto errors = verify::run_ranks(2, [&](const Group& g) {
+    BufferConfig c = eplb_config(4, 8, 2);
+    c.max_replicas = g.rank() == 0 ? 0 : 5;
+    Buffer b(g, c);
+  });
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+}
+
+// E need not be a multiple of the ranks with EPLB (P must): E = 3 logical experts on P = 4.
+TEST(EplbRule, LogicalExpertsNeedNotDivideByTheRanks) {
+  std::vector<int32_t> table = {0, 3, 1, -1, 2, -1};  // E = 3, M = 2: rank 0 holds 0, 1; rank 1 holds 2, 3
+  BufferConfig cfg = eplb_config(3, 4, 1);
+  cfg.max_replicas = 2;
+  on_ranks(2, cfg, [&](int r, Buffer& b) {
+    Tokens tk;
+    tk.idx = {0, 1, 2, 0};
+    const DispatchResult d = b.dispatch(tk.view(4, 1, table, 3, 2));
+    const std::vector<int32_t> want = r == 0 ? std::vector<int32_t>{0, 1, 2, 0} : std::vector<int32_t>{3, 1, 2, 3};
+    EXPECT_EQ(std::vector<int32_t>(d.topk_physical.data<int32_t>(), d.topk_physical.data<int32_t>() + 4), want);
+    // rank 0 receives its own 0, 1, 0 and rank 1's 1; rank 1 rank 0's 2 and its own 3, 2, 3
+    EXPECT_EQ(d.num_rows, 4) << "rank " << r;
+  });
+}
+
 // A config every rank refuses at creation, with the reason.
 void expect_config_refused(const BufferConfig& c, const std::string& words) {
   auto errors = verify::run_ranks(2, [&](const Group& g) {

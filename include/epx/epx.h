@@ -1,6 +1,9 @@
 /* epx C ABI: the same objects as the C++ API, for bindings and C callers.
  * Every call returns EPX_OK or an error code; epx_last_error() then holds a message for this
  * thread. Results are opaque objects holding named tensors; destroy them when done.
+ * The structs below grow at their end as features come (epx_buffer_config, epx_dispatch_args):
+ * there is no binary compatibility across epx versions yet, so rebuild against the header of the
+ * library you link, and fill configs with epx_buffer_config_default first.
  *
  * Collective calls (epx_buffer_create, epx_buffer_create_in_group, epx_dispatch, epx_dispatch_cached,
  * epx_combine, epx_dispatch_backward, epx_combine_backward): every rank makes the same calls in the same order,

@@ -12,7 +12,8 @@ std::string describe(const LowLatencyConfig& c) {
                      " topk=", c.topk, " wire=", wire_name(c.wire), " timeout_ms=", c.timeout_ms,
                      " check_finite=", c.check_finite ? 1 : 0, " shared_expert=", c.shared_expert ? 1 : 0,
                      " combine_wire=", wire_name(c.combine_wire), " num_physical_experts=", c.num_physical_experts,
-                     " max_replicas=", c.max_replicas);
+                     " max_replicas=", detail::resolved_max_replicas(c.num_experts, c.num_physical_experts,
+                                                                     c.max_replicas));
 }
 
 namespace {

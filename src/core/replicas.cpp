@@ -1,5 +1,6 @@
 #include "core/replicas.hpp"
 
+#include <algorithm>
 #include <string>
 
 #include "core/check.hpp"
@@ -19,7 +20,8 @@ ReplicaShape replica_shape(int64_t num_experts, int64_t num_physical_experts, in
           ") must be >= num_experts (", num_experts, "): every logical expert needs a physical one");
   require(num_physical_experts % ranks == 0, what, ": num_physical_experts (", num_physical_experts,
           ") must be a multiple of the group size (", ranks, ") so every rank holds the same number of experts");
-  require(num_physical_experts <= (int64_t{1} << 30), what, ": num_physical_experts must be <= 2^30, got ",
+  // Each call reads the table into per-expert arrays of P entries on the host: bounded so that they fit.
+  require(num_physical_experts <= (int64_t{1} << 20), what, ": num_physical_experts must be <= 2^20, got ",
           num_physical_experts);
   // With every row holding one entry and no id twice, a row holds at most P - E + 1 entries.
   const int64_t most = num_physical_experts - num_experts + 1;
@@ -70,6 +72,27 @@ ReplicaChoice read_replica_choice(const TensorView& table, const ReplicaShape& s
 void choose_replicas(std::vector<int32_t>& slot_expert, int64_t topk, const ReplicaChoice& choice) {
   for (size_t i = 0; i < slot_expert.size(); ++i)
     if (slot_expert[i] >= 0) slot_expert[i] = choice.pick(slot_expert[i], static_cast<int64_t>(i) / topk);
+}
+
+Tensor route_to_replicas(const TensorView& table, const ReplicaShape& shape, std::vector<int32_t>& slot_expert,
+                         int64_t tokens, int64_t topk, int rank, int ranks, const char* op) {
+  validate_replica_tensor(table, shape, op, DeviceKind::host);
+  if (!shape.enabled()) return {};
+  choose_replicas(slot_expert, topk, read_replica_choice(table, shape, rank, ranks, op));
+  Tensor chosen = Tensor::zeros_host(DType::i32, {tokens, topk});
+  std::copy(slot_expert.begin(), slot_expert.end(), chosen.data<int32_t>());
+  return chosen;
+}
+
+std::string replica_table_signature(const TensorView& table, const ReplicaShape& shape) {
+  if (!shape.enabled()) return "";
+  uint64_t hash = 1469598103934665603ull;  // FNV-1a over the entries, row by row
+  for (int64_t e = 0; e < shape.logical; ++e)
+    for (int64_t j = 0; j < shape.width; ++j) {
+      hash ^= static_cast<uint32_t>(at<int32_t>(table, e, j));
+      hash *= 1099511628211ull;
+    }
+  return cat(", expert_replicas hash ", hash);
 }
 
 }  // namespace epx::detail

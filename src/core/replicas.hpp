@@ -3,6 +3,7 @@
 // (docs/semantics.md, "Redundant experts (EPLB)").
 #pragma once
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "epx/tensor.hpp"
@@ -16,6 +17,14 @@ struct ReplicaShape {
   int64_t width = 0;     // M (0 when off)
   bool enabled() const { return width > 0; }
 };
+
+// A buffer without redundant experts: P = E, no table.
+inline ReplicaShape no_replicas(int64_t num_experts) { return {num_experts, num_experts, 0}; }
+
+// max_replicas as the buffer uses it (0 with EPLB on: P - E + 1), so that configs meaning the same agree.
+inline int64_t resolved_max_replicas(int64_t num_experts, int64_t num_physical_experts, int64_t max_replicas) {
+  return num_physical_experts > 0 && max_replicas == 0 ? num_physical_experts - num_experts + 1 : max_replicas;
+}
 
 // The experts the ranks hold: P with EPLB, else E.
 inline int64_t physical_experts(int64_t num_experts, int64_t num_physical_experts) {
@@ -49,5 +58,16 @@ ReplicaChoice read_replica_choice(const TensorView& table, const ReplicaShape& s
 
 // Rewrites logical expert ids (-1 kept) of [tokens, topk] slots to the physical ones chosen.
 void choose_replicas(std::vector<int32_t>& slot_expert, int64_t topk, const ReplicaChoice& choice);
+
+// One dispatch's replica step on the host: checks expert_replicas (present exactly when EPLB is on),
+// rewrites the slots [tokens, topk] to the physical experts chosen for source rank `rank`, and
+// returns them as topk_physical ([tokens, topk] i32; undefined when EPLB is off).
+Tensor route_to_replicas(const TensorView& table, const ReplicaShape& shape, std::vector<int32_t>& slot_expert,
+                         int64_t tokens, int64_t topk, int rank, int ranks, const char* op);
+
+// What the plan exchange compares so that every rank routes by the same table: "" when EPLB is
+// off, else a hash of the table's entries (a table that differs between ranks would send tokens
+// to a physical expert its owner counts as another logical expert's: wrong results, no error).
+std::string replica_table_signature(const TensorView& table, const ReplicaShape& shape);
 
 }  // namespace epx::detail

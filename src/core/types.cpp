@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "core/check.hpp"
+#include "core/replicas.hpp"
 #include "epx/config.hpp"
 #include "epx/dtype.hpp"
 #include "epx/ops.hpp"
@@ -55,7 +56,8 @@ std::string describe(const BufferConfig& c) {
                      " timeout_ms=", c.timeout_ms, " num_sms=", c.num_sms, " check_finite=", c.check_finite ? 1 : 0,
                      " send_blocks=", c.send_blocks, " shared_expert=", c.shared_expert ? 1 : 0,
                      " combine_wire=", wire_name(c.combine_wire), " num_physical_experts=", c.num_physical_experts,
-                     " max_replicas=", c.max_replicas);
+                     " max_replicas=", detail::resolved_max_replicas(c.num_experts, c.num_physical_experts,
+                                                                     c.max_replicas));
 }
 
 TensorView TensorView::of(void* data, DType dtype, std::initializer_list<int64_t> shape, DeviceKind device,

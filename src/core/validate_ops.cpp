@@ -88,9 +88,9 @@ void validate_dispatch_backward(const DispatchBackwardInput& in, const HandleSta
 void validate_cached_dispatch(const DispatchInput& in, const HandleState& h, const BufferConfig& c,
                               const CachedDispatchOptions& opt, DeviceKind device) {
   require(!in.topk_idx.defined() && !in.topk_weights.defined() && !in.routing_map.defined() && !in.probs.defined() &&
-              !in.shared_gate.defined(),
+              !in.shared_gate.defined() && !in.expert_replicas.defined(),
           "cached_dispatch: routing given; a cached dispatch takes the routing of its handle's dispatch (its "
-          "shared_gate too): pass x (and x_scales) only");
+          "shared_gate and replica choice too): pass x (and x_scales) only");
   validate_dispatch_x(in, c, device);
   require(in.x.shape[0] == h.tokens, "cached_dispatch: x has ", in.x.shape[0], " tokens but the handle's dispatch had ",
           h.tokens, "; pass x of the same tokens");

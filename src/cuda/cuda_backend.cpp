@@ -626,7 +626,7 @@ CudaBackend::DispatchRequest CudaBackend::read_dispatch(const DispatchInput& in,
     rq.tokens = in.x.shape[0];
     validate_routing_tensors(in, c, rq.tokens, DeviceKind::cuda);
     validate_shared_expert(in, c, opt, rq.tokens, DeviceKind::cuda);  // refuses a shared_gate (no shared expert here)
-    validate_replica_tensor(in.expert_replicas, ReplicaShape{c.num_experts, c.num_experts, 0}, "dispatch",
+    validate_replica_tensor(in.expert_replicas, no_replicas(c.num_experts), "dispatch",
                             DeviceKind::cuda);  // refuses a table (no EPLB here)
     rq.routing = routing_input(in);
     rq.has_weights = in.topk_idx.defined() ? in.topk_weights.defined() : in.probs.defined();

@@ -57,15 +57,6 @@ void HostBackend::count_load(const RecvLayout& r) {
   for (int64_t l = 0; l < local_experts_; ++l) load_.data<int64_t>()[l] += r.tokens_per_expert[first + l];
 }
 
-Tensor HostBackend::route_to_replicas(const DispatchInput& in, Routing& routing) const {
-  validate_replica_tensor(in.expert_replicas, replicas_, "dispatch", DeviceKind::host);
-  if (!replicas_.enabled()) return {};
-  choose_replicas(routing.expert, routing.topk, read_replica_choice(in.expert_replicas, replicas_, rank_, ranks_, "dispatch"));
-  Tensor chosen = Tensor::zeros_host(DType::i32, {routing.tokens, routing.topk});
-  std::copy(routing.expert.begin(), routing.expert.end(), chosen.data<int32_t>());
-  return chosen;
-}
-
 HostBackend::Call HostBackend::begin_call(const char* op) {
   const int64_t index = calls_++;
   return {cat(op, " #", index), index};

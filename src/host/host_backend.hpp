@@ -55,7 +55,6 @@ class HostBackend final : public Backend {
   // Dispatch's routing in physical experts: with EPLB, reads the call's replica table and
   // rewrites each slot's logical expert to the replica chosen; returns [T, K] of the choice
   // (empty without EPLB).
-  Tensor route_to_replicas(const DispatchInput& in, Routing& routing) const;
   // Adds a dispatch's routed segment counts to the load counters.
   void count_load(const RecvLayout& r);
 

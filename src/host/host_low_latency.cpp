@@ -73,15 +73,16 @@ class HostLowLatency final : public LowLatencyBackend {
     const std::string name = cat("ll_dispatch #", call);
     auto h = std::make_shared<LowLatencyHandleState>();
     h->owner = this;
-    std::string error;
+    std::string error, signature;
     try {
       take_rejection();
       read_dispatch_input(in, *h);
+      signature = replica_table_signature(in.expert_replicas, replicas_);  // every rank routes by one table
     } catch (const Error& e) {
       error = e.what();
     }
     if (error.empty()) send_rows(in, *h, set);
-    publish(set, name, error, /*dispatch=*/true);
+    publish(set, name, error, /*dispatch=*/true, signature);
     dispatch_pending_ = std::move(h);
     if (!error.empty()) {  // fail together: wait for the peers' receive half, then throw
       dispatch_pending_.reset();
@@ -233,10 +234,12 @@ class HostLowLatency final : public LowLatencyBackend {
 
   void sync(const std::string& what) { shared_->barrier.arrive_and_wait(rank_, timeout_, what); }
 
-  void publish(int set, const std::string& name, const std::string& error, bool dispatch) {
+  void publish(int set, const std::string& name, const std::string& error, bool dispatch,
+               const std::string& signature = "") {
     Mailbox& m = dispatch ? shared_->areas[rank_].dispatch[set].mailbox : shared_->areas[rank_].combine[set].mailbox;
     m.op = name;
     m.error = error;
+    m.signature = signature;
   }
 
   void check_mailboxes(int set, const std::string& name, bool dispatch) {
@@ -248,6 +251,13 @@ class HostLowLatency final : public LowLatencyBackend {
       if (!m.error.empty())
         fail(ErrorCode::peer_failed, name, " (rank ", rank_, "): rank ", r, " rejected its input, so the group stops: ",
              m.error);
+    }
+    const Mailbox& mine = dispatch ? shared_->areas[rank_].dispatch[set].mailbox : shared_->areas[rank_].combine[set].mailbox;
+    for (int r = 0; r < ranks_; ++r) {
+      const Mailbox& m = dispatch ? shared_->areas[r].dispatch[set].mailbox : shared_->areas[r].combine[set].mailbox;
+      if (m.signature != mine.signature)
+        fail(ErrorCode::config_mismatch, name, ": ranks disagree on the call's options: rank ", rank_, " has {",
+             mine.signature, "}, rank ", r, " has {", m.signature, "}");
     }
   }
 
@@ -286,22 +296,15 @@ class HostLowLatency final : public LowLatencyBackend {
           require(h.slot_expert[t * c.topk + j] != e, "ll_dispatch: token ", t, " selects expert ", e, " twice");
         h.slot_expert[t * c.topk + k] = static_cast<int32_t>(e);
       }
-    choose_physical(in, h);
+    // EPLB: the slots' logical experts become the physical ones the replica rule picks; the choice
+    // goes back to the caller as topk_physical.
+    h.topk_physical = route_to_replicas(in.expert_replicas, replicas_, h.slot_expert, h.tokens, c.topk, rank_, ranks_,
+                                        "ll_dispatch");
     for (int64_t t = 0; c.check_finite && t < h.num_tokens; ++t)  // the rows that count; the first NaN or infinity
       for (int64_t i = 0; i < c.hidden; ++i) {
         const float v = bf16_to_float(at<uint16_t>(in.x, t, i));
         if (is_nonfinite(v)) fail(ErrorCode::invalid_argument, "ll_dispatch: x[", t, "][", i, "] is not finite (", nonfinite_name(v), ")");
       }
-  }
-
-  // EPLB: the slots' logical experts become the physical ones the replica rule picks
-  // (core/replicas.hpp); the choice goes back to the caller as topk_physical.
-  void choose_physical(const LowLatencyDispatchInput& in, LowLatencyHandleState& h) const {
-    validate_replica_tensor(in.expert_replicas, replicas_, "ll_dispatch", DeviceKind::host);
-    if (!replicas_.enabled()) return;
-    choose_replicas(h.slot_expert, config().topk, read_replica_choice(in.expert_replicas, replicas_, rank_, ranks_, "ll_dispatch"));
-    h.topk_physical = Tensor::zeros_host(DType::i32, {h.tokens, config().topk});
-    std::copy(h.slot_expert.begin(), h.slot_expert.end(), h.topk_physical.data<int32_t>());
   }
 
   // Every (token, expert) pair to the expert's rank, at this rank's next slot of that expert.

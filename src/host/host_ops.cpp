@@ -125,7 +125,10 @@ DispatchResult HostBackend::dispatch(const DispatchInput& in, const DispatchOpti
     validate_dispatch_x(in, c, DeviceKind::host);
     routing = routing_from_input(in, c);
     validate_shared_expert(in, c, opt, routing.tokens, DeviceKind::host);
-    topk_physical = route_to_replicas(in, routing);  // from here on, experts are physical ones
+    // From here on, experts are physical ones; every rank must route by the same table.
+    topk_physical = route_to_replicas(in.expert_replicas, replicas_, routing.expert, routing.tokens, routing.topk,
+                                      rank_, ranks_, "dispatch");
+    mine.signature += replica_table_signature(in.expert_replicas, replicas_);
     if (c.check_finite) check_finite_x(in, routing.tokens, c.hidden);
     mine.tokens = routing.tokens;
     mine.expert_counts = count_per_expert(routing, replicas_.physical);
