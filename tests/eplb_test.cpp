@@ -371,28 +371,6 @@ TEST(EplbTable, ACachedDispatchRefusesATable) {
   });
 }
 
-// In low-latency mode too, tables that differ between ranks fail every rank.
-TEST(EplbLowLatency, TablesThatDifferBetweenRanksFailEveryRank) {
-  LowLatencyConfig cfg = small_ll_config(64, 4, 2, 1);
-  cfg.num_physical_experts = 4;
-  auto errors = verify::run_ranks(2, [&](const Group& g) {
-    LowLatencyBuffer b(g, cfg);
-    std::vector<int32_t> good = {0, 2, -1, 1, 3, -1}, other = {0, 3, -1, 1, 2, -1};
-    const auto x = verify::random_bf16(4 * 64, 3);
-    std::vector<int32_t> idx = {0, 1, 1, 0};
-    LowLatencyDispatchInput d;
-    d.x = bf16_view(x, 4, 64);
-    d.topk_idx = TensorView::of(idx.data(), DType::i32, {4, 1});
-    d.expert_replicas = TensorView::of(g.rank() == 0 ? other.data() : good.data(), DType::i32, {2, 3});
-    std::string what;
-    EXPECT_EQ(code_of([&] { b.dispatch(d); }, &what), ErrorCode::config_mismatch);
-    EXPECT_THAT(what, HasSubstr("expert_replicas hash"));
-    d.expert_replicas = TensorView::of(good.data(), DType::i32, {2, 3});
-    EXPECT_EQ(b.dispatch(d).topk_physical.numel(), 4);
-  });
-  for (const auto& e : errors) EXPECT_EQ(e, "");
-}
-
 // max_replicas = 0 means P - E + 1: ranks that write either agree.
 TEST(EplbConfig, TheDefaultMaxReplicasAgreesWithItsValue) {
   auto errors = verify::run_ranks(2, [&](const Group& g) {
@@ -564,26 +542,37 @@ TEST(EplbLowLatency, EqualsAPlainBufferOfThePhysicalRouting) {
   }
 }
 
-// A bad table in low-latency mode fails the call on every rank; the next one works.
-TEST(EplbLowLatency, ABadTableFailsEveryRank) {
+// Low-latency mode: rank 0 passes `table` where rank 1 passes a good one; the call fails on rank r
+// with codes[r], naming `words`, and the next one (good tables) works.
+void expect_ll_table_refused(const std::vector<int32_t>& table, const ErrorCode (&codes)[2], const std::string& words) {
   LowLatencyConfig cfg = small_ll_config(64, 4, 2, 1);
   cfg.num_physical_experts = 4;
   auto errors = verify::run_ranks(2, [&](const Group& g) {
     LowLatencyBuffer b(g, cfg);
-    std::vector<int32_t> good = {0, 2, -1, 1, 3, -1}, bad = {0, 2, -1, 1, 2, -1};
+    std::vector<int32_t> good = {0, 2, -1, 1, 3, -1}, mine = g.rank() == 0 ? table : good;
     const auto x = verify::random_bf16(4 * 64, 3);
     std::vector<int32_t> idx = {0, 1, 1, 0};
     LowLatencyDispatchInput d;
     d.x = bf16_view(x, 4, 64);
     d.topk_idx = TensorView::of(idx.data(), DType::i32, {4, 1});
-    d.expert_replicas = TensorView::of(g.rank() == 0 ? bad.data() : good.data(), DType::i32, {2, 3});
+    d.expert_replicas = TensorView::of(mine.data(), DType::i32, {2, 3});
     std::string what;
-    EXPECT_EQ(code_of([&] { b.dispatch(d); }, &what), g.rank() == 0 ? ErrorCode::invalid_argument : ErrorCode::peer_failed);
-    EXPECT_THAT(what, HasSubstr("ll_dispatch: expert_replicas[1][1] = 2 repeats expert_replicas[0][1]"));
+    EXPECT_EQ(code_of([&] { b.dispatch(d); }, &what), codes[g.rank()]);
+    EXPECT_THAT(what, HasSubstr(words));
     d.expert_replicas = TensorView::of(good.data(), DType::i32, {2, 3});
     EXPECT_EQ(b.dispatch(d).topk_physical.numel(), 4);
   });
   for (const auto& e : errors) EXPECT_EQ(e, "");
+}
+
+TEST(EplbLowLatency, ABadTableFailsEveryRank) {
+  expect_ll_table_refused({0, 2, -1, 1, 2, -1}, {ErrorCode::invalid_argument, ErrorCode::peer_failed},
+                          "ll_dispatch: expert_replicas[1][1] = 2 repeats expert_replicas[0][1]");
+}
+
+TEST(EplbLowLatency, TablesThatDifferBetweenRanksFailEveryRank) {
+  expect_ll_table_refused({0, 3, -1, 1, 2, -1}, {ErrorCode::config_mismatch, ErrorCode::config_mismatch},
+                          "expert_replicas hash");
 }
 
 }  // namespace
