@@ -214,11 +214,151 @@ TEST(SharedExpertRefusals, CapacityBelowTheSharedSegmentAndLowLatency) {
     EXPECT_EQ(code, ErrorCode::invalid_argument);
     EXPECT_THAT(what, testing::HasSubstr("shared_expert in capacity mode needs capacity_rows >= 12"));
   }
-  LowLatencyConfig ll = small_ll_config(64, 8, 4, 2);
-  ll.shared_expert = true;
-  for (const auto& [code, what] : errors_of(2, [&](const Group& g) { LowLatencyBuffer b(g, ll); })) {
-    EXPECT_EQ(code, ErrorCode::unsupported);
-    EXPECT_THAT(what, testing::HasSubstr("shared_expert is not supported in low-latency mode yet"));
+}
+
+// --- low-latency mode -------------------------------------------------------------------------
+
+// One rank's low-latency dispatch and combine, with or without the shared expert: the outputs
+// and the combined rows (y: the shared expert's rows times `shared_y`, the routed rows random).
+struct LlRun {
+  LowLatencyDispatchResult d;
+  Tensor out;
+};
+
+LlRun ll_run(const Group& g, const verify::Problem& p, bool shared, float shared_y, const float* gate) {
+  const int r = g.rank();
+  const verify::RankInput& in = p.inputs[r];
+  const int64_t h = p.cfg.hidden, k = p.cfg.topk;
+  LowLatencyConfig cfg = small_ll_config(h, p.cfg.max_tokens_per_rank, p.cfg.num_experts, k, p.cfg.wire);
+  cfg.shared_expert = shared;
+  LowLatencyBuffer b(g, cfg);
+  int32_t n = static_cast<int32_t>(in.tokens - (r % 2));  // an odd rank's last row does not count
+  LowLatencyDispatchInput d;
+  d.x = TensorView::of(const_cast<uint16_t*>(in.x.data()), DType::bf16, {in.tokens, h});
+  d.topk_idx = TensorView::of(const_cast<int32_t*>(in.idx.data()), DType::i32, {in.tokens, k});
+  d.num_tokens = TensorView::of(&n, DType::i32, {1});
+  d.topk_weights = TensorView::of(const_cast<float*>(in.weights.data()), DType::f32, {in.tokens, k});
+  if (gate) d.shared_gate = TensorView::of(const_cast<float*>(gate), DType::f32, {in.tokens});
+  LlRun run;
+  run.d = b.dispatch(d);
+  const int64_t experts = run.d.recv_x.size(0), slots = run.d.recv_x.size(1), first = shared ? 1 : 0;
+  std::vector<uint16_t> y(experts * slots * h, 0);
+  const auto routed = verify::random_bf16((experts - first) * slots * h, 700 + r);
+  std::copy(routed.begin(), routed.end(), y.begin() + first * slots * h);
+  for (int64_t i = 0; shared && i < slots * h; ++i) y[i] = float_to_bf16(shared_y * bf16_to_float(routed[i]));
+  run.out = b.combine({TensorView::of(y.data(), DType::bf16, {experts, slots, h}), {}, true}, run.d.handle);
+  return run;
+}
+
+// The routed experts are the plain buffer's, one place later; the shared one holds this rank's
+// own rows that count, in token order, encoded as every row; with zero shared rows the combine is
+// the plain one bit for bit.
+TEST(SharedExpertLowLatency, RoutedExpertsFollowTheSharedOneOfOwnTokens) {
+  for (WireFormat wire : {WireFormat::bf16, WireFormat::fp8}) {
+    verify::ProblemSpec spec;
+    spec.cfg = small_config(256, 6, 8, 3, wire);
+    spec.ranks = 2;
+    spec.seed = 31;
+    spec.unused_slot_fraction = 0.1;
+    const verify::Problem p = verify::make_problem(spec);
+    std::vector<LlRun> shared(2), plain(2);
+    auto errors = verify::run_ranks(2, [&](const Group& g) {
+      shared[g.rank()] = ll_run(g, p, true, 0.0f, nullptr);
+      plain[g.rank()] = ll_run(g, p, false, 0.0f, nullptr);
+    });
+    for (const auto& e : errors) ASSERT_EQ(e, "");
+    for (int r = 0; r < 2; ++r) {
+      const LowLatencyDispatchResult &a = shared[r].d, &b = plain[r].d;
+      const int64_t n = p.inputs[r].tokens - (r % 2), slots = b.recv_x.size(1), h = 256;
+      ASSERT_EQ(a.recv_x.size(0), b.recv_x.size(0) + 1);
+      const int64_t x_bytes = a.recv_x.numel() / a.recv_x.size(0) * dtype_size(a.recv_x.dtype());
+      EXPECT_EQ(std::memcmp(a.recv_x.data<char>() + x_bytes, b.recv_x.data<char>(), b.recv_x.numel() *
+                            dtype_size(b.recv_x.dtype())), 0) << "routed rows, rank " << r;
+      EXPECT_EQ(a.recv_count.data<int32_t>()[0], n);
+      EXPECT_TRUE(std::equal(b.recv_count.data<int32_t>(), b.recv_count.data<int32_t>() + b.recv_count.numel(),
+                             a.recv_count.data<int32_t>() + 1));
+      EXPECT_TRUE(std::equal(b.recv_layout.data<int32_t>(), b.recv_layout.data<int32_t>() + b.recv_layout.numel(),
+                             a.recv_layout.data<int32_t>() + 2 * 2)) << "rank " << r;
+      for (int s = 0; s < 2; ++s) {  // the shared expert's rows all come from this rank
+        EXPECT_EQ(a.recv_layout.data<int32_t>()[2 * s], s <= r ? 0 : n);
+        EXPECT_EQ(a.recv_layout.data<int32_t>()[2 * s + 1], s == r ? n : 0);
+      }
+      const uint16_t* x = p.inputs[r].x.data();
+      for (int64_t t = 0; t < slots; ++t) {
+        EXPECT_EQ(a.recv_src.data<int32_t>()[2 * t], t < n ? r : -1);
+        EXPECT_EQ(a.recv_src.data<int32_t>()[2 * t + 1], t < n ? t : -1);
+        if (t >= n) continue;
+        if (wire == WireFormat::bf16) {
+          EXPECT_EQ(std::memcmp(a.recv_x.data<uint16_t>() + t * h, x + t * h, 2 * h), 0) << "shared row " << t;
+        } else {
+          std::vector<uint8_t> q(h);
+          std::vector<float> sc(h / 128);
+          quantize_fp8_row(x + t * h, h, false, q.data(), sc.data());
+          EXPECT_EQ(std::memcmp(a.recv_x.data<uint8_t>() + t * h, q.data(), h), 0) << "shared row " << t;
+          EXPECT_EQ(std::memcmp(a.recv_scales.data<float>() + t * (h / 128), sc.data(), 4 * (h / 128)), 0);
+        }
+      }
+      ASSERT_EQ(shared[r].out.numel(), plain[r].out.numel());
+      EXPECT_EQ(std::memcmp(shared[r].out.data<uint16_t>(), plain[r].out.data<uint16_t>(), 2 * plain[r].out.numel()), 0)
+          << "combine with zero shared rows, rank " << r;
+    }
+  }
+}
+
+// As TheSharedTermComesAfterTheRanks: the routed partials cancel (-1 from rank 0, +1 from rank 1),
+// then the shared row adds 2^-30 times its gate; before the ranks it would round away.
+TEST(SharedExpertLowLatency, TheSharedTermComesAfterTheRanksWeightedByTheGate) {
+  const int64_t h = 8;
+  LowLatencyConfig cfg = small_ll_config(h, 1, 2, 2);
+  cfg.shared_expert = true;
+  uint16_t result = 0;
+  auto errors = verify::run_ranks(2, [&](const Group& g) {
+    LowLatencyBuffer b(g, cfg);
+    const int64_t tokens = g.rank() == 0 ? 1 : 0;
+    std::vector<uint16_t> x(h, float_to_bf16(1.0f));
+    std::vector<int32_t> idx = {0, 1};
+    std::vector<float> w(2, 1.0f), gate = {0.5f};
+    LowLatencyDispatchInput in;
+    in.x = TensorView::of(x.data(), DType::bf16, {tokens, h});
+    in.topk_idx = TensorView::of(idx.data(), DType::i32, {tokens, 2});
+    in.topk_weights = TensorView::of(w.data(), DType::f32, {tokens, 2});
+    in.shared_gate = TensorView::of(gate.data(), DType::f32, {tokens});
+    auto d = b.dispatch(in);
+    const int64_t experts = d.recv_x.size(0), slots = d.recv_x.size(1);
+    std::vector<uint16_t> y(experts * slots * h);
+    for (int64_t e = 0; e < experts; ++e)  // expert 0 (shared) 2^-30; the routed -1 on rank 0, 1 on rank 1
+      std::fill_n(&y[e * slots * h], slots * h, float_to_bf16(e == 0 ? 0x1p-30f : g.rank() == 0 ? -1.0f : 1.0f));
+    auto out = b.combine({TensorView::of(y.data(), DType::bf16, {experts, slots, h}), {}, true}, d.handle);
+    if (g.rank() == 0) result = out.data<uint16_t>()[0];
+  });
+  for (auto& e : errors) EXPECT_EQ(e, "");
+  EXPECT_EQ(result, float_to_bf16(0x1p-31f));
+}
+
+TEST(SharedExpertLowLatency, AGateNeedsTheSharedExpertAndAWeightedCombine) {
+  const int64_t h = 64;
+  for (bool shared : {false, true}) {
+    LowLatencyConfig cfg = small_ll_config(h, 4, 4, 2);
+    cfg.shared_expert = shared;
+    const auto errors = errors_of(2, [&](const Group& g) {
+      LowLatencyBuffer b(g, cfg);
+      const auto x = verify::random_bf16(4 * h, 5);
+      std::vector<int32_t> idx = {0, 1, 2, 3, 1, 2, 0, 3};
+      std::vector<float> gate(4, 1.0f);
+      LowLatencyDispatchInput in;
+      in.x = bf16_view(x, 4, h);
+      in.topk_idx = TensorView::of(idx.data(), DType::i32, {4, 2});
+      in.shared_gate = TensorView::of(gate.data(), DType::f32, {4});
+      auto d = b.dispatch(in);
+      std::vector<uint16_t> y(d.recv_x.numel(), 0);
+      b.combine({TensorView::of(y.data(), DType::bf16, {d.recv_x.size(0), d.recv_x.size(1), h}), {}, false},
+                d.handle);
+    });
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(errors[r].first, ErrorCode::invalid_argument) << "rank " << r;
+      EXPECT_THAT(errors[r].second, testing::HasSubstr(shared ? "only a weighted combine applies"
+                                                              : "shared_gate given but the buffer has no shared expert"));
+    }
   }
 }
 

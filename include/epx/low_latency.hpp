@@ -22,8 +22,10 @@ struct LowLatencyConfig {
   // BufferConfig::check_finite; the CUDA backend scans on the device, and (like a bad expert id)
   // the next call raises it on every rank.
   bool check_finite = false;
-  // The fused shared expert of BufferConfig: not in low-latency mode yet; creation refuses it
-  // (unsupported). docs/low-latency.md.
+  // The fused shared expert, as BufferConfig's: ll_dispatch's outputs get one more leading
+  // expert, the shared one, holding this rank's own tokens (rows 0..num_tokens-1), and
+  // ll_combine adds its output row after the routed ones. The CPU backend only, for now.
+  // docs/low-latency.md.
   bool shared_expert = false;
   // As BufferConfig::combine_wire: each (token, rank) partial of ll_combine crosses back as bf16,
   // or quantized to fp8 / fp8_ue8m0. docs/low-latency.md.
@@ -46,6 +48,9 @@ struct LowLatencyDispatchInput {
   TensorView topk_weights;
   // [E, M] i32 with num_physical_experts > 0 (refused otherwise), as DispatchInput's.
   TensorView expert_replicas;
+  // Optional [T] f32 with shared_expert: the weight of token t's shared row in a weighted
+  // ll_combine (1 without it).
+  TensorView shared_gate;
 };
 
 namespace detail {
@@ -66,6 +71,7 @@ class LowLatencyHandle {
 };
 
 struct LowLatencyDispatchResult {
+  // With shared_expert every leading [L] is [1 + L], the shared expert first.
   Tensor recv_x;             // [L, R*M, H] bf16 | [L, R*M, H] fp8_e4m3 | [L, R*M, H/2] e2m1x2
   Tensor recv_scales;        // fp8: [L, R*M, H/128] f32; nvfp4: [L, R*M, H/16] fp8_e4m3
   Tensor recv_global_scale;  // nvfp4: [L, R*M] f32, 1/g of each row
@@ -77,7 +83,7 @@ struct LowLatencyDispatchResult {
 };
 
 struct LowLatencyCombineInput {
-  TensorView y;             // [L, R*M, H] bf16: the expert outputs, rows as dispatched
+  TensorView y;             // [L, R*M, H] bf16 ([1 + L, ...] with shared_expert): expert outputs, rows as dispatched
   TensorView topk_weights;  // [T, K] f32 (weighted combine), the dispatch's T; empty when ll_dispatch took them
   bool weighted = true;     // false: plain sum of the expert rows
 };

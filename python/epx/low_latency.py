@@ -81,6 +81,7 @@ class LowLatencyBuffer:
         self.num_physical_experts = c.num_physical_experts or c.num_experts  # P (= E without EPLB)
         self.num_local_experts = self.num_physical_experts // group.size  # local physical experts
         self.eplb = c.num_physical_experts > 0
+        self.shared_expert = c.shared_expert  # the outputs lead with the shared expert: [1 + L, ...]
         self._cuda = self.device.type == "cuda"
         self._stream = None
         self.dispatch_calls = 0  # calls started so far, of each kind
@@ -102,25 +103,27 @@ class LowLatencyBuffer:
     # --- dispatch ------------------------------------------------------------------------------
 
     def dispatch(self, x, topk_idx, *, num_tokens=None, topk_weights=None, nvfp4_global_scale=0.0, clone=False,
-                 expert_replicas=None):
+                 expert_replicas=None, shared_gate=None):
         """x [T, H] bfloat16 (T <= max_tokens_per_rank), topk_idx [T, K]; num_tokens: optional [1] int32 on the
         device (rows that count; may change between graph replays); topk_weights: the combine's weights, sent now.
-        expert_replicas: [E, M] int32, required with num_physical_experts > 0 (docs/semantics.md, EPLB)."""
+        expert_replicas: [E, M] int32, required with num_physical_experts > 0 (docs/semantics.md, EPLB).
+        shared_gate: [T] float32 with shared_expert: each token's shared-row weight in a weighted combine
+        (the outputs then lead with the shared expert: [1 + L, ...], docs/low-latency.md)."""
         call = self._start_dispatch()
-        inputs = self._dispatch_inputs(x, topk_idx, num_tokens, topk_weights, expert_replicas)
+        inputs = self._dispatch_inputs(x, topk_idx, num_tokens, topk_weights, expert_replicas, shared_gate)
         self._use_current_stream()
-        result = self._c.dispatch(*inputs[:4], float(nvfp4_global_scale), inputs[4])
+        result = self._c.dispatch(*inputs[:4], float(nvfp4_global_scale), *inputs[4:])
         return self._dispatch_output(result, call, topk_weights is not None, clone)
 
     def dispatch_send(self, x, topk_idx, *, num_tokens=None, topk_weights=None, nvfp4_global_scale=0.0,
-                      expert_replicas=None):
+                      expert_replicas=None, shared_gate=None):
         """The send half: returns at once. Its dispatch_recv must come before the next dispatch_send."""
         call = self._start_dispatch()
-        inputs = self._dispatch_inputs(x, topk_idx, num_tokens, topk_weights, expert_replicas)
+        inputs = self._dispatch_inputs(x, topk_idx, num_tokens, topk_weights, expert_replicas, shared_gate)
         self._use_current_stream()
-        self._c.dispatch_send(*inputs[:4], float(nvfp4_global_scale), inputs[4])
+        self._c.dispatch_send(*inputs[:4], float(nvfp4_global_scale), *inputs[4:])
         self._pending_dispatch = (call, topk_weights is not None)
-        self._pending_dispatch_inputs = (x, topk_idx, num_tokens, topk_weights, expert_replicas)
+        self._pending_dispatch_inputs = (x, topk_idx, num_tokens, topk_weights, expert_replicas, shared_gate)
 
     def dispatch_recv(self, clone=False):
         """The receive half: waits for every peer."""
@@ -183,10 +186,10 @@ class LowLatencyBuffer:
 
     # --- helpers -------------------------------------------------------------------------------
 
-    def _dispatch_inputs(self, x, topk_idx, num_tokens, topk_weights, expert_replicas):
+    def _dispatch_inputs(self, x, topk_idx, num_tokens, topk_weights, expert_replicas, shared_gate):
         specs = (("ll_dispatch: x", x, _BF16), ("ll_dispatch: topk_idx", topk_idx, _INDEX),
                  ("ll_dispatch: num_tokens", num_tokens, _I32), ("ll_dispatch: topk_weights", topk_weights, _F32),
-                 ("ll_dispatch: expert_replicas", expert_replicas, _I32))
+                 ("ll_dispatch: expert_replicas", expert_replicas, _I32), ("ll_dispatch: shared_gate", shared_gate, _F32))
         for what, t, allowed in specs:
             if t is not None:
                 reason = problem(t, what, allowed, self.device)

@@ -31,7 +31,7 @@ _lib.define("dispatch_backward(int buffer, Tensor grad_recv_x, Tensor? grad_recv
 _lib.define("combine_backward(int buffer, Tensor grad_out, Tensor? y, Tensor handle, bool weighted, "
             "SymInt rows) -> Tensor[]")
 _lib.define("ll_dispatch(int buffer, Tensor x, Tensor topk_idx, Tensor? num_tokens, Tensor? topk_weights, "
-            "float nvfp4_global_scale, Tensor? expert_replicas=None) -> Tensor[]")
+            "float nvfp4_global_scale, Tensor? expert_replicas=None, Tensor? shared_gate=None) -> Tensor[]")
 _lib.define("ll_combine(int buffer, Tensor y, Tensor handle, Tensor? topk_weights, bool weighted, "
             "SymInt tokens) -> Tensor")
 
@@ -67,7 +67,8 @@ def dispatch_outputs(buffer, layout, rows, tokens=0):
 
 def ll_dispatch_outputs(buffer, tokens=0):
     """(shape, dtype) of each tensor of the ll_dispatch op after the token, None where absent."""
-    h, local, wire = buffer.hidden, buffer.num_local_experts, buffer.wire_code
+    h, wire = buffer.hidden, buffer.wire_code
+    local = buffer.num_local_experts + (1 if buffer.shared_expert else 0)  # shared_expert: its expert first
     slots = buffer.num_ranks * buffer.max_tokens_per_rank
     if wire == WireFormat.bf16:
         x, scales = ((local, slots, h), torch.bfloat16), None
@@ -151,10 +152,11 @@ def _gate_grad(buffer, grad, flows, tokens, device):
     return grad
 
 
-def _ll_dispatch(buffer_id, x, topk_idx, num_tokens, topk_weights, nvfp4_global_scale, expert_replicas=None):
+def _ll_dispatch(buffer_id, x, topk_idx, num_tokens, topk_weights, nvfp4_global_scale, expert_replicas=None,
+                 shared_gate=None):
     buffer = registry.get(buffer_id)
     d = buffer.dispatch(x, topk_idx, num_tokens=num_tokens, topk_weights=topk_weights,
-                        nvfp4_global_scale=nvfp4_global_scale, expert_replicas=expert_replicas)
+                        nvfp4_global_scale=nvfp4_global_scale, expert_replicas=expert_replicas, shared_gate=shared_gate)
     return [d.handle.token] + _fill(list(d[:6]) + [d.topk_physical], ll_dispatch_outputs(buffer, x.shape[0]), x.device)
 
 
@@ -208,7 +210,8 @@ def _combine_backward_fake(buffer_id, grad_out, y, token, weighted, rows):
     return [grad_out.new_empty((rows, c.hidden), dtype=torch.bfloat16), gw, gs]
 
 
-def _ll_dispatch_fake(buffer_id, x, topk_idx, num_tokens, topk_weights, nvfp4_global_scale, expert_replicas=None):
+def _ll_dispatch_fake(buffer_id, x, topk_idx, num_tokens, topk_weights, nvfp4_global_scale, expert_replicas=None,
+                      shared_gate=None):
     specs = ll_dispatch_outputs(registry.get(buffer_id), x.shape[0])
     token = torch.empty(4, dtype=torch.int64, device=_token_device(x.device))
     return [token] + [_empty(torch.float32, x.device) if s is None else x.new_empty(s[0], dtype=s[1]) for s in specs]

@@ -103,11 +103,11 @@ def combine(buffer, y, handle, *, shared_out=None, weighted=None):
 
 
 def ll_dispatch(buffer, x, topk_idx, *, num_tokens=None, topk_weights=None, nvfp4_global_scale=0.0,
-                expert_replicas=None):
+                expert_replicas=None, shared_gate=None):
     """LowLatencyBuffer.dispatch through torch.ops.epx.ll_dispatch (no autograd: decode). Traces under
     torch.compile; the outputs are views of the buffer's receive set (low_latency.py, lifetimes)."""
     outs = _torch.ops.epx.ll_dispatch(buffer.id, x, topk_idx, num_tokens, topk_weights, float(nvfp4_global_scale),
-                                      expert_replicas)
+                                      expert_replicas, shared_gate)
     keep = present(ll_dispatch_outputs(buffer))
     tensors = [t if real else None for t, real in zip(outs[1:], keep)]
     handle = LowLatencyHandle(outs[0], buffer.id, -1, x.shape[0], topk_weights is not None)

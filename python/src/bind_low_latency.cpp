@@ -53,7 +53,8 @@ class PyLowLatency {
   }
 
   LowLatencyDispatchInput dispatch_input(py::handle x, py::handle topk_idx, py::handle num_tokens,
-                                         py::handle topk_weights, float nvfp4_global_scale, py::handle replicas) {
+                                         py::handle topk_weights, float nvfp4_global_scale, py::handle replicas,
+                                         py::handle shared_gate) {
     LowLatencyDispatchInput in;
     try {
       in.x = input_view(x, "ll_dispatch: x");
@@ -61,6 +62,7 @@ class PyLowLatency {
       in.num_tokens = input_view(num_tokens, "ll_dispatch: num_tokens");
       in.topk_weights = input_view(topk_weights, "ll_dispatch: topk_weights");
       in.expert_replicas = input_view(replicas, "ll_dispatch: expert_replicas");
+      in.shared_gate = input_view(shared_gate, "ll_dispatch: shared_gate");
     } catch (const BindingError& e) {
       reject_dispatch(e.what());
     }
@@ -107,7 +109,7 @@ LowLatencyConfig make_config(int64_t hidden, int64_t max_tokens_per_rank, int64_
   c.wire = static_cast<WireFormat>(wire);  // epx refuses unknown codes, on every rank
   c.timeout_ms = timeout_ms;
   c.check_finite = check_finite;
-  c.shared_expert = shared_expert;  // refused at creation (unsupported), on every rank
+  c.shared_expert = shared_expert;  // the CPU backend's only (the CUDA one refuses it at creation)
   c.combine_wire = static_cast<WireFormat>(combine_wire);  // refused, on every rank, when unknown
   c.num_physical_experts = num_physical_experts;
   c.max_replicas = max_replicas;
@@ -157,8 +159,8 @@ void bind_low_latency(py::module_& m) {
       .def("expert_load", [](PyLowLatency& b) { return export_tensor(b.buffer().expert_load()); })
       .def("reset_expert_load", [](PyLowLatency& b) { b.buffer().reset_expert_load(); })
       .def("dispatch", [](PyLowLatency& b, py::handle x, py::handle idx, py::handle num_tokens, py::handle weights,
-                          float gscale, py::handle replicas) {
-        const LowLatencyDispatchInput in = b.dispatch_input(x, idx, num_tokens, weights, gscale, replicas);
+                          float gscale, py::handle replicas, py::handle gate) {
+        const LowLatencyDispatchInput in = b.dispatch_input(x, idx, num_tokens, weights, gscale, replicas, gate);
         LowLatencyDispatchResult r;
         {
           py::gil_scoped_release release;
@@ -167,8 +169,8 @@ void bind_low_latency(py::module_& m) {
         return export_dispatch(r, in.x.shape[0]);
       })
       .def("dispatch_send", [](PyLowLatency& b, py::handle x, py::handle idx, py::handle num_tokens,
-                               py::handle weights, float gscale, py::handle replicas) {
-        const LowLatencyDispatchInput in = b.dispatch_input(x, idx, num_tokens, weights, gscale, replicas);
+                               py::handle weights, float gscale, py::handle replicas, py::handle gate) {
+        const LowLatencyDispatchInput in = b.dispatch_input(x, idx, num_tokens, weights, gscale, replicas, gate);
         py::gil_scoped_release release;
         b.buffer().dispatch_send(in);
         b.pending_tokens = in.x.shape[0];

@@ -126,10 +126,40 @@ def test_autograd_reaches_the_shared_gate(weights_in_combine):
             assert_close_sum(got, ref, ref.abs() + 1.0, f"rank {r} {what}", rel=2.0 ** -4)
 
 
-def test_low_latency_refuses_the_shared_expert_as_unsupported():
+def test_low_latency_shared_expert_matches_the_dense_layer():
+    """LowLatencyBuffer(shared_expert=True): the outputs lead with the shared expert (this rank's own rows
+    0..T-1), and a weighted ll_combine adds its rows times the gate: a decode MoE layer (routed and gated
+    shared experts, each a linear map) against the dense layer; also through torch.ops.epx.ll_dispatch."""
+    tokens = [5, 3]
+    p = Problem(RANKS, HIDDEN, EXPERTS, TOPK, tokens, seed=23, unused=0.2)
+    routed, shared = weights(seed=6)
+    gates = [torch.rand(t, generator=torch.Generator().manual_seed(25 + t)) for t in tokens]
+    groups = epx.Group.host(RANKS)
+
+    def rank(g):  # creation is collective: on each rank's thread
+        r = g.rank
+        b = epx.LowLatencyBuffer(g, HIDDEN, max(tokens), EXPERTS, TOPK, shared_expert=True, timeout_ms=20000)
+        d = b.dispatch(p.x[r], p.idx[r], topk_weights=p.w[r], shared_gate=gates[r])
+        slots = RANKS * max(tokens)
+        assert d.recv_x.shape == (1 + LOCAL, slots, HIDDEN) and int(d.recv_count[0]) == tokens[r]
+        assert torch.equal(d.recv_x[0, :tokens[r]], p.x[r])
+        stacked = torch.cat([shared[None], routed[r * LOCAL:(r + 1) * LOCAL]])
+        y = torch.stack([(d.recv_x[e].float() @ stacked[e]).bfloat16() for e in range(1 + LOCAL)])
+        out = b.combine(y, d.handle)
+        op = torch.ops.epx.ll_dispatch(b.id, p.x[r], p.idx[r], None, p.w[r], 0.0, None, gates[r])
+        assert op[1].shape == (1 + LOCAL, slots, HIDDEN) and torch.equal(op[1][0, :tokens[r]], p.x[r])
+        return out
+
+    for r, out in enumerate(run_all(groups, rank)):
+        want = dense_layer(p.x[r], p.idx[r], p.w[r], gates[r], routed, shared)
+        assert_close_sum(out, want, want.abs() + 1.0, f"rank {r} out", rel=2.0 ** -5)
+
+
+def test_low_latency_gate_needs_the_shared_expert():
     groups = epx.Group.host(2)
-    _, errors = run_ranks(
-        groups, lambda g: epx.LowLatencyBuffer(g, 64, 8, 4, 2, shared_expert=True, timeout_ms=20000))
+    x = torch.zeros(4, 64).bfloat16()
+    idx = torch.tensor([[0, 1], [2, 3], [1, 2], [0, 3]])
+    _, errors = run_ranks(groups, lambda g: epx.LowLatencyBuffer(g, 64, 4, 4, 2, timeout_ms=20000).dispatch(
+        x, idx, shared_gate=torch.ones(4)))
     for e in errors:
-        assert isinstance(e, epx.Unsupported), repr(e)
-        assert "shared_expert is not supported in low-latency mode yet" in str(e)
+        assert isinstance(e, epx.InvalidArgument) and "shared_gate given but the buffer has no shared expert" in str(e)

@@ -24,6 +24,8 @@ struct LowLatencyHandleState {
   bool weights_at_dispatch = false;   // ll_dispatch took the combine's weights
   std::vector<float> dispatch_weights;  // CPU backend: [T*K] those weights
   Tensor topk_physical;                 // CPU backend, EPLB: [T, K] the choice, until dispatch_recv returns it
+  bool has_shared_gate = false;         // shared_expert: ll_dispatch took a shared_gate
+  std::vector<float> shared_weight;     // CPU backend, shared_expert: [T] each token's shared-row weight (1 without a gate)
   // Receiver side: for each row (l, j < count[l]) of the dispatch output, where it came from.
   std::vector<int32_t> recv_count;   // [L]
   std::vector<int32_t> src_rank;     // [L * R * M]
@@ -88,6 +90,13 @@ class LowLatencyBackend {
     if (in.topk_weights.defined())
       check_tensor(in.topk_weights, "ll_dispatch: topk_weights", cat("[T=", tokens, ", K=", config_.topk, "]"), DType::f32,
                    {tokens, config_.topk}, kind);
+    if (!config_.shared_expert) {
+      require(!in.shared_gate.defined(), "ll_dispatch: shared_gate given but the buffer has no shared expert; create "
+              "it with shared_expert=true or drop shared_gate");
+      return;
+    }
+    if (in.shared_gate.defined())
+      check_tensor(in.shared_gate, "ll_dispatch: shared_gate", cat("[T=", tokens, "]"), DType::f32, {tokens}, kind);
   }
   void check_combine_weights(const LowLatencyCombineInput& in, const LowLatencyHandleState& h, DeviceKind kind) const {
     if (!in.weighted) return;

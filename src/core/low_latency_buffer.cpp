@@ -35,11 +35,6 @@ void validate(const LowLatencyConfig& c, int ranks) {
             ", got ", c.hidden);
   detail::validate_combine_wire(c.combine_wire, c.hidden, "low-latency buffer");
   detail::replica_shape(c.num_experts, c.num_physical_experts, c.max_replicas, ranks, "low-latency buffer");
-  // A valid request not served yet, on any backend: unsupported, agreed like any refusal.
-  if (c.shared_expert)
-    detail::fail(ErrorCode::unsupported,
-                 "low-latency buffer: shared_expert is not supported in low-latency mode yet; compute the shared "
-                 "expert on x and add it to the combine output");
 }
 }  // namespace
 

@@ -222,8 +222,7 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
     refuse_low_precision_combine(config.combine_wire, "buffer");
     refuse_redundant_experts(config.num_physical_experts, "buffer");
     require(ranks_ <= kMaxRanks, "buffer: the CUDA backend supports at most ", kMaxRanks, " ranks, got ", ranks_);
-    if (config.shared_expert)  // a valid config (the CPU backend serves it): unsupported, not invalid
-      fail(ErrorCode::unsupported, "buffer: the CUDA backend does not have the fused shared expert yet (shared_expert)");
+    refuse_shared_expert(config.shared_expert, "buffer");
     require(config.max_tokens_per_rank < (int64_t{1} << (32 - kRangeCountBits)),
             "buffer: the CUDA backend supports max_tokens_per_rank < 2^27, got ", config.max_tokens_per_rank);
     device_ = state->device(rank_);

@@ -42,6 +42,12 @@ inline void refuse_redundant_experts(int64_t num_physical_experts, const char* w
          "(num_physical_experts=", num_physical_experts, "); only the CPU backend has them");
 }
 
+// The fused shared expert (BufferConfig / LowLatencyConfig::shared_expert): the CPU backend's only.
+inline void refuse_shared_expert(bool shared_expert, const char* what) {
+  if (shared_expert)  // a valid config (the CPU backend serves it): unsupported, not invalid
+    fail(ErrorCode::unsupported, what, ": the CUDA backend does not have the fused shared expert yet (shared_expert)");
+}
+
 // Buffer::expert_load and LowLatencyBuffer::expert_load: the CUDA backends keep no load
 // counters yet.
 [[noreturn]] inline void refuse_expert_load(const char* what) {

@@ -44,6 +44,7 @@ class CudaLowLatency final : public LowLatencyBackend {
       require(state != nullptr, "low-latency buffer: group is not a CUDA group");
       refuse_low_precision_combine(c.combine_wire, "low-latency buffer");
       refuse_redundant_experts(c.num_physical_experts, "low-latency buffer");
+      refuse_shared_expert(c.shared_expert, "low-latency buffer");
       require(ranks_ <= kMaxRanks, "low-latency buffer: at most ", kMaxRanks, " ranks, got ", ranks_);
       require(c.num_experts <= kMaxLlExperts, "low-latency buffer: at most ", kMaxLlExperts, " experts, got ",
               c.num_experts);

@@ -45,7 +45,10 @@ struct LowLatencyShared {
 class HostLowLatency final : public LowLatencyBackend {
  public:
   HostLowLatency(const Group& group, const LowLatencyConfig& c)
-      : LowLatencyBackend(group, c), combine_wire_(wire_row(c.combine_wire, c.hidden)) {
+      : LowLatencyBackend(group, c),
+        combine_wire_(wire_row(c.combine_wire, c.hidden)),
+        first_routed_(c.shared_expert ? 1 : 0),
+        segments_(first_routed_ + local_) {
     auto* state = dynamic_cast<HostGroupState*>(group.state().get());
     require(state != nullptr, "low-latency buffer: group is not a host group");
     // Before joining anything; a bad EPX_TIMEOUT_MS is refused here, on every rank.
@@ -82,6 +85,7 @@ class HostLowLatency final : public LowLatencyBackend {
       error = e.what();
     }
     if (error.empty()) send_rows(in, *h, set);
+    if (error.empty() && config().shared_expert) keep_shared_rows(in, *h);
     publish(set, name, error, /*dispatch=*/true, signature);
     dispatch_pending_ = std::move(h);
     if (!error.empty()) {  // fail together: wait for the peers' receive half, then throw
@@ -104,20 +108,22 @@ class HostLowLatency final : public LowLatencyBackend {
     const LowLatencyArea::DispatchSet& area = shared_->areas[rank_].dispatch[set];
     LowLatencyDispatchResult out;
     allocate(out);
-    h->recv_count.assign(local_, 0);
-    h->src_rank.assign(local_ * slots_, -1);
-    h->src_token.assign(local_ * slots_, -1);
-    h->src_slot.assign(local_ * slots_, -1);
+    h->recv_count.assign(segments_, 0);
+    h->src_rank.assign(segments_ * slots_, -1);
+    h->src_token.assign(segments_ * slots_, -1);
+    h->src_slot.assign(segments_ * slots_, -1);
     auto* layout = out.recv_layout.data<int32_t>();
     auto* src = out.recv_src.data<int32_t>();
+    if (c.shared_expert) place_shared_rows(out, *h);
     for (int64_t l = 0; l < local_; ++l) {
+      const int64_t o = first_routed_ + l;  // the output's expert: the shared one comes first
       int64_t row = 0;
       for (int s = 0; s < ranks_; ++s) {
         const int64_t n = area.count[l * ranks_ + s];
-        layout[(l * ranks_ + s) * 2] = static_cast<int32_t>(row);
-        layout[(l * ranks_ + s) * 2 + 1] = static_cast<int32_t>(n);
+        layout[(o * ranks_ + s) * 2] = static_cast<int32_t>(row);
+        layout[(o * ranks_ + s) * 2 + 1] = static_cast<int32_t>(n);
         for (int64_t i = 0; i < n; ++i, ++row) {
-          const int64_t from = l * slots_ + s * c.max_tokens_per_rank + i, to = l * slots_ + row;
+          const int64_t from = l * slots_ + s * c.max_tokens_per_rank + i, to = o * slots_ + row;
           store(out, to, &area.payload[from * wire_.bytes()]);
           src[2 * to] = s;
           src[2 * to + 1] = area.token[from];
@@ -126,8 +132,8 @@ class HostLowLatency final : public LowLatencyBackend {
           h->src_slot[to] = area.slot[from];
         }
       }
-      h->recv_count[l] = static_cast<int32_t>(row);
-      out.recv_count.data<int32_t>()[l] = static_cast<int32_t>(row);
+      h->recv_count[o] = static_cast<int32_t>(row);
+      out.recv_count.data<int32_t>()[o] = static_cast<int32_t>(row);
       load_.data<int64_t>()[l] += row;
     }
     out.topk_physical = std::move(h->topk_physical);
@@ -151,24 +157,29 @@ class HostLowLatency final : public LowLatencyBackend {
       require(handle.valid(), "ll_combine: the handle is empty; pass the handle ll_dispatch returned");
       require(handle.state().owner == this, "ll_combine: the handle belongs to another buffer or rank");
       h = &handle.state();
-      check_tensor(in.y, "ll_combine: y", cat("[L=", local_, ", R*M=", slots_, ", H=", c.hidden, "]"), DType::bf16,
-                   {local_, slots_, c.hidden}, DeviceKind::host);
+      check_tensor(in.y, "ll_combine: y",
+                   cat("[", c.shared_expert ? "1 + L=" : "L=", segments_, ", R*M=", slots_, ", H=", c.hidden, "]"),
+                   DType::bf16, {segments_, slots_, c.hidden}, DeviceKind::host);
       require(in.y.is_contiguous(), "ll_combine: y must be contiguous");
       check_combine_weights(in, *h, DeviceKind::host);
+      require(in.weighted || !h->has_shared_gate, "ll_combine: this handle's ll_dispatch took a shared_gate, which "
+              "only a weighted combine applies; combine weighted, or dispatch without the gate");
     } catch (const Error& e) {
       error = e.what();
     }
     if (error.empty()) {
       // Each expert row goes back to its source, into the (token, slot) place it came from.
       const uint16_t* y = in.y.ptr<const uint16_t>();
-      for (int64_t l = 0; l < local_; ++l)
-        for (int64_t j = 0; j < h->recv_count[l]; ++j) {
-          const int64_t row = l * slots_ + j;
+      for (int64_t o = first_routed_; o < segments_; ++o)
+        for (int64_t j = 0; j < h->recv_count[o]; ++j) {
+          const int64_t row = o * slots_ + j;
           LowLatencyArea::CombineSet& dst = shared_->areas[h->src_rank[row]].combine[set];
           const int64_t at = static_cast<int64_t>(h->src_token[row]) * c.topk + h->src_slot[row];
           std::memcpy(&dst.rows[at * c.hidden], y + row * c.hidden, 2 * c.hidden);
         }
       combine_pending_ = {handle.state_ptr(), in.weighted, in.topk_weights};
+      if (c.shared_expert)  // the shared expert's rows stay here: this rank's own tokens, rows 0..
+        combine_pending_.shared_rows.assign(y, y + h->num_tokens * c.hidden);
     }
     publish(set, name, error, /*dispatch=*/false);
     if (!error.empty()) {
@@ -220,6 +231,11 @@ class HostLowLatency final : public LowLatencyBackend {
         encode_partial(combine_wire_, rounded.data(), wire_partial.data());
         add_partial(combine_wire_, wire_partial.data(), acc.data());
       }
+      if (c.shared_expert) {  // then the shared expert's row, weighted by the gate (as Buffer's combine)
+        const uint16_t* y = &p.shared_rows[t * c.hidden];
+        if (p.weighted) fma_row(acc.data(), h.shared_weight[t], y, c.hidden);
+        else add_row(acc.data(), y, c.hidden);
+      }
       round_row(out.data<uint16_t>() + t * c.hidden, acc.data(), c.hidden);
     }
     return out;
@@ -230,6 +246,7 @@ class HostLowLatency final : public LowLatencyBackend {
     std::shared_ptr<const LowLatencyHandleState> handle;
     bool weighted = false;
     TensorView weights;
+    std::vector<uint16_t> shared_rows;  // shared_expert: [num_tokens, H] the shared expert's output rows
   };
 
   void sync(const std::string& what) { shared_->barrier.arrive_and_wait(rank_, timeout_, what); }
@@ -280,6 +297,12 @@ class HostLowLatency final : public LowLatencyBackend {
       h.num_tokens = n;
     }
     check_dispatch_weights(in, h.tokens, DeviceKind::host);
+    if (c.shared_expert) {  // each token's shared-row weight: its gate, or 1
+      h.has_shared_gate = in.shared_gate.defined();
+      h.shared_weight.assign(h.tokens, 1.0f);
+      for (int64_t t = 0; h.has_shared_gate && t < h.tokens; ++t)
+        h.shared_weight[t] = in.shared_gate.ptr<const float>()[t * in.shared_gate.strides[0]];
+    }
     if (in.topk_weights.defined()) {  // kept for this dispatch's combine
       h.weights_at_dispatch = true;
       h.dispatch_weights.resize(h.tokens * c.topk);
@@ -336,22 +359,52 @@ class HostLowLatency final : public LowLatencyBackend {
   void allocate(LowLatencyDispatchResult& out) const {
     const LowLatencyConfig& c = config();
     switch (c.wire) {
-      case WireFormat::bf16: out.recv_x = Tensor::zeros_host(DType::bf16, {local_, slots_, c.hidden}); break;
+      case WireFormat::bf16: out.recv_x = Tensor::zeros_host(DType::bf16, {segments_, slots_, c.hidden}); break;
       case WireFormat::fp8:
       case WireFormat::fp8_ue8m0:
-        out.recv_x = Tensor::zeros_host(DType::fp8_e4m3, {local_, slots_, c.hidden});
-        out.recv_scales = Tensor::zeros_host(DType::f32, {local_, slots_, c.hidden / kFp8Block});
+        out.recv_x = Tensor::zeros_host(DType::fp8_e4m3, {segments_, slots_, c.hidden});
+        out.recv_scales = Tensor::zeros_host(DType::f32, {segments_, slots_, c.hidden / kFp8Block});
         break;
       case WireFormat::nvfp4:
-        out.recv_x = Tensor::zeros_host(DType::e2m1x2, {local_, slots_, c.hidden / 2});
-        out.recv_scales = Tensor::zeros_host(DType::fp8_e4m3, {local_, slots_, c.hidden / kNvfp4Block});
-        out.recv_global_scale = Tensor::zeros_host(DType::f32, {local_, slots_});
+        out.recv_x = Tensor::zeros_host(DType::e2m1x2, {segments_, slots_, c.hidden / 2});
+        out.recv_scales = Tensor::zeros_host(DType::fp8_e4m3, {segments_, slots_, c.hidden / kNvfp4Block});
+        out.recv_global_scale = Tensor::zeros_host(DType::f32, {segments_, slots_});
         break;
     }
-    out.recv_count = Tensor::zeros_host(DType::i32, {local_});
-    out.recv_src = Tensor::zeros_host(DType::i32, {local_, slots_, 2});
-    std::fill_n(out.recv_src.data<int32_t>(), 2 * local_ * slots_, -1);
-    out.recv_layout = Tensor::zeros_host(DType::i32, {local_, ranks_, 2});
+    out.recv_count = Tensor::zeros_host(DType::i32, {segments_});
+    out.recv_src = Tensor::zeros_host(DType::i32, {segments_, slots_, 2});
+    std::fill_n(out.recv_src.data<int32_t>(), 2 * segments_ * slots_, -1);
+    out.recv_layout = Tensor::zeros_host(DType::i32, {segments_, ranks_, 2});
+  }
+
+  // shared_expert: this rank's own rows that count, encoded as every row, for the shared expert.
+  void keep_shared_rows(const LowLatencyDispatchInput& in, const LowLatencyHandleState& h) {
+    DispatchInput as_dispatch;
+    as_dispatch.x = in.x;
+    shared_rows_.assign(h.num_tokens * wire_.bytes(), 0);
+    for (int64_t t = 0; t < h.num_tokens; ++t)
+      encode_row(as_dispatch, t, wire_, in.nvfp4_global_scale, &shared_rows_[t * wire_.bytes()]);
+  }
+
+  // The shared expert (output expert 0): rows 0..num_tokens-1 are this rank's tokens in order, all
+  // from this rank (its layout range; the other sources' are empty at row num_tokens' end).
+  void place_shared_rows(LowLatencyDispatchResult& out, LowLatencyHandleState& h) {
+    const int64_t n = h.num_tokens;
+    auto* layout = out.recv_layout.data<int32_t>();
+    auto* src = out.recv_src.data<int32_t>();
+    for (int s = 0; s < ranks_; ++s) {
+      layout[s * 2] = static_cast<int32_t>(s <= rank_ ? 0 : n);
+      layout[s * 2 + 1] = static_cast<int32_t>(s == rank_ ? n : 0);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      store(out, t, &shared_rows_[t * wire_.bytes()]);
+      src[2 * t] = rank_;
+      src[2 * t + 1] = static_cast<int32_t>(t);
+      h.src_rank[t] = rank_;
+      h.src_token[t] = static_cast<int32_t>(t);
+    }
+    h.recv_count[0] = static_cast<int32_t>(n);
+    out.recv_count.data<int32_t>()[0] = static_cast<int32_t>(n);
   }
 
   void store(LowLatencyDispatchResult& out, int64_t row, const uint8_t* payload) const {
@@ -363,6 +416,9 @@ class HostLowLatency final : public LowLatencyBackend {
   }
 
   const WireRow combine_wire_;  // LowLatencyConfig::combine_wire
+  const int64_t first_routed_;  // the output's first routed expert: 1 with the shared expert, else 0
+  const int64_t segments_;      // the output's experts: the shared one (if any), then the L routed ones
+  std::vector<uint8_t> shared_rows_;  // shared_expert: the pending dispatch's own wire rows
   std::shared_ptr<LowLatencyShared> shared_;
   std::shared_ptr<LowLatencyHandleState> dispatch_pending_;
   PendingCombine combine_pending_;
