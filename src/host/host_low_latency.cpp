@@ -177,7 +177,7 @@ class HostLowLatency final : public LowLatencyBackend {
           const int64_t at = static_cast<int64_t>(h->src_token[row]) * c.topk + h->src_slot[row];
           std::memcpy(&dst.rows[at * c.hidden], y + row * c.hidden, 2 * c.hidden);
         }
-      combine_pending_ = {handle.state_ptr(), in.weighted, in.topk_weights};
+      combine_pending_ = {handle.state_ptr(), in.weighted, in.topk_weights, {}};
       if (c.shared_expert)  // the shared expert's rows stay here: this rank's own tokens, rows 0..
         combine_pending_.shared_rows.assign(y, y + h->num_tokens * c.hidden);
     }
