@@ -29,7 +29,9 @@ class Buffer {
   // so a stream you set must outlive them. The host backend ignores it.
   void set_stream(void* stream);
   // CUDA: waits until every call made so far on this buffer's stream is done (outputs are
-  // complete); the host backend returns at once. Unlike cudaDeviceSynchronize, it never waits
+  // complete, inputs no longer read: the calls read their inputs on the stream after they return,
+  // so free or overwrite an input only after this or an event recorded after the call); the host
+  // backend returns at once. Unlike cudaDeviceSynchronize, it never waits
   // on other ranks sharing the GPU.
   void synchronize();
   // CUDA stream semantics in the manner of DeepEP's previous_event / async_finish: later calls

@@ -26,7 +26,8 @@
  * buffer (collective, as epx_buffer_create). Tensors given to a CUDA buffer are device tensors
  * (epx_tensor.device 1, device_index the GPU) and so are its results: calls run on the buffer's
  * stream (epx_buffer_set_stream; default: one the buffer owns) and return before the GPU is done,
- * so call epx_buffer_synchronize (or order your stream after the buffer's) before reading them.
+ * so call epx_buffer_synchronize (or order your stream after the buffer's) before reading them,
+ * and before freeing or overwriting the inputs of those calls (read on that stream too).
  * A group may be destroyed once its buffers are created: they keep what they need. */
 #ifndef EPX_EPX_H
 #define EPX_EPX_H

@@ -447,9 +447,13 @@ void CudaBackend::sync_and_check(const Call& call) {
 }
 
 bool CudaBackend::plan_ok(cudaStream_t stream) {
+  std::memset(plan_status_, 0, sizeof(DeviceStatus));  // publishing writes failures only
   kernels::publish_status(ctx(stream), plan_status_);
   EPX_CUDA(cudaStreamSynchronize(stream));
-  return reinterpret_cast<volatile DeviceStatus*>(plan_status_)->code == kStatusOk;
+  // Also what an earlier call published after it returned (its transfer's findings: the stream
+  // is past it now): the call then runs on and raises it at its end, with its own.
+  return reinterpret_cast<volatile DeviceStatus*>(plan_status_)->code == kStatusOk &&
+         reinterpret_cast<volatile DeviceStatus*>(host_status_)->code == kStatusOk;
 }
 
 void CudaBackend::end_call(const Call& call, bool plan_failed) {

@@ -41,8 +41,11 @@ __device__ inline void report(DeviceStatus* st, int32_t code, int32_t rank, int6
   atomicExch(&st->code, code);
 }
 
-// Copies the status to the host's mapped copy (read at the start of the next call).
+// Copies a failed status to the host's mapped copy (read by the host at the call's end, or at the
+// start of a later call). An OK status writes nothing: a finding the host has not read yet stays
+// until the host reads and clears it, whatever the calls after it publish.
 __device__ inline void publish(const DeviceStatus* st, DeviceStatus* host) {
+  if (*reinterpret_cast<const volatile int32_t*>(&st->code) == 0) return;
   volatile DeviceStatus* h = host;
   h->rank = st->rank;
   h->a = st->a;
