@@ -1,5 +1,6 @@
 // epx: expert-parallel exchange for Mixture-of-Experts. Include this one header.
 #pragma once
+#include "epx/all_ranks.hpp"
 #include "epx/buffer.hpp"
 #include "epx/codec.hpp"
 #include "epx/config.hpp"

@@ -106,6 +106,7 @@ class LowLatencyBuffer {
   LowLatencyBuffer& operator=(LowLatencyBuffer&&) noexcept;
 
   const LowLatencyConfig& config() const;
+  const Group& group() const;
 
   // Fused forms: send then receive.
   LowLatencyDispatchResult dispatch(const LowLatencyDispatchInput& in);

@@ -36,7 +36,8 @@ struct LowLatencyHandleState {
 class LowLatencyBackend {
  public:
   LowLatencyBackend(const Group& group, const LowLatencyConfig& c)
-      : rank_(group.rank()),
+      : group_(group),
+        rank_(group.rank()),
         ranks_(group.size()),
         local_(physical_experts(c.num_experts, c.num_physical_experts) / group.size()),
         replicas_(replica_shape(c.num_experts, c.num_physical_experts, c.max_replicas, group.size(),
@@ -47,6 +48,7 @@ class LowLatencyBackend {
         config_(c) {}
   virtual ~LowLatencyBackend() = default;
   const LowLatencyConfig& config() const { return config_; }
+  const Group& group() const { return group_; }
 
   virtual void dispatch_send(const LowLatencyDispatchInput& in) = 0;
   virtual LowLatencyDispatchResult dispatch_recv() = 0;
@@ -111,6 +113,7 @@ class LowLatencyBackend {
                  {h.tokens, config_.topk}, kind);
   }
 
+  const Group group_;
   const int rank_, ranks_;
   const int64_t local_;  // local (physical) experts L
   const ReplicaShape replicas_;  // EPLB: P and M (replicas_.enabled() when on)

@@ -62,6 +62,7 @@ LowLatencyBuffer::LowLatencyBuffer(LowLatencyBuffer&&) noexcept = default;
 LowLatencyBuffer& LowLatencyBuffer::operator=(LowLatencyBuffer&&) noexcept = default;
 
 const LowLatencyConfig& LowLatencyBuffer::config() const { return backend_->config(); }
+const Group& LowLatencyBuffer::group() const { return backend_->group(); }
 
 LowLatencyDispatchResult LowLatencyBuffer::dispatch(const LowLatencyDispatchInput& in) {
   return backend_->dispatch(in);

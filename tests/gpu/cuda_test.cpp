@@ -8,6 +8,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <optional>
 
 #include "cuda_harness.hpp"
 
@@ -248,6 +249,68 @@ TEST(CudaErrors, AConfigRefusedOnOneRankFailsEveryRankAtOnce) {
     EXPECT_EQ(codes[0], ErrorCode::peer_failed) << spoil << ": " << errors[0];
     EXPECT_THAT(errors[0], testing::HasSubstr("rank 1 refused its config, so the group stops: " + errors[1]));
   }
+}
+
+// dispatch_all / combine_all (epx/all_ranks.hpp) from one host thread on the shared GPU, capacity
+// mode: the same rows and sums as the CPU backend's, bit for bit; blocking buffers are refused.
+TEST(CudaAllRanks, CapacityModeCallsFromOneThreadMatchTheReference) {
+  auto cfg = small_config(256, 32, 16, 4);
+  cfg.mode = CapacityMode::capacity;
+  cfg.capacity_rows = 2 * 32 * 4;
+  cfg.timeout_ms = 20000;
+  const verify::Problem p = two_ranks(cfg);
+  const CudaWorld world = CudaWorld::shared_gpu(2, 0);
+  HostWorld host(2);
+  std::vector<std::optional<Buffer>> gpu(2), cpu(2), blocking(2);
+  BufferConfig blocking_cfg = cfg;
+  blocking_cfg.mode = CapacityMode::blocking;
+  auto made = verify::run_threads(2, [&](int r) {
+    cudaSetDevice(0);
+    gpu[r].emplace(world.group(r), cfg);
+    blocking[r].emplace(world.group(r), blocking_cfg);
+    cpu[r].emplace(host.group(r), cfg);
+  });
+  for (const auto& e : made) ASSERT_EQ(e, "");
+  std::vector<DeviceArray> xs, idxs, ws;
+  std::vector<DispatchInput> gpu_in(2), cpu_in(2);
+  for (int r = 0; r < 2; ++r) {
+    const verify::RankInput& in = p.inputs[r];
+    xs.emplace_back(in.x);
+    idxs.emplace_back(in.idx);
+    ws.emplace_back(in.weights);
+    gpu_in[r].x = device_view(xs[r], DType::bf16, {in.tokens, 256}, 0);
+    gpu_in[r].topk_idx = device_view(idxs[r], DType::i32, {in.tokens, 4}, 0);
+    gpu_in[r].topk_weights = device_view(ws[r], DType::f32, {in.tokens, 4}, 0);
+    cpu_in[r] = in.view(256, 4);
+  }
+  std::vector<Buffer*> g = {&*gpu[0], &*gpu[1]}, c = {&*cpu[0], &*cpu[1]}, b = {&*blocking[0], &*blocking[1]};
+  const std::vector<DispatchResult> dg = dispatch_all(g, gpu_in), dc = dispatch_all(c, cpu_in);
+  std::vector<std::vector<uint16_t>> ys(2);
+  std::vector<DeviceArray> dys;
+  std::vector<CombineInput> gy(2), cy(2);
+  for (int r = 0; r < 2; ++r) {
+    ys[r] = verify::random_bf16(cfg.capacity_rows * 256, 90 + r);
+    dys.emplace_back(ys[r]);
+    gy[r] = {device_view(dys[r], DType::bf16, {cfg.capacity_rows, 256}, 0), {}};
+    cy[r] = {bf16_view(ys[r], cfg.capacity_rows, 256), {}};
+  }
+  const std::vector<CombineResult> cg = combine_all(g, gy, std::vector<Handle>{dg[0].handle, dg[1].handle});
+  const std::vector<CombineResult> cc = combine_all(c, cy, std::vector<Handle>{dc[0].handle, dc[1].handle});
+  for (int r = 0; r < 2; ++r) {
+    g[r]->synchronize();
+    const Tensor recv = epx::to_host(dg[r].recv_x), out = epx::to_host(cg[r].out);
+    EXPECT_EQ(std::memcmp(recv.data<char>(), dc[r].recv_x.data<char>(), 2 * recv.numel()), 0) << "recv_x, rank " << r;
+    EXPECT_EQ(std::memcmp(out.data<char>(), cc[r].out.data<char>(), 2 * out.numel()), 0) << "combine, rank " << r;
+  }
+  std::string what;
+  EXPECT_EQ(code_of([&] { dispatch_all(b, gpu_in); }, &what), ErrorCode::invalid_argument);
+  EXPECT_THAT(what, testing::HasSubstr("blocking mode"));
+  auto closed = verify::run_threads(2, [&](int r) {  // a shared-GPU buffer's destruction waits for its peers'
+    cudaSetDevice(0);
+    gpu[r].reset();
+    blocking[r].reset();
+  });
+  for (const auto& e : closed) EXPECT_EQ(e, "");
 }
 
 // The fused shared expert is the CPU backend's only, for now: a valid config the CUDA backend
