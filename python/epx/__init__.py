@@ -33,6 +33,7 @@ from .outputs import (CombineBackwardOutput, CombineOutput, DispatchBackwardOutp
 from .buffer import Buffer  # noqa: E402
 from .low_latency import LowLatencyBuffer, LowLatencyDispatchOutput, LowLatencyHandle  # noqa: E402
 from .replay import LayoutRecorder, ReplayError  # noqa: E402
+from .all_ranks import combine_all, dispatch_all, ll_combine_all, ll_dispatch_all  # noqa: E402
 from . import ops  # noqa: E402  (registers torch.ops.epx.*)
 from . import torch  # noqa: E402  (epx.torch: autograd functions; shadows nothing outside this file)
 
@@ -48,5 +49,6 @@ __all__ = [
     "Buffer", "CapacityMode", "CombineBackwardOutput", "CombineOutput", "ConfigMismatch", "DispatchBackwardOutput",
     "DispatchOutput", "Error", "ErrorCode", "EventOverlap", "Group", "Handle", "InternalError", "InvalidArgument",
     "Layout", "LayoutRecorder", "LowLatencyBuffer", "LowLatencyDispatchOutput", "LowLatencyHandle", "Op",
-    "PeerFailed", "ReplayError", "Timeout", "Unsupported", "WireFormat", "cuda_available", "has_cuda",
+    "PeerFailed", "ReplayError", "Timeout", "Unsupported", "WireFormat", "combine_all", "cuda_available",
+    "dispatch_all", "has_cuda", "ll_combine_all", "ll_dispatch_all",
 ]
