@@ -147,6 +147,10 @@ TEST(AllRanks, RefusesMismatchedInputsAndBuffers) {
   std::vector<Buffer*> mixed = {b[0], b[1], &*others[2], b[3]};
   code_of([&] { dispatch_all(mixed, inputs); }, &what);
   EXPECT_THAT(what, testing::HasSubstr("belongs to another group"));
+  auto second = buffers_of<Buffer>(world, p.cfg);  // the world's second buffer of each rank
+  std::vector<Buffer*> apart = {b[0], b[1], &*second[2], b[3]};
+  code_of([&] { dispatch_all(apart, inputs); }, &what);
+  EXPECT_THAT(what, testing::HasSubstr("buffers[2] was not created together with buffers[0]"));
   EXPECT_EQ(dispatch_all(b, inputs).size(), static_cast<size_t>(kRanks));  // nothing ran before: all in step
 }
 

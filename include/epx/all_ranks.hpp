@@ -9,11 +9,15 @@
 // and the low-latency calls. The CPU backend's ranks compute on the host and wait for each other,
 // so there each rank's call runs on a thread of its own for the duration of the call.
 //
-// Every buffer must be of one group (distinct ranks; not necessarily all of them: another process
-// may drive the others with its own calls). A rank's failure fails the call as it would with one
-// thread per rank (every rank fails it); the error thrown is the first rank's own cause (not a
-// peer_failed echo of it), in buffer order. Creating and destroying the buffers stays one thread
-// per rank (creation is a collective that waits for every rank on the host).
+// Every buffer must be of one single-process group (a CudaWorld, the shared GPU, a HostWorld), a
+// distinct rank each, and all made by one collective creation (the n-th buffer of each rank pair
+// up): checked on the CPU backend; on the CUDA backend a mix of other buffers is not detected and
+// fails by timeout. A rank's failure fails the call as it would with one thread per rank (every
+// rank fails it; on CUDA in capacity mode the refusing rank's next call raises it again, as with
+// one thread per rank); the error thrown is the first rank's own cause (not a peer_failed echo of
+// it), in buffer order. The CUDA path leaves the last buffer's device current. Creating and
+// destroying the buffers stays one thread per rank (creation is a collective that waits for every
+// rank on the host).
 #pragma once
 #include <span>
 #include <vector>

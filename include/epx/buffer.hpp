@@ -12,6 +12,7 @@ namespace epx {
 
 namespace detail {
 class Backend;
+struct AllRanksAccess;
 }
 
 class Buffer {
@@ -68,6 +69,7 @@ class Buffer {
   [[noreturn]] void reject(Op op, const std::string& reason);
 
  private:
+  friend struct detail::AllRanksAccess;  // all_ranks.cpp: which buffers were made together
   std::unique_ptr<detail::Backend> backend_;
 };
 

@@ -90,6 +90,7 @@ struct LowLatencyCombineInput {
 
 namespace detail {
 class LowLatencyBackend;
+struct AllRanksAccess;
 }
 
 // The collective calls of a LowLatencyBuffer, for LowLatencyBuffer::reject.
@@ -137,6 +138,7 @@ class LowLatencyBuffer {
   [[noreturn]] void reject(LowLatencyOp op, const std::string& reason);
 
  private:
+  friend struct detail::AllRanksAccess;  // all_ranks.cpp: which buffers were made together
   std::unique_ptr<detail::LowLatencyBackend> backend_;
 };
 

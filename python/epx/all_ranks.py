@@ -8,7 +8,9 @@ Each input is the keyword arguments of that buffer's call; the keywords after th
 rank. On a CUDA buffer each rank's call is made from this thread in buffer order (it returns once
 its work is enqueued), so a Buffer must be in capacity mode (a blocking one is refused); on the CPU
 backend each rank's call runs on a thread of its own. Failures are those of one thread per rank; the
-error raised is the first rank's own cause (not a PeerFailed echo of it), in buffer order.
+error raised is the first rank's own cause (not a PeerFailed echo of it), in buffer order. The
+buffers must be those one collective creation made (the n-th of each rank): a mix of others is not
+detected here and fails by timeout.
 """
 
 import threading

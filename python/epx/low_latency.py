@@ -39,6 +39,7 @@ class LowLatencyHandle(NamedTuple):
 
 
 class LowLatencyDispatchOutput(NamedTuple):
+    # With shared_expert every leading L is 1 + L, the shared expert first (docs/low-latency.md).
     recv_x: torch.Tensor  # [L, R*M, H] bf16 | fp8 codes | [L, R*M, H/2] uint8 (NVFP4)
     recv_scales: Optional[torch.Tensor]  # fp8: [L, R*M, H/128] f32; nvfp4: [L, R*M, H/16] fp8
     recv_global_scale: Optional[torch.Tensor]  # nvfp4: [L, R*M] f32
@@ -136,7 +137,8 @@ class LowLatencyBuffer:
     # --- combine -------------------------------------------------------------------------------
 
     def combine(self, y, handle, *, topk_weights=None, weighted=True, clone=False):
-        """y [L, R*M, H] bfloat16 (contiguous): the expert outputs in the dispatch's rows. Returns [T, H] bfloat16."""
+        """y [L, R*M, H] bfloat16 ([1 + L, ...] with shared_expert; contiguous): the expert outputs in the
+        dispatch's rows. Returns [T, H] bfloat16."""
         self.combine_calls += 1  # as epx counts them: a refused call uses its set too
         inputs = self._combine_inputs(y, handle, topk_weights)
         self._use_current_stream()

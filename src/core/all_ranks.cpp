@@ -7,9 +7,18 @@
 #include <set>
 #include <thread>
 
+#include "core/backend.hpp"
 #include "core/check.hpp"
+#include "core/low_latency_backend.hpp"
 
 namespace epx {
+namespace detail {
+struct AllRanksAccess {
+  static const void* partners(const Buffer& b) { return b.backend_->partners(); }
+  static const void* partners(const LowLatencyBuffer& b) { return b.backend_->partners(); }
+};
+}  // namespace detail
+
 namespace {
 
 // Checks that `buffers` are distinct ranks of one group with one input each (and, on the CUDA
@@ -30,6 +39,11 @@ std::vector<Result> on_every_rank(std::span<Buf* const> buffers, size_t inputs, 
                     "] belongs to another group than buffers[0]; give the buffers of one group");
     detail::require(ranks.insert(g.rank()).second, op, ": buffers[", i, "] is rank ", g.rank(),
                     " again; give each rank once");
+    // Calls pair the buffers created together on each rank: any other mix would wait in vain.
+    const void* together = detail::AllRanksAccess::partners(*buffers[0]);
+    detail::require(together == nullptr || detail::AllRanksAccess::partners(*buffers[i]) == together, op,
+                    ": buffers[", i, "] was not created together with buffers[0] (the n-th buffer of each rank pair "
+                    "up); give the buffers made by one collective creation");
   }
   const bool cuda = buffers[0]->group().backend() == BackendKind::cuda;
   for (size_t i = 0; cuda && i < buffers.size(); ++i)

@@ -38,6 +38,9 @@ class Backend {
   // Buffer::expert_load / reset_expert_load: the per-local-expert load counters.
   virtual Tensor expert_load() const = 0;
   virtual void reset_expert_load() = 0;
+  // An object this buffer shares with its peers' (the buffers created together, one per rank), or
+  // null where the backend cannot tell (dispatch_all refuses buffers that were not made together).
+  virtual const void* partners() const { return nullptr; }
   virtual void set_stream(void*) {}
   virtual void synchronize() {}
   virtual void wait_event(void*) {}

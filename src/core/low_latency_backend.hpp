@@ -50,6 +50,8 @@ class LowLatencyBackend {
   const LowLatencyConfig& config() const { return config_; }
   const Group& group() const { return group_; }
 
+  // As Backend::partners: shared with the peers' buffers made together, or null where unknown.
+  virtual const void* partners() const { return nullptr; }
   virtual void dispatch_send(const LowLatencyDispatchInput& in) = 0;
   virtual LowLatencyDispatchResult dispatch_recv() = 0;
   virtual void combine_send(const LowLatencyCombineInput& in, const LowLatencyHandle& h) = 0;

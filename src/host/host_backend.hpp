@@ -32,6 +32,7 @@ class HostBackend final : public Backend {
                                          const CombineOptions& opt) override;
   [[noreturn]] void reject(Op op, const std::string& reason) override;
   Tensor expert_load() const override { return load_; }
+  const void* partners() const override { return shared_.get(); }
   void reset_expert_load() override;
 
  private:

@@ -142,6 +142,7 @@ class HostLowLatency final : public LowLatencyBackend {
   }
 
   Tensor expert_load() const override { return load_; }
+  const void* partners() const override { return shared_.get(); }
   void reset_expert_load() override { std::fill_n(load_.data<int64_t>(), local_, int64_t{0}); }
 
   void combine_send(const LowLatencyCombineInput& in, const LowLatencyHandle& handle) override {

@@ -196,11 +196,18 @@ Options parse_options(int argc, char** argv) {
   if (o.replicas < 0) usage_error("--replicas must be >= 1 (0: none)");
   if (o.replicas > 0 && o.backend != "host")
     usage_error("--replicas needs --backend host: the CUDA backend does not have redundant experts yet");
+  const bool ops_given = !o.ops.empty();
   if (o.ops.empty()) {
     o.ops = {"dispatch", "combine", "dispatch_backward", "combine_backward"};
     if (!v3) o.ops.insert(o.ops.end(), {"ll_dispatch", "ll_combine"});
     if (o.shared_gpu) o.ops = {"ll_dispatch", "ll_combine"};
   }
+  // The shared expert's low-latency form is not in epx-bench yet: left out of the defaults, refused if asked.
+  auto low_latency = [](const std::string& op) { return op == "ll_dispatch" || op == "ll_combine"; };
+  if (o.shared_expert && ops_given)
+    for (const std::string& op : o.ops)
+      if (low_latency(op)) usage_error("--shared-expert times the high-throughput ops only, not " + op);
+  if (o.shared_expert) o.ops.erase(std::remove_if(o.ops.begin(), o.ops.end(), low_latency), o.ops.end());
   if (o.shared_gpu) {
     if (o.backend != "cuda") usage_error("--shared-gpu needs --backend cuda");
     // High-throughput ops: every rank's blocks (the SM budget, 24 unless --sms) must be resident on

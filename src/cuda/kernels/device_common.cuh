@@ -42,11 +42,12 @@ __device__ inline void report(DeviceStatus* st, int32_t code, int32_t rank, int6
 }
 
 // Copies a failed status to the host's mapped copy (read by the host at the call's end, or at the
-// start of a later call). An OK status writes nothing: a finding the host has not read yet stays
-// until the host reads and clears it, whatever the calls after it publish.
+// start of a later call). An OK status writes nothing, nor does any while the host copy holds a
+// finding: the first one stays until the host reads and clears it, whatever later calls publish.
 __device__ inline void publish(const DeviceStatus* st, DeviceStatus* host) {
   if (*reinterpret_cast<const volatile int32_t*>(&st->code) == 0) return;
   volatile DeviceStatus* h = host;
+  if (h->code != 0) return;  // the first finding stays until the host has read it
   h->rank = st->rank;
   h->a = st->a;
   h->b = st->b;
