@@ -225,7 +225,8 @@ struct LlRun {
   Tensor out;
 };
 
-LlRun ll_run(const Group& g, const verify::Problem& p, bool shared, float shared_y, const float* gate) {
+LlRun ll_run(const Group& g, const verify::Problem& p, bool shared, float shared_y, const float* gate,
+             bool split = false) {
   const int r = g.rank();
   const verify::RankInput& in = p.inputs[r];
   const int64_t h = p.cfg.hidden, k = p.cfg.topk;
@@ -240,14 +241,51 @@ LlRun ll_run(const Group& g, const verify::Problem& p, bool shared, float shared
   d.topk_weights = TensorView::of(const_cast<float*>(in.weights.data()), DType::f32, {in.tokens, k});
   if (gate) d.shared_gate = TensorView::of(const_cast<float*>(gate), DType::f32, {in.tokens});
   LlRun run;
-  run.d = b.dispatch(d);
+  if (split) {  // the send and receive halves
+    b.dispatch_send(d);
+    run.d = b.dispatch_recv();
+  } else {
+    run.d = b.dispatch(d);
+  }
   const int64_t experts = run.d.recv_x.size(0), slots = run.d.recv_x.size(1), first = shared ? 1 : 0;
   std::vector<uint16_t> y(experts * slots * h, 0);
   const auto routed = verify::random_bf16((experts - first) * slots * h, 700 + r);
   std::copy(routed.begin(), routed.end(), y.begin() + first * slots * h);
   for (int64_t i = 0; shared && i < slots * h; ++i) y[i] = float_to_bf16(shared_y * bf16_to_float(routed[i]));
-  run.out = b.combine({TensorView::of(y.data(), DType::bf16, {experts, slots, h}), {}, true}, run.d.handle);
+  const LowLatencyCombineInput ci{TensorView::of(y.data(), DType::bf16, {experts, slots, h}), {}, true};
+  if (split) {
+    b.combine_send(ci, run.d.handle);
+    run.out = b.combine_recv();
+  } else {
+    run.out = b.combine(ci, run.d.handle);
+  }
   return run;
+}
+
+// The split halves give what the fused calls give, with the shared expert and its gate (NVFP4 too).
+TEST(SharedExpertLowLatency, TheSplitHalvesEqualTheFusedCalls) {
+  for (WireFormat wire : {WireFormat::bf16, WireFormat::nvfp4}) {
+    verify::ProblemSpec spec;
+    spec.cfg = small_config(256, 6, 9, 3, wire);  // 9 experts: 3 per rank
+    spec.ranks = 3;
+    spec.seed = 37;
+    const verify::Problem p = verify::make_problem(spec);
+    std::vector<std::vector<float>> gates(3);
+    for (int r = 0; r < 3; ++r)
+      for (int64_t t = 0; t < p.inputs[r].tokens; ++t) gates[r].push_back(0.25f * static_cast<float>(t + r + 1));
+    std::vector<LlRun> fused(3), split(3);
+    auto errors = verify::run_ranks(3, [&](const Group& g) {
+      fused[g.rank()] = ll_run(g, p, true, 1.0f, gates[g.rank()].data());
+      split[g.rank()] = ll_run(g, p, true, 1.0f, gates[g.rank()].data(), true);
+    });
+    for (const auto& e : errors) ASSERT_EQ(e, "");
+    for (int r = 0; r < 3; ++r) {
+      const Tensor &a = fused[r].d.recv_x, &b = split[r].d.recv_x;
+      EXPECT_EQ(std::memcmp(a.data<char>(), b.data<char>(), a.numel() * dtype_size(a.dtype())), 0) << "rank " << r;
+      EXPECT_EQ(std::memcmp(fused[r].out.data<char>(), split[r].out.data<char>(), 2 * fused[r].out.numel()), 0)
+          << wire_name(wire) << " combine, rank " << r;
+    }
+  }
 }
 
 // The routed experts are the plain buffer's, one place later; the shared one holds this rank's
@@ -333,6 +371,36 @@ TEST(SharedExpertLowLatency, TheSharedTermComesAfterTheRanksWeightedByTheGate) {
   });
   for (auto& e : errors) EXPECT_EQ(e, "");
   EXPECT_EQ(result, float_to_bf16(0x1p-31f));
+}
+
+// Only rank 1 gives a gate and combines unweighted: that combine fails on every rank (its peers
+// with peer_failed); a weighted combine of the same handles then works.
+TEST(SharedExpertLowLatency, AGateRefusedOnOneRankFailsEveryRank) {
+  const int64_t h = 64;
+  LowLatencyConfig cfg = small_ll_config(h, 4, 4, 2);
+  cfg.shared_expert = true;
+  std::vector<std::pair<ErrorCode, bool>> got(2);
+  auto errors = verify::run_ranks(2, [&](const Group& g) {
+    LowLatencyBuffer b(g, cfg);
+    const auto x = verify::random_bf16(4 * h, 5);
+    std::vector<int32_t> idx = {0, 1, 2, 3, 1, 2, 0, 3};
+    std::vector<float> gate(4, 0.5f), w(8, 1.0f);
+    LowLatencyDispatchInput in;
+    in.x = bf16_view(x, 4, h);
+    in.topk_idx = TensorView::of(idx.data(), DType::i32, {4, 2});
+    in.topk_weights = TensorView::of(w.data(), DType::f32, {4, 2});
+    if (g.rank() == 1) in.shared_gate = TensorView::of(gate.data(), DType::f32, {4});
+    auto d = b.dispatch(in);
+    std::vector<uint16_t> y(d.recv_x.numel(), float_to_bf16(1.0f));
+    const TensorView yv = TensorView::of(y.data(), DType::bf16, {d.recv_x.size(0), d.recv_x.size(1), h});
+    got[g.rank()].first = code_of([&] { b.combine({yv, {}, g.rank() == 0}, d.handle); });
+    const Tensor out = b.combine({yv, {}, true}, d.handle);  // the next combine works
+    got[g.rank()].second = out.numel() == 4 * h;
+  });
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+  EXPECT_EQ(got[0].first, ErrorCode::peer_failed);
+  EXPECT_EQ(got[1].first, ErrorCode::invalid_argument);
+  EXPECT_TRUE(got[0].second && got[1].second);
 }
 
 TEST(SharedExpertLowLatency, AGateNeedsTheSharedExpertAndAWeightedCombine) {
