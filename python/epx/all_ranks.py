@@ -18,33 +18,32 @@ import threading
 from .errors import InvalidArgument, PeerFailed
 
 
-def dispatch_all(buffers, inputs, **common):
-    """Buffer.dispatch of every buffer, inputs[i] its keyword arguments (x, topk_idx, ...)."""
-    return _on_every_rank(buffers, inputs, "dispatch_all", True, lambda b, kw: b.dispatch(**kw, **common))
+def _dispatch_form(op, needs_capacity, kind):
+    def dispatch(buffers, inputs, **common):
+        return _on_every_rank(buffers, inputs, op, needs_capacity, lambda b, kw: b.dispatch(**kw, **common))
+
+    dispatch.__name__ = op
+    dispatch.__doc__ = f"{kind}.dispatch of every buffer, inputs[i] its keyword arguments (x, topk_idx, ...)."
+    return dispatch
 
 
-def combine_all(buffers, ys, handles, **common):
-    """Buffer.combine of every buffer: ys[i] with handles[i]."""
-    _same_length("combine_all", ys, handles)
-    return _on_every_rank(buffers, list(zip(ys, handles)), "combine_all", True,
-                          lambda b, yh: b.combine(yh[0], yh[1], **common))
+def _combine_form(op, needs_capacity, kind):
+    def combine(buffers, ys, handles, **common):
+        if len(ys) != len(handles):
+            raise InvalidArgument(f"{op}: {len(handles)} handles for {len(ys)} inputs; give one per buffer")
+        return _on_every_rank(buffers, list(zip(ys, handles)), op, needs_capacity,
+                              lambda b, yh: b.combine(yh[0], yh[1], **common))
+
+    combine.__name__ = op
+    combine.__doc__ = f"{kind}.combine of every buffer: ys[i] with handles[i]."
+    return combine
 
 
-def ll_dispatch_all(buffers, inputs, **common):
-    """LowLatencyBuffer.dispatch of every buffer, inputs[i] its keyword arguments (x, topk_idx, ...)."""
-    return _on_every_rank(buffers, inputs, "ll_dispatch_all", False, lambda b, kw: b.dispatch(**kw, **common))
-
-
-def ll_combine_all(buffers, ys, handles, **common):
-    """LowLatencyBuffer.combine of every buffer: ys[i] with handles[i]."""
-    _same_length("ll_combine_all", ys, handles)
-    return _on_every_rank(buffers, list(zip(ys, handles)), "ll_combine_all", False,
-                          lambda b, yh: b.combine(yh[0], yh[1], **common))
-
-
-def _same_length(op, ys, handles):
-    if len(ys) != len(handles):
-        raise InvalidArgument(f"{op}: {len(handles)} handles for {len(ys)} inputs; give one per buffer")
+# A Buffer's calls need capacity mode on CUDA (needs_capacity); the low-latency calls never wait on the host.
+dispatch_all = _dispatch_form("dispatch_all", True, "Buffer")
+combine_all = _combine_form("combine_all", True, "Buffer")
+ll_dispatch_all = _dispatch_form("ll_dispatch_all", False, "LowLatencyBuffer")
+ll_combine_all = _combine_form("ll_combine_all", False, "LowLatencyBuffer")
 
 
 def _check(buffers, inputs, op, needs_capacity):

@@ -14,8 +14,8 @@ import epx.megatron
 from epx.megatron import EpxManager
 from helpers import Problem, TIMEOUT_MS, run_all
 from reference import expected_layout
-from test_dispatcher import (close, dense_reference, expert_weights, experts_forward, grads_for,
-                             has_calling_thread_backward, on_calling_thread, slot_grads)
+from test_dispatcher import (check_against_reference, close, dense_reference, expert_weights, experts_forward,
+                             grads_for, has_calling_thread_backward, on_calling_thread, slot_grads)
 
 H, E, K = 32, 8, 2
 
@@ -285,9 +285,4 @@ def test_gpu_shared_manager_forward(megatron_module, ranks, backward):
     groups = epx.Group.shared_gpu(ranks, 0)
     runs = run_all(groups, lambda g: gpu_megatron_rank(megatron_module, g, p, config, expert_w, grad_outs, backward,
                                                        torch.cuda.Stream(0)))
-    want_out, want_x, want_w = dense_reference(p, p.idx, expert_w, grad_outs)
-    for r, run in enumerate(runs):
-        close(run[0], want_out[r], f"rank {r} out")
-        if backward:
-            close(run[1], want_x[r], f"rank {r} grad x")
-            close(run[2], want_w[r], f"rank {r} grad probs")
+    check_against_reference(p, runs, p.idx, expert_w, grad_outs)

@@ -156,4 +156,10 @@ int64_t drop_over_capacity(Routing& r, const std::vector<std::vector<int64_t>>& 
   return dropped;
 }
 
+std::vector<float> shared_gate_weights(const TensorView& gate, int64_t tokens) {
+  std::vector<float> w(tokens, 1.0f);
+  for (int64_t t = 0; gate.defined() && t < tokens; ++t) w[t] = gate.ptr<const float>()[t * gate.strides[0]];
+  return w;
+}
+
 }  // namespace epx::detail

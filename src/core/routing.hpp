@@ -29,6 +29,10 @@ void validate_dispatch_x(const DispatchInput& in, const BufferConfig& c, DeviceK
 // Rejects ids outside [-1, E), an expert twice in one token, more than K experts per token.
 Routing routing_from_input(const DispatchInput& in, const BufferConfig& c);
 
+// shared_expert: each token's shared-row weight, its gate (a host [T] f32, any row stride), or 1
+// without one. Both modes' CPU backends read it so.
+std::vector<float> shared_gate_weights(const TensorView& gate, int64_t tokens);
+
 // Tokens of this rank per expert: [E].
 std::vector<int64_t> count_per_expert(const Routing& r, int64_t num_experts);
 

@@ -10,6 +10,7 @@
 #include "core/low_latency_backend.hpp"
 #include "core/reduce.hpp"
 #include "core/replicas.hpp"
+#include "core/routing.hpp"
 #include "core/timeout.hpp"
 #include "core/validate.hpp"
 #include "core/wire.hpp"
@@ -252,9 +253,14 @@ class HostLowLatency final : public LowLatencyBackend {
 
   void sync(const std::string& what) { shared_->barrier.arrive_and_wait(rank_, timeout_, what); }
 
+  // Rank r's mailbox of set `set`, for dispatch or combine.
+  Mailbox& mailbox(int r, int set, bool dispatch) const {
+    return dispatch ? shared_->areas[r].dispatch[set].mailbox : shared_->areas[r].combine[set].mailbox;
+  }
+
   void publish(int set, const std::string& name, const std::string& error, bool dispatch,
                const std::string& signature = "") {
-    Mailbox& m = dispatch ? shared_->areas[rank_].dispatch[set].mailbox : shared_->areas[rank_].combine[set].mailbox;
+    Mailbox& m = mailbox(rank_, set, dispatch);
     m.op = name;
     m.error = error;
     m.signature = signature;
@@ -262,7 +268,7 @@ class HostLowLatency final : public LowLatencyBackend {
 
   void check_mailboxes(int set, const std::string& name, bool dispatch) {
     for (int r = 0; r < ranks_; ++r) {
-      const Mailbox& m = dispatch ? shared_->areas[r].dispatch[set].mailbox : shared_->areas[r].combine[set].mailbox;
+      const Mailbox& m = mailbox(r, set, dispatch);
       if (m.op != name)
         fail(ErrorCode::config_mismatch, name, " (rank ", rank_, "): rank ", r, " is in '", m.op,
              "'; every rank must make the same low-latency calls in the same order");
@@ -270,9 +276,9 @@ class HostLowLatency final : public LowLatencyBackend {
         fail(ErrorCode::peer_failed, name, " (rank ", rank_, "): rank ", r, " rejected its input, so the group stops: ",
              m.error);
     }
-    const Mailbox& mine = dispatch ? shared_->areas[rank_].dispatch[set].mailbox : shared_->areas[rank_].combine[set].mailbox;
+    const Mailbox& mine = mailbox(rank_, set, dispatch);
     for (int r = 0; r < ranks_; ++r) {
-      const Mailbox& m = dispatch ? shared_->areas[r].dispatch[set].mailbox : shared_->areas[r].combine[set].mailbox;
+      const Mailbox& m = mailbox(r, set, dispatch);
       if (m.signature != mine.signature)
         fail(ErrorCode::config_mismatch, name, ": ranks disagree on the call's options: rank ", rank_, " has {",
              mine.signature, "}, rank ", r, " has {", m.signature, "}");
@@ -298,11 +304,9 @@ class HostLowLatency final : public LowLatencyBackend {
       h.num_tokens = n;
     }
     check_dispatch_weights(in, h.tokens, DeviceKind::host);
-    if (c.shared_expert) {  // each token's shared-row weight: its gate, or 1
+    if (c.shared_expert) {
       h.has_shared_gate = in.shared_gate.defined();
-      h.shared_weight.assign(h.tokens, 1.0f);
-      for (int64_t t = 0; h.has_shared_gate && t < h.tokens; ++t)
-        h.shared_weight[t] = in.shared_gate.ptr<const float>()[t * in.shared_gate.strides[0]];
+      h.shared_weight = shared_gate_weights(in.shared_gate, h.tokens);
     }
     if (in.topk_weights.defined()) {  // kept for this dispatch's combine
       h.weights_at_dispatch = true;

@@ -75,8 +75,7 @@ void for_each_shared_row(const RecvLayout& r, Place&& place) {
 // Each token's shared-row weight: its gate, or 1 without one.
 void read_shared_gate(HandleState& h, const TensorView& gate) {
   h.has_shared_gate = gate.defined();
-  h.shared_weight.assign(h.tokens, 1.0f);
-  for (int64_t t = 0; gate.defined() && t < h.tokens; ++t) h.shared_weight[t] = gate.ptr<const float>()[t * gate.strides[0]];
+  h.shared_weight = shared_gate_weights(gate, h.tokens);
 }
 
 // The shared rows' wire rows: this rank's own tokens, encoded here; they cross no link.
