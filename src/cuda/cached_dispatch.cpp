@@ -26,7 +26,6 @@ DispatchResult CudaBackend::cached_dispatch(const DispatchInput& in, const Handl
     // Before the plan exchange, whose header carries what the scan finds to every peer.
     if (c.check_finite) kernels::scan_x_finite(ctx(), finite_check(in, c.hidden), state.tokens);
   });
-  const bool plan_failed = c.mode == CapacityMode::blocking && !plan_ok(stream_);
   const kernels::Ctx x = ctx();
   const DeviceHandle& dh = device_of(*h);
   const int64_t row_bytes = 2 * c.hidden, capacity = h->recv.capacity;
@@ -60,7 +59,7 @@ DispatchResult CudaBackend::cached_dispatch(const DispatchInput& in, const Handl
   out.num_rows = h->recv.num_rows;
   out.overflow = h->recv.num_rows > capacity;
   out.handle = handle;
-  end_call(call, plan_failed);
+  end_call(call, c.mode == CapacityMode::blocking && !plan_ok());  // as combine's: the transfer is queued
   return out;
 }
 

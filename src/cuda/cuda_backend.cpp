@@ -249,10 +249,10 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   EPX_CUDA(cudaMalloc(&status_, sizeof(DeviceStatus)));
   EPX_CUDA(cudaMalloc(&scratch_, sizeof(int64_t)));
   EPX_CUDA(cudaMemset(status_, 0, sizeof(DeviceStatus)));
-  EPX_CUDA(cudaHostAlloc(&host_status_, 2 * sizeof(DeviceStatus), cudaHostAllocMapped));
-  std::memset(host_status_, 0, 2 * sizeof(DeviceStatus));
-  plan_status_ = host_status_ + 1;
-  EPX_CUDA(cudaHostAlloc(&host_info_, (8 + kMaxRanks + 1) * sizeof(int64_t), cudaHostAllocDefault));
+  EPX_CUDA(cudaHostAlloc(&host_status_, sizeof(DeviceStatus), cudaHostAllocMapped));
+  std::memset(host_status_, 0, sizeof(DeviceStatus));
+  EPX_CUDA(cudaHostAlloc(&plan_report_, sizeof(PlanReport), cudaHostAllocMapped));
+  std::memset(plan_report_, 0, sizeof(PlanReport));
   cudaStream_t own = nullptr;
   EPX_CUDA(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking));
   owned_stream_ = std::shared_ptr<CUstream_st>(own, [](cudaStream_t st) { cudaStreamDestroy(st); });
@@ -263,6 +263,7 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   EPX_CUDA(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
   EPX_CUDA(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
   EPX_CUDA(cudaEventCreateWithFlags(&copies_done_, cudaEventDisableTiming));
+  EPX_CUDA(cudaEventCreateWithFlags(&plan_done_, cudaEventDisableTiming));
   // Outputs come from the buffer's own pool, which keeps its memory between calls (the default
   // pool hands it back to the driver at every synchronization).
   cudaMemPoolProps props{};
@@ -315,8 +316,9 @@ CudaBackend::~CudaBackend() {
   cudaFree(call_state_);
   cudaFree(scratch_);
   cudaFreeHost(host_status_);
-  cudaFreeHost(host_info_);
+  cudaFreeHost(plan_report_);
   cudaEventDestroy(fork_);
+  cudaEventDestroy(plan_done_);
   cudaEventDestroy(join_);
   cudaEventDestroy(copies_done_);
   cudaStreamDestroy(side_stream_);
@@ -446,13 +448,11 @@ void CudaBackend::sync_and_check(const Call& call) {
   raise(st, call);
 }
 
-bool CudaBackend::plan_ok(cudaStream_t stream) {
-  std::memset(plan_status_, 0, sizeof(DeviceStatus));  // publishing writes failures only
-  kernels::publish_status(ctx(stream), plan_status_);
-  EPX_CUDA(cudaStreamSynchronize(stream));
+bool CudaBackend::plan_ok() {
+  EPX_CUDA(cudaEventSynchronize(plan_done_));
   // Also what an earlier call published after it returned (its transfer's findings: the stream
   // is past it now): the call then runs on and raises it at its end, with its own.
-  return reinterpret_cast<volatile DeviceStatus*>(plan_status_)->code == kStatusOk &&
+  return reinterpret_cast<volatile PlanReport*>(plan_report_)->status.code == kStatusOk &&
          reinterpret_cast<volatile DeviceStatus*>(host_status_)->code == kStatusOk;
 }
 
@@ -501,12 +501,17 @@ void CudaBackend::reject(Op op, const std::string& reason) {
 
 void CudaBackend::exchange_plan(const Call& call, int phase, int64_t tokens, int64_t signature, const int64_t* counts,
                                 int64_t count_len, int64_t* expert_prefix, int64_t* drop_capacity,
-                                const kernels::LayoutJob* layout) {
+                                const kernels::LayoutJob* layout, const int64_t* dropped) {
   const PlanHeader h = plan_header(call, "", tokens, signature);
   const kernels::Ctx c = ctx();
+  // The drop rule's exchange (expert_prefix) is not the call's last.
+  const bool report = config().mode == CapacityMode::blocking && expert_prefix == nullptr;
+  if (report) std::memset(&plan_report_->status, 0, sizeof(DeviceStatus));  // the previous call's read is done
   kernels::exchange_plan(c, h, counts, count_len, phase, expert_prefix != nullptr,
                          expert_prefix ? config().capacity_factor : 0.0, expert_prefix,
-                         drop_capacity ? drop_capacity : scratch_, layout);
+                         drop_capacity ? drop_capacity : scratch_, layout,
+                         report ? kernels::ReportJob{plan_report_, dropped} : kernels::ReportJob{});
+  if (report) EPX_CUDA(cudaEventRecord(plan_done_, c.stream));
 }
 
 void CudaBackend::wait(int kind) {
@@ -747,24 +752,15 @@ void CudaBackend::launch_receiver(DispatchResult& out, const DeviceHandle& dh, c
   timer_.mark(5, side_stream_);
 }
 
-void CudaBackend::read_sizes(const DeviceHandle& dh, cudaStream_t stream) {
-  EPX_CUDA(cudaMemcpyAsync(host_info_, dh.recv.info, 4 * sizeof(int64_t), cudaMemcpyDeviceToHost, stream));
-  host_info_[4] = 0;  // nothing dropped without a capacity factor: one copy fewer before the receiver
-  if (config().capacity_factor > 0.0)
-    EPX_CUDA(cudaMemcpyAsync(host_info_ + 4, dh.dropped, sizeof(int64_t), cudaMemcpyDeviceToHost, stream));
-  if (copy_combine_)  // combine copies by source
-    EPX_CUDA(cudaMemcpyAsync(host_info_ + 8, dh.recv.rank_offsets, (ranks_ + 1) * sizeof(int64_t),
-                             cudaMemcpyDeviceToHost, stream));
-}
-
 void CudaBackend::take_sizes(DispatchResult& out, HandleState& h) const {
-  out.num_rows = host_info_[1];
-  out.overflow = host_info_[3] != 0;
-  out.dropped_slots = host_info_[4];
-  h.recv.tokens = host_info_[0];
-  h.recv.num_rows = host_info_[1];
-  h.recv.capacity = host_info_[2];
-  if (copy_combine_) h.recv.rank_offsets.assign(host_info_ + 8, host_info_ + 8 + ranks_ + 1);
+  const PlanReport& r = *plan_report_;
+  out.num_rows = r.info[1];
+  out.overflow = r.info[3] != 0;
+  out.dropped_slots = r.dropped;
+  h.recv.tokens = r.info[0];
+  h.recv.num_rows = r.info[1];
+  h.recv.capacity = r.info[2];
+  if (copy_combine_) h.recv.rank_offsets.assign(r.rank_offsets, r.rank_offsets + ranks_ + 1);  // combine copies by source
 }
 
 DispatchResult CudaBackend::finish_dispatch(const Call& call, DispatchResult out, std::shared_ptr<DeviceHandle> dh,
@@ -794,11 +790,10 @@ DispatchResult CudaBackend::finish_dispatch(const Call& call, DispatchResult out
     return out;
   }
   // Blocking: the sizes, read already (with the plan's check; what the transfer finds is raised
-  // by the next call), or read now with the call's one sync.
+  // by the next call), or read now with the call's one sync (the plan's report is in by then).
   if (sizes_read) {
     end_call(call, false);
   } else {
-    read_sizes(*dh, stream_);
     sync_and_check(call);
     host_steps_.mark("synced");
   }
@@ -861,7 +856,8 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   const bool sizes_first = !capacity_mode && opt.layout == Layout::expert_major;
   int64_t capacity = capacity_mode ? c.capacity_rows : ranks_ * c.max_tokens_per_rank;
   const int senders = broadcast_ ? 0 : send_blocks(true, opt.layout);  // a broadcast needs no sender
-  exchange_plan(call, phase, tokens, signature, dh->pos.totals, c.num_experts + ranks_, nullptr, nullptr, &layout);
+  exchange_plan(call, phase, tokens, signature, dh->pos.totals, c.num_experts + ranks_, nullptr, nullptr, &layout,
+                c.capacity_factor > 0.0 ? dh->dropped : nullptr);
   host_steps_.mark("plan posted");
 
   // Senders start now on the call's stream; the output allocation (after one host read of the
@@ -879,9 +875,8 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   // makes the call run on and raise at its end, as rank-major's).
   bool sizes_read = false;
   if (sizes_first) {
-    read_sizes(*dh, side_stream_);
-    sizes_read = plan_ok(side_stream_);
-    capacity = host_info_[2];
+    sizes_read = plan_ok();
+    capacity = plan_report_->info[2];
     host_steps_.mark("sizes read");
   }
   DispatchResult out;
@@ -952,7 +947,6 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
     validate_combine(in, state, c, opt, DeviceKind::cuda);
     check_device_tensor(in.y, "combine: y");
   });
-  const bool plan_failed = c.mode == CapacityMode::blocking && !plan_ok(stream_);
   timer_.mark(1, stream_);
   const DeviceHandle& dh = device_of(*h);
   // The output, the reducers' arguments and the copy-engine return.
@@ -977,7 +971,7 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
   timer_.add("combine: plan", 0, 1);
   timer_.add("combine: kernel", 2, 3);
   timer_.add("combine: all", 0, 3);
-  end_call(call, plan_failed);
+  end_call(call, c.mode == CapacityMode::blocking && !plan_ok());  // the transfer is queued: the GPU goes on
   return out;
 }
 
@@ -1044,7 +1038,6 @@ DispatchBackwardResult CudaBackend::dispatch_backward(const DispatchBackwardInpu
   const HandleState* h = &start_handle_call(call, handle, options, [&](const HandleState& state) {
     validate_dispatch_backward(in, state, c, DeviceKind::cuda);
   });
-  const bool plan_failed = c.mode == CapacityMode::blocking && !plan_ok(stream_);
   const DeviceHandle& dh = device_of(*h);
   out.grad_x = device_tensor(DType::bf16, {h->tokens, c.hidden});  // as in combine
   if (with_weights) out.grad_topk_weights = device_tensor(DType::f32, {h->tokens, c.topk});
@@ -1056,7 +1049,7 @@ DispatchBackwardResult CudaBackend::dispatch_backward(const DispatchBackwardInpu
   kernels::combine(ctx(), by_copy ? 0 : send_blocks(false, h->layout), dh.recv, h->layout, h->tokens, dh.pos.send_pos,
                    dh.slot_expert, a);
   if (by_copy) EPX_CUDA(cudaStreamWaitEvent(stream_, copies_done_, 0));  // the inputs are read until then
-  end_call(call, plan_failed);
+  end_call(call, c.mode == CapacityMode::blocking && !plan_ok());  // as combine's
   return out;
 }
 
@@ -1067,7 +1060,6 @@ CombineBackwardResult CudaBackend::combine_backward(const CombineBackwardInput& 
   const HandleState* h = &start_handle_call(call, handle, opt.weighted, [&](const HandleState& state) {
     validate_combine_backward(in, state, c, opt, DeviceKind::cuda);
   });
-  const bool plan_failed = c.mode == CapacityMode::blocking && !plan_ok(stream_);
   const kernels::Ctx x = ctx();
   const DeviceHandle& dh = device_of(*h);
   kernels::SendRows rows;
@@ -1084,7 +1076,7 @@ CombineBackwardResult CudaBackend::combine_backward(const CombineBackwardInput& 
     out.grad_topk_weights = device_tensor(DType::f32, {h->tokens, c.topk});
     kernels::gather_slot_values(x, h->tokens, dh.pos.send_pos, dh.slot_expert, out.grad_topk_weights.data<float>());
   }
-  end_call(call, plan_failed);
+  end_call(call, c.mode == CapacityMode::blocking && !plan_ok());  // as combine's
   return out;
 }
 

@@ -83,9 +83,8 @@ class CudaBackend final : public Backend {
   // empty rows too) and the receiver, with `senders` of the blocks sending beside it.
   void launch_receiver(DispatchResult& out, const DeviceHandle& dh, const kernels::SendRows& rows,
                        const kernels::Placing& mine, Layout layout, int64_t capacity, int senders, int phase);
-  // Blocking mode's sizes (the layout's info words, the dropped count, the copy-engine combine's
-  // rank offsets) into host_info_ on `stream`; take_sizes reads them once the stream is synced.
-  void read_sizes(const DeviceHandle& dh, cudaStream_t stream);
+  // Blocking mode's sizes, from the plan's report (the layout's info words, the dropped count, the
+  // rank offsets the copy-engine combine cuts by), once plan_ok or a sync has waited for it.
   void take_sizes(DispatchResult& out, HandleState& h) const;
   // The call's end once every kernel is enqueued: small outputs copied from the handle, then
   // capacity mode's return, or blocking mode's sizes (`sizes_read`: read already, with the plan's
@@ -102,9 +101,11 @@ class CudaBackend final : public Backend {
   // checks their plans; with expert_prefix (dispatch with dropping) also fills the lower
   // ranks' per-expert prefix and the drop capacity.
   // With a layout job (a dispatch's last exchange), the same kernel computes the receiver's layout.
+  // In blocking mode the call's last exchange (not the drop rule's) also writes plan_report_ and
+  // records plan_done_, for plan_ok.
   void exchange_plan(const Call& call, int phase, int64_t tokens, int64_t signature, const int64_t* counts,
                      int64_t count_len, int64_t* expert_prefix = nullptr, int64_t* drop_capacity = nullptr,
-                     const kernels::LayoutJob* layout = nullptr);
+                     const kernels::LayoutJob* layout = nullptr, const int64_t* dropped = nullptr);
   // The start of a call on a dispatch's handle (combine and the backward passes): the handle and
   // the inputs are checked (a rejection reaches every peer), then the plan exchange, whose
   // signature holds `options` and the handle's layout.
@@ -118,10 +119,13 @@ class CudaBackend final : public Backend {
   std::string signals_now() const;
   // Reads the device status (synchronizing the stream) and throws what it says.
   void sync_and_check(const Call& call);
-  // Blocking mode's one host read, after the call's plan exchange on `stream`: true when the device
-  // found nothing so far (every peer arrived and agreed, the routing is good). Then the call ends
-  // with end_call's publish and no sync; a finding makes it run on and raise at its end.
-  bool plan_ok(cudaStream_t stream);
+  // Blocking mode's one host read: waits for the call's plan exchange (plan_done_, not the work
+  // queued after it) and reads its report: true when the device found nothing so far (every peer
+  // arrived and agreed, the routing is good) and no earlier call published a finding. Then the
+  // call ends with end_call's publish and no sync; a finding makes it run on and raise at its end.
+  // The calls on a handle queue their transfer first (its kernels skip a failed call), so the GPU
+  // does not wait for the host's read.
+  bool plan_ok();
   // The end of a call: plan_failed (what plan_ok found) syncs and raises; otherwise the status goes
   // to host-mapped memory, raised by the next call (what the transfer kernels found: a lost peer).
   void end_call(const Call& call, bool plan_failed);
@@ -172,8 +176,7 @@ class CudaBackend final : public Backend {
   DeviceStatus* status_ = nullptr;       // device
   CallState* call_state_ = nullptr;      // device: call number and signal targets (advanced by kernels)
   DeviceStatus* host_status_ = nullptr;  // host-mapped copy, published at the end of every call
-  DeviceStatus* plan_status_ = nullptr;  // host-mapped copy, published by plan_ok
-  int64_t* host_info_ = nullptr;         // pinned: sizes read back in blocking mode
+  PlanReport* plan_report_ = nullptr;    // host-mapped: blocking mode's plan status and sizes (plan_ok)
   int64_t* scratch_ = nullptr;           // device: the drop capacity calls other than dispatch ignore
   // The stream of every call: the buffer's own non-blocking stream (kept alive by every tensor
   // allocated on it, so outputs may outlive the buffer) or one the caller set.
@@ -182,6 +185,7 @@ class CudaBackend final : public Backend {
   cudaStream_t side_stream_ = nullptr;  // dispatch's receiver, beside the senders on stream_
   cudaStream_t copy_stream_ = nullptr;  // copy-engine dispatch and combine (made only for them)
   cudaEvent_t fork_ = nullptr, join_ = nullptr, copies_done_ = nullptr;
+  cudaEvent_t plan_done_ = nullptr;  // blocking mode: the call's last plan exchange (and its report) is done
   cudaEvent_t broadcast_begun_ = nullptr;  // copy-engine dispatch: the peers' regions are free
   bool broadcast_ = false;  // dispatch moves its rows by copy engine (kernels/broadcast.cu)
   bool copy_combine_ = false;  // blocking combine and dispatch_backward return their rows by copy engine

@@ -31,6 +31,17 @@ struct DeviceStatus {
   int64_t a, b, c, d;
 };
 
+// What a blocking call's last plan exchange writes into host-mapped memory for the call's one
+// host read (CudaBackend::plan_ok): the device's status so far and, after a dispatch's layout,
+// the sizes its outputs are cut to. No copy call and no status kernel stand between the plan and
+// the host.
+struct PlanReport {
+  DeviceStatus status;
+  int64_t info[4];  // the layout's info words: rows received, num_rows, capacity, overflow
+  int64_t dropped;  // (token, slot) pairs the drop rule dropped (0 without capacity_factor)
+  int64_t rank_offsets[kMaxRanks + 1];
+};
+
 // The message every rank posts at the start of every call; followed by counts[E] int64.
 struct PlanHeader {
   int32_t call_kind;  // 0 dispatch, 1 combine, 2 dispatch_backward, 3 combine_backward

@@ -78,10 +78,16 @@ void wait_signals(const Ctx& ctx, int kind, uint64_t increment, bool wait = true
 // then checks every rank's plan: same call, no rejected input. Fills drop_capacity (when
 // capacity_factor > 0, else -1) and, with_counts, per-expert prefix counts of lower ranks [E].
 // With a layout job, the same kernel then computes the receiver's layout (receive_layout).
+// With a report job (blocking mode's last exchange of a call), the kernel ends by writing the
+// status and the layout's sizes into report.to (host-mapped).
 struct LayoutJob;
+struct ReportJob {
+  PlanReport* to = nullptr;         // host-mapped; null: no report
+  const int64_t* dropped = nullptr;  // the dispatch's dropped count, or null (none)
+};
 void exchange_plan(const Ctx& ctx, const PlanHeader& mine, const int64_t* counts, int64_t count_len, int phase,
                    bool with_counts, double capacity_factor, int64_t* expert_prefix, int64_t* drop_capacity,
-                   const LayoutJob* layout = nullptr);
+                   const LayoutJob* layout = nullptr, ReportJob report = {});
 // The drop rule on this rank's slots; adds the dropped count to *dropped.
 void drop_slots(const Ctx& ctx, int64_t tokens, int32_t* slot_expert, float* slot_weight, const int64_t* expert_prefix,
                 const int64_t* drop_capacity, int64_t* dropped);

@@ -168,19 +168,41 @@ __global__ void wait_kernel(PeerWindows w, WindowMap m, int kind, uint64_t incre
   advance_and_wait(w, m, kind, increment, wait, timeout_ns, cs, st);
 }
 
-// The plan exchange in one launch (post, wait, check, and the receiver's layout when the dispatch
-// asks for it): fewer launches on every call's critical path, for the host and for the GPU.
+// Thread 0, last in the exchange: the status so far and (with a layout) the sizes, for the host's
+// one read; the host waits for the kernel (an event), so the fence only orders the writes.
+__device__ void write_report(const ReportJob& job, int ranks, const RecvArrays* r, const DeviceStatus* st) {
+  PlanReport* to = job.to;
+  const volatile DeviceStatus* now = st;
+  to->status.rank = now->rank;
+  to->status.a = now->a;
+  to->status.b = now->b;
+  to->status.c = now->c;
+  to->status.d = now->d;
+  to->status.code = now->code;
+  if (r) {
+    for (int i = 0; i < 4; ++i) to->info[i] = r->info[i];
+    for (int p = 0; p <= ranks; ++p) to->rank_offsets[p] = r->rank_offsets[p];
+  }
+  to->dropped = job.dropped ? *job.dropped : 0;
+  __threadfence_system();
+}
+
+// The plan exchange in one launch (post, wait, check, the receiver's layout when the dispatch
+// asks for it, and blocking mode's report): fewer launches on every call's critical path, for the
+// host and for the GPU.
 __global__ void exchange_plan_kernel(PeerWindows w, WindowMap m, Shape s, PlanHeader header, const int64_t* counts,
                                      int64_t count_len, int phase, bool with_counts, double capacity_factor,
                                      int64_t* expert_prefix, int64_t* drop_capacity, bool with_layout, LayoutJob layout,
-                                     uint64_t timeout_ns, CallState* cs, DeviceStatus* st) {
+                                     ReportJob report, uint64_t timeout_ns, CallState* cs, DeviceStatus* st) {
   post_plan_block(w, m, header, counts, count_len, phase, cs, st);
   advance_and_wait(w, m, kSignalPlan, 1, true, timeout_ns, cs, st);
   __syncthreads();  // thread 0 saw every rank's signal (acquire): the block reads their plans
   check_plans_block(w, m, s, header, phase, with_counts, capacity_factor, expert_prefix, drop_capacity, cs, st);
-  if (!with_layout) return;
-  __syncthreads();  // thread 0's verdict (a mismatch or a peer's rejection fails the call) for every thread
-  receive_layout_block(w, m, s, phase, layout, cs, st);
+  if (with_layout) {
+    __syncthreads();  // thread 0's verdict (a mismatch or a peer's rejection fails the call) for every thread
+    receive_layout_block(w, m, s, phase, layout, cs, st);  // thread 0 goes on, after the others' writes
+  }
+  if (threadIdx.x == 0 && report.to) write_report(report, w.ranks, with_layout ? &layout.r : nullptr, st);
 }
 
 // Block e: this rank's (token, slot) pairs of expert e in order; keep while the global
@@ -232,11 +254,11 @@ void wait_signals(const Ctx& ctx, int kind, uint64_t increment, bool wait) {
 
 void exchange_plan(const Ctx& ctx, const PlanHeader& mine, const int64_t* counts, int64_t count_len, int phase,
                    bool with_counts, double capacity_factor, int64_t* expert_prefix, int64_t* drop_capacity,
-                   const LayoutJob* layout) {
+                   const LayoutJob* layout, ReportJob report) {
   exchange_plan_kernel<<<1, kScanThreads, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, mine, counts, counts ? count_len : 0,
                                                   phase, with_counts, capacity_factor, expert_prefix, drop_capacity,
-                                                  layout != nullptr, layout ? *layout : LayoutJob{}, ctx.timeout_ns,
-                                                  ctx.state, ctx.status);
+                                                  layout != nullptr, layout ? *layout : LayoutJob{}, report,
+                                                  ctx.timeout_ns, ctx.state, ctx.status);
 }
 
 void drop_slots(const Ctx& ctx, int64_t tokens, int32_t* slot_expert, float* slot_weight, const int64_t* expert_prefix,
