@@ -1,7 +1,7 @@
 """Times dispatch and combine through the Python API as epx-bench times them, for the same call.
 
 epx-bench (tools/bench) records CUDA events on the buffer's stream around each call, after every
-rank arrived, and reports the median of the timed calls (2 warm-up, 20 timed). This does the same
+rank arrived (at one rank: at once), and reports the median of the timed calls (2 warm-up, 20 timed). This does the same
 through epx.Buffer on torch's current stream (by default a stream of its own, as epx-bench's
 buffer stream; --stream default: torch's legacy default stream), so the difference is what Python
 adds: its checks, the DLPack crossings and the outputs' wrapping (no copies). Defaults: the V3 shape (4096
@@ -68,7 +68,11 @@ def main():
         times, host = [], []
         for i in range(args.warmup + args.iters):
             torch.cuda.synchronize()
-            dist.barrier()  # every rank arrives, as epx-bench's arrive()
+            # Every rank arrives, as epx-bench's arrive(). At one rank that returns at once there; a
+            # gloo barrier would not (its worker thread's hand-off sleeps and wakes this thread before
+            # every call, which made the calls after it ~40 us slower: docs/lab/2026-12-02-host-read.md).
+            if ranks > 1:
+                dist.barrier()
             start.record()
             began = time.perf_counter()
             result = call()
