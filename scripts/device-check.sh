@@ -95,10 +95,10 @@ for op in ("dispatch", "combine"):
 PY
 fi
 if want sanitize; then
-  # Each tool twice: the default engines (SM at one rank), then the copy-engine path forced (at one
-  # rank nothing is copied, but its kernels run: the receiver, the partial sums, the reducers).
+  # Each tool twice: the SM path forced, then the copy-engine path (the default at one rank: nothing
+  # is copied, but its kernels run: the receiver, the partial sums, the reducers).
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
-    for engine in auto copy; do
+    for engine in sm copy; do
       EPX_DISPATCH_ENGINE=$engine EPX_COMBINE_ENGINE=$engine timeout 240 compute-sanitizer --tool $tool \
         --report-api-errors no --error-exitcode 9 ./build-gpu/tests/epx_gpu_tests \
         --gtest_filter='*nccl_R1_*' > "$OUT/sanitizer_${tool}_$engine.log" 2>&1
