@@ -649,6 +649,41 @@ def test_constructor_refusals():
         b.get_local_buffer_tensor(torch.bfloat16)
 
 
+# DeepEP's constructor (deep_ep/buffer.py): code that passes its arguments by position lands on the same ones.
+DEEP_EP_BUFFER_ARGS = ["group", "num_nvl_bytes", "num_rdma_bytes", "low_latency_mode", "num_qps_per_rank",
+                       "allow_nvlink_for_low_latency_mode", "allow_mnnvl", "use_fabric", "explicitly_destroy",
+                       "enable_shrink", "comm"]
+
+
+def test_constructor_takes_deep_eps_arguments_in_deep_eps_order():
+    params = list(inspect.signature(deep_ep.Buffer.__init__).parameters.values())[1:]
+    positional = [q.name for q in params if q.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    assert positional == DEEP_EP_BUFFER_ARGS
+    defaults = {q.name: q.default for q in params if q.name in DEEP_EP_BUFFER_ARGS[1:]}
+    assert defaults == dict(num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=24,
+                            allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, use_fabric=False,
+                            explicitly_destroy=False, enable_shrink=False, comm=None)
+    (g,) = epx.Group.host(1)
+    rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(M, H, 1, E)
+    b = deep_ep.Buffer(g, nvl_bytes(1), rdma, True, 8, True, True, False, True, False, None)  # all by position
+    assert (b.num_nvl_bytes, b.num_rdma_bytes, b.low_latency_mode, b.num_qps_per_rank, b.allow_mnnvl,
+            b.explicitly_destroy) == (nvl_bytes(1), rdma, True, 8, True, True)
+    b.destroy()  # explicitly_destroy (the ninth) took True
+
+
+@pytest.mark.parametrize("name, why", [("use_fabric", "fabric"), ("enable_shrink", "rank masking")])
+def test_constructor_refuses_what_epx_cannot_honour_by_name(name, why):
+    (g,) = epx.Group.host(1)
+    with pytest.raises(epx.Unsupported, match=f"{name}=True.*{why}"):
+        deep_ep.Buffer(g, num_nvl_bytes=nvl_bytes(1), **{name: True})
+    position = DEEP_EP_BUFFER_ARGS.index(name)
+    args = [g, nvl_bytes(1), 0, False, 24, True, False, False, False, False, None]
+    args[position] = True
+    with pytest.raises(epx.Unsupported, match=f"{name}=True"):
+        deep_ep.Buffer(*args)
+    deep_ep.Buffer(g, num_nvl_bytes=nvl_bytes(1), **{name: False})  # False: DeepEP's default, accepted
+
+
 def _dispatch_kwargs(b, p, r, **extra):
     per_rank, rdma, per_expert, in_rank, _ = b.get_dispatch_layout(p.idx[r], E)
     args = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=rdma, is_token_in_rank=in_rank,

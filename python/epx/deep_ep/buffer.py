@@ -58,8 +58,10 @@ class Buffer(LowLatencyCalls):
     num_sms = 20  # DeepEP's class-wide SM budget for the high-throughput calls (set_num_sms)
 
     def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=24,
-                 allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, explicitly_destroy=False, comm=None, *,
-                 epx_max_tokens_per_rank=None, epx_timeout_ms=0):
+                 allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, use_fabric=False, explicitly_destroy=False,
+                 enable_shrink=False, comm=None, *, epx_max_tokens_per_rank=None, epx_timeout_ms=0):
+        # DeepEP's positional order (deep_ep/buffer.py); refusals here come before anything collective, and
+        # every rank passes these arguments alike, so every rank refuses the same construction.
         if comm is not None:
             raise Unsupported("deep_ep.Buffer: comm (an mpi4py communicator) is not supported by epx; pass the "
                               "torch.distributed group (or an epx.Group) as group")
@@ -68,6 +70,14 @@ class Buffer(LowLatencyCalls):
         if not allow_nvlink_for_low_latency_mode:
             raise Unsupported("deep_ep.Buffer: allow_nvlink_for_low_latency_mode=False asks for RDMA-only traffic; "
                               "epx moves every token over NVLink / peer memory (it has no RDMA transport)")
+        if use_fabric:
+            raise Unsupported("deep_ep.Buffer: use_fabric=True asks for communication memory allocated with CUDA "
+                              "fabric handles (multi-node NVLink); epx allocates its buffers itself, for the ranks "
+                              "of one node, and has no fabric-memory allocation")
+        if enable_shrink:
+            raise Unsupported("deep_ep.Buffer: enable_shrink=True asks for DeepEP's shrink mode (a mask buffer that "
+                              "takes failed ranks out of the low-latency calls, with low_latency_update_mask_buffer "
+                              "and the other mask calls); epx has no rank masking: every call needs every rank")
         if low_latency_mode and num_qps_per_rank <= 0:
             raise InvalidArgument(f"deep_ep.Buffer: num_qps_per_rank must be > 0, got {num_qps_per_rank}")
         self.group = group
