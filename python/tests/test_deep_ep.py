@@ -433,6 +433,46 @@ def test_cached_dispatch_refuses_what_would_make_it_another_call(ranks):
         assert again[1:5] == (None, None, None, None)
 
 
+@pytest.mark.parametrize("weights", [False, True])
+def test_combine_config_epx_cannot_honour_fails_every_rank(weights):
+    """combine runs with its dispatch's SM budget: a config of another num_sms is refused on every rank (one rank
+    passing it fails that combine everywhere), one of the same num_sms (or none) is accepted; the dispatch's
+    config.num_sms is the budget of the buffer it runs on."""
+    ranks, p = 2, problem(2, seed=96)
+    groups = epx.Group.host(ranks)
+    buffers = make_buffers(groups)
+    dispatch_config = deep_ep.Config(8)
+
+    def rank(g):
+        b, r = buffers[g.rank], g.rank
+        recv_x, _, recv_w, _, handle, _ = b.dispatch(p.x[r], config=dispatch_config, **_dispatch_kwargs(b, p, r))
+        assert handle.buffer.config.num_sms == 8
+        topk_weights = recv_w if weights else None
+        outcomes = []
+        for bad_ranks in ((1,), (0, 1)):
+            try:
+                b.combine(recv_x, handle, topk_weights=topk_weights,
+                          config=deep_ep.Config(12) if r in bad_ranks else None)
+                outcomes.append(None)
+            except epx.Error as e:
+                outcomes.append(e)
+        same = b.combine(recv_x, handle, topk_weights=topk_weights, config=deep_ep.Config(8))
+        default = b.combine(recv_x, handle, topk_weights=topk_weights)
+        return recv_x, outcomes, same[0], default[0]
+
+    runs = run_all(groups, rank)
+    (one_0, all_0), (one_1, all_1) = runs[0][1], runs[1][1]
+    assert isinstance(one_1, epx.Unsupported) and "config.num_sms=12" in str(one_1), one_1
+    assert isinstance(one_0, epx.PeerFailed) and "config.num_sms=12" in str(one_0), one_0
+    for e in (all_0, all_1):
+        assert isinstance(e, epx.Unsupported) and "dispatch's SM budget" in str(e), e
+    refs = [RefDispatch(p, d) for d in range(ranks)]
+    for s, run in enumerate(runs):
+        want, scale = ref_combine(refs, [r[0] for r in runs], s, p)
+        assert_close_sum(run[2], want, scale, f"rank {s} combined, config of the dispatch's num_sms")
+        assert torch.equal(run[2], run[3])
+
+
 # --- low latency -----------------------------------------------------------------------------------
 
 LL_WIRES = {"bf16": dict(use_fp8=False), "fp8": dict(use_fp8=True), "fp8_round": dict(use_fp8=True, round_scale=True),

@@ -186,9 +186,11 @@ class Buffer(LowLatencyCalls):
             return self._cached_dispatch(x, x_scales, handle, streams)
         self._check_routing_args(topk_idx, num_tokens_per_expert, num_tokens_per_rdma_rank, expert_alignment,
                                  num_worst_tokens)
-        config = config if config is not None else self.get_dispatch_config(self.group_size)
+        # The config's num_sms is part of the buffer's key: the dispatch runs with it (the chunk sizes tune
+        # DeepEP's rings, which epx does not have).
+        num_sms = config_sms(config if config is not None else self.get_dispatch_config(self.group_size))
         buffer = self._ht_buffer(x.shape[1], topk_idx.shape[1], num_tokens_per_expert.numel(),
-                                 "bf16" if x_scales is None else "fp8", num_worst_tokens, config.num_sms)
+                                 "bf16" if x_scales is None else "fp8", num_worst_tokens, num_sms)
         if x.shape[0] > buffer.config.max_tokens_per_rank:
             refuse(buffer, Op.dispatch, self._budget_message(x.shape[0], buffer), InvalidArgument)
         order_copies(buffer, given, x_scales, previous_event)
@@ -219,6 +221,10 @@ class Buffer(LowLatencyCalls):
                                   f"{type(handle).__name__}")
         buffer, streams = handle.buffer, dict(previous_event=previous_event, async_finish=async_finish,
                                               allocate_on_comm_stream=allocate_on_comm_stream)
+        op = Op.combine if topk_weights is None else Op.dispatch_backward  # the epx call this combine makes
+        # DeepEP runs its combine with the config's SMs; epx's combine runs on the buffer its dispatch made, with
+        # that buffer's SM budget, and cannot take another one per call.
+        check_config(buffer, op, "combine", config, "epx's combine runs with its dispatch's SM budget", Unsupported)
         biases = [b for b in unpack_bias(bias) if b is not None]
         if topk_weights is None:
             shared = biases.pop(0) if biases else None
@@ -266,11 +272,8 @@ class Buffer(LowLatencyCalls):
             refuse(buffer, Op.cached_dispatch,
                    f"dispatch: num_worst_tokens={num_worst_tokens} with a handle whose dispatch had "
                    f"{buffer.config.capacity_rows}: a cached dispatch has its handle's output rows", InvalidArgument)
-        if config is not None and config.num_sms != buffer.config.num_sms:
-            refuse(buffer, Op.cached_dispatch,
-                   f"dispatch: config.num_sms={config.num_sms} with a handle whose dispatch ran with "
-                   f"{buffer.config.num_sms}: a cached dispatch runs on its handle's buffer and SM budget; pass "
-                   "the config of that dispatch (or none)", InvalidArgument)
+        check_config(buffer, Op.cached_dispatch, "dispatch", config,
+                     "a cached dispatch runs on its handle's buffer and SM budget", InvalidArgument)
 
     def _check_routing_args(self, topk_idx, num_tokens_per_expert, num_tokens_per_rdma_rank, expert_alignment,
                             num_worst_tokens):
@@ -347,6 +350,23 @@ class Buffer(LowLatencyCalls):
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream()
         return on_side_stream(self._side_stream, make, inputs, previous_event, async_finish)
+
+
+def config_sms(config):
+    """The SM count of a deep_ep.Config (or of DeepEP's own Config, which has the same attribute)."""
+    num_sms = getattr(config, "num_sms", None)
+    if not isinstance(num_sms, int):
+        raise InvalidArgument(f"config: expected a deep_ep.Config, got {type(config).__name__}")
+    return num_sms
+
+
+def check_config(buffer, op, call, config, why, error):
+    """Refuses, on every rank, a config (None: the default, accepted) whose num_sms is not the SM budget of the
+    epx buffer the call runs on: epx cannot honour it (`why`)."""
+    num_sms = getattr(config, "num_sms", None)
+    if config is not None and num_sms != buffer.config.num_sms:
+        refuse(buffer, op, f"{call}: config.num_sms={num_sms!r}, but the handle's dispatch ran with "
+                           f"{buffer.config.num_sms} and {why}; pass a config with that num_sms (or none)", error)
 
 
 def split_x(x):
