@@ -427,10 +427,11 @@ def test_cached_dispatch_refuses_what_would_make_it_another_call(ranks):
         again = b.dispatch(p.x[r], handle=handle, config=deep_ep.Buffer.get_dispatch_config(ranks))
         return outcomes, again
 
-    for outcomes, again in run_all(groups, rank):
+    for d, (outcomes, again) in enumerate(run_all(groups, rank)):
         for name, (_, error, message) in cases.items():
             assert isinstance(outcomes.get(name), error) and message in str(outcomes[name]), (name, outcomes.get(name))
         assert again[1:5] == (None, None, None, None)
+        assert torch.equal(again[0], RefDispatch(p, d).x), f"rank {d}: the cached dispatch after the refusals"
 
 
 @pytest.mark.parametrize("weights", [False, True])

@@ -327,7 +327,6 @@ def test_split_steps_with_async_events_match_whole_calls():
     results as token_permutation / token_unpermutation, forward and backward."""
     p = Problem(2, H, E, K, 9, seed=6)
     expert_w, grad_outs = expert_weights(E, H), grads_for(p)
-    local = E // 2
 
     def split_dispatcher(g):
         d = TokenDispatcher(g, local_range(g, E), config(async_dispatch=True))
@@ -353,10 +352,12 @@ def test_split_steps_with_async_events_match_whole_calls():
 
     split = run_layer(p, None, False, expert_w, grad_outs, split_dispatcher)
     whole = run_layer(p, config(), False, expert_w, grad_outs)
-    for (a, b) in zip(split, whole):
-        for u, v in zip(a, b):
-            assert torch.equal(u, v)
-    assert local == E // 2
+    check_against_reference(p, split, p.idx, expert_w, grad_outs)  # not only equal to the whole calls: right
+    assert len(split) == len(whole) == 2
+    for r, (a, b) in enumerate(zip(split, whole)):
+        assert len(a) == len(b) == 3
+        for what, u, v in zip(("out", "grad x", "grad probs"), a, b):
+            assert torch.equal(u, v), f"rank {r} {what}"
 
 
 @pytest.mark.parametrize("compact", [False, True])
