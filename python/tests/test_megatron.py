@@ -43,7 +43,8 @@ class FlexDispatcherStandIn:
     module = None  # the token_dispatcher-like module the test builds
 
     def __init__(self, num_local_experts, local_expert_indices, config, group):
-        self.num_local_experts, self.config, self.ep_size = num_local_experts, config, group.size
+        self.num_local_experts, self.config = num_local_experts, config
+        self.ep_size = group.size() if callable(group.size) else group.size  # a torch ProcessGroup, or an epx.Group
         if config.moe_flex_dispatcher_backend == "deepep":
             self._comm_manager = self.module._DeepepManager(
                 group=group, num_local_experts=num_local_experts, router_topk=config.moe_router_topk,
