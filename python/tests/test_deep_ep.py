@@ -818,6 +818,70 @@ def test_combine_weights_held_elsewhere_fail_every_rank():
     assert isinstance(errors[0], epx.PeerFailed), errors[0]
 
 
+LAYOUT_EDITS = {"num_tokens_per_rank": lambda t: t + 1, "num_tokens_per_expert": lambda t: t.flip(0) + 1,
+                "is_token_in_rank": lambda t: ~t}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUT_EDITS))
+def test_layout_arguments_not_of_topk_idx_fail_every_rank(name):
+    """DeepEP's dispatch sends and counts by num_tokens_per_rank / is_token_in_rank / num_tokens_per_expert, epx
+    by topk_idx: a value other than get_dispatch_layout's for topk_idx (on one rank) fails that dispatch on every
+    rank; an equal copy passes (it is compared), and so does the next dispatch."""
+    ranks, p = 2, problem(2, seed=185)
+    groups = epx.Group.host(ranks)
+    buffers = make_buffers(groups)
+
+    def rank(g):
+        b, r = buffers[g.rank], g.rank
+        args = _dispatch_kwargs(b, p, r)
+        if r == 1:
+            args[name] = LAYOUT_EDITS[name](args[name])
+        try:
+            b.dispatch(p.x[r], **args)
+            error = None
+        except epx.Error as e:
+            error = e
+        copies = {key: value.clone() if isinstance(value, torch.Tensor) else value
+                  for key, value in _dispatch_kwargs(b, p, r).items()}
+        return error, b.dispatch(p.x[r], **copies)[0]
+
+    runs = run_all(groups, rank)
+    assert isinstance(runs[1][0], epx.InvalidArgument) and f"{name} is not what" in str(runs[1][0]), runs[1][0]
+    assert isinstance(runs[0][0], epx.PeerFailed) and f"{name} is not what" in str(runs[0][0]), runs[0][0]
+    for d, (_, recv_x) in enumerate(runs):
+        assert torch.equal(recv_x, RefDispatch(p, d).x)
+
+
+def test_zero_copy_combine_of_another_x_fails_every_rank():
+    """DeepEP's zero-copy combine reads its own buffer, not x: zero_copy=True with an x that is not
+    get_next_low_latency_combine_buffer's tensor fails that combine on every rank; with it, it works."""
+    ranks, p = 2, problem(2, seed=186, tokens=M, hidden=512)
+    groups = epx.Group.host(ranks)
+    buffers = make_buffers(groups, hidden=512)
+
+    def rank(g):
+        b, r = buffers[g.rank], g.rank
+        _, _, handle, _, _ = b.low_latency_dispatch(p.x[r], p.idx[r], M, E, use_fp8=False)
+        y_buffer = b.get_next_low_latency_combine_buffer(handle)
+        y_buffer.copy_(random_bf16(y_buffer.shape, 187 + r))
+        try:
+            b.low_latency_combine(y_buffer.clone() if r == 1 else y_buffer, p.idx[r], p.w[r], handle, zero_copy=True)
+            error = None
+        except epx.Error as e:
+            error = e
+        y_next = b.get_next_low_latency_combine_buffer(handle)  # the next combine's (the failed one took its turn)
+        y_next.copy_(y_buffer)
+        return error, handle, y_next.clone(), b.low_latency_combine(y_next, p.idx[r], p.w[r], handle,
+                                                                    zero_copy=True)[0]
+
+    runs = run_all(groups, rank)
+    assert isinstance(runs[1][0], epx.InvalidArgument) and "zero_copy=True" in str(runs[1][0]), runs[1][0]
+    assert isinstance(runs[0][0], epx.PeerFailed) and "zero_copy=True" in str(runs[0][0]), runs[0][0]
+    for d, run in enumerate(runs):
+        want, scale = ll_expected_combine(p, [r[1] for r in runs], [r[2] for r in runs], d, p.w[d])
+        assert_close_sum(run[3], want, scale, f"rank {d}")
+
+
 def test_low_latency_bad_input_on_one_rank_fails_every_rank():
     ranks, p = 2, problem(2, seed=190, tokens=M)
     groups = epx.Group.host(ranks)

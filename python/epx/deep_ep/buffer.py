@@ -13,6 +13,8 @@ recv_topk_idx local expert ids or -1); DeepEP combine is epx's unweighted rank-m
 """
 
 
+import weakref
+
 import torch
 
 from ..buffer import Buffer as EpxBuffer
@@ -93,6 +95,7 @@ class Buffer(LowLatencyCalls):
         self._buffers = {}  # shape key -> epx buffer (high-throughput and low-latency), in creation order
         self._side_stream = None
         self._destroyed = False
+        self._last_layout = None  # what get_dispatch_layout returned last (_LayoutRecord)
 
     # --- DeepEP's static helpers ----------------------------------------------------------------
 
@@ -157,6 +160,7 @@ class Buffer(LowLatencyCalls):
         (per_rank, per_expert, in_rank), event = self.run_on_side_stream(
             lambda: dispatch_layout(topk_idx, num_experts, self.group_size), (topk_idx,), previous_event,
             async_finish, allocate_on_comm_stream)
+        self._last_layout = _LayoutRecord(topk_idx, (per_rank, per_expert, in_rank))
         return per_rank, None, per_expert, in_rank, event
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None, is_token_in_rank=None,
@@ -166,9 +170,10 @@ class Buffer(LowLatencyCalls):
         num_recv_tokens_per_expert_list, handle, event); with a handle, the cached dispatch:
         (recv_x, None, None, None, None, event). x: [T, H] bf16, or (fp8 codes, scales [T, H/128] f32).
 
-        Routing is topk_idx's; num_tokens_per_rank / is_token_in_rank / num_tokens_per_expert are what
-        get_dispatch_layout derives from it and are not read, except num_tokens_per_expert's length
-        (the expert count)."""
+        Routing is topk_idx's; num_tokens_per_rank / is_token_in_rank / num_tokens_per_expert must be what
+        get_dispatch_layout derives from it (DeepEP would route and count by them): values that are not
+        fail the dispatch on every rank (_check_layout_args). num_tokens_per_expert's length is the expert
+        count."""
         self._check_alive()
         refuse_options("dispatch", options)
         given = x
@@ -193,6 +198,7 @@ class Buffer(LowLatencyCalls):
                                  "bf16" if x_scales is None else "fp8", num_worst_tokens, num_sms)
         if x.shape[0] > buffer.config.max_tokens_per_rank:
             refuse(buffer, Op.dispatch, self._budget_message(x.shape[0], buffer), InvalidArgument)
+        self._check_layout_args(buffer, topk_idx, (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank))
         order_copies(buffer, given, x_scales, previous_event)
         d = buffer.dispatch(x, topk_idx, topk_weights, x_scales=x_scales, layout="rank_major", **streams)
 
@@ -293,6 +299,27 @@ class Buffer(LowLatencyCalls):
         if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
             raise InvalidArgument(f"dispatch: num_worst_tokens must be an int >= 0, got {num_worst_tokens!r}")
 
+    def _check_layout_args(self, buffer, topk_idx, given):
+        """DeepEP's dispatch sends by num_tokens_per_rank / is_token_in_rank and counts by num_tokens_per_expert;
+        epx sends and counts by topk_idx. They agree when those are what get_dispatch_layout gives for topk_idx,
+        so other values are refused on every rank. get_dispatch_layout's own outputs for this topk_idx, unchanged,
+        pass without a look; others are compared (a host sync on the GPU; skipped in a graph capture)."""
+        if self._last_layout is not None and self._last_layout.holds(topk_idx, given):
+            return
+        if topk_idx.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
+        experts = buffer.num_experts
+        if topk_idx.dtype not in (torch.int32, torch.int64) or bool(((topk_idx < -1) | (topk_idx >= experts)).any()):
+            return  # epx refuses this topk_idx itself, on every rank, naming it
+        want = dispatch_layout(topk_idx, experts, self.group_size)
+        for name, t, w in zip(("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank"), given, want):
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor) or t.shape != w.shape or not torch.equal(t.to(w.device, w.dtype), w):
+                refuse(buffer, Op.dispatch, f"dispatch: {name} is not what get_dispatch_layout gives for topk_idx: "
+                                            "DeepEP would send (or count) by it, epx sends by topk_idx; pass "
+                                            "get_dispatch_layout's outputs for this topk_idx", InvalidArgument)
+
     def _check_combine_weights(self, handle, topk_weights):
         """Refuses, on every rank, weights epx cannot sum as DeepEP does: non-zero where this rank holds none
         of the slot's expert (recv_topk_idx == -1). The dispatch's own recv_topk_weights, unchanged, pass
@@ -350,6 +377,22 @@ class Buffer(LowLatencyCalls):
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream()
         return on_side_stream(self._side_stream, make, inputs, previous_event, async_finish)
+
+
+class _LayoutRecord:
+    """get_dispatch_layout's topk_idx and outputs, by weak reference and version: a dispatch given them unchanged
+    needs no look at their values."""
+
+    def __init__(self, topk_idx, outputs):
+        tensors = (topk_idx, *outputs)
+        self.refs = [weakref.ref(t) for t in tensors]
+        self.versions = [t._version for t in tensors]
+
+    def holds(self, topk_idx, given):
+        for ref, version, t in zip(self.refs, self.versions, (topk_idx, *given)):
+            if t is not None and (ref() is not t or t._version != version):
+                return False
+        return True
 
 
 def config_sms(config):
