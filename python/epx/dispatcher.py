@@ -31,10 +31,10 @@ import torch
 from . import registry, replay
 from . import torch as epx_torch
 from .buffer import Buffer
-from .config import Layout
+from .config import Layout, Op
 from .errors import InvalidArgument
 from .group import Group
-from .streams import NO_EVENT, EventOverlap, on_side_stream
+from .streams import NO_EVENT, EventOverlap, event_of, on_side_stream
 
 
 class CapacityOverflow(RuntimeError):
@@ -214,6 +214,30 @@ class BufferPool:
 # --- the dispatcher ------------------------------------------------------------------------------
 
 @dataclass
+class _Routing:
+    """What dispatch_preprocess took, for the dispatch_all_to_all that follows: the compact routing
+    (topk_idx, topk_weights) or the dense one (routing_map, probs), and what was wrong with it (refused
+    at the dispatch, where every rank takes part)."""
+
+    topk_idx: Optional[torch.Tensor] = None
+    topk_weights: Optional[torch.Tensor] = None
+    routing_map: Optional[torch.Tensor] = None
+    probs: Optional[torch.Tensor] = None
+    problem: Optional[str] = None
+
+    @property
+    def weights(self):
+        """The probs that travel with the tokens: [T, K] compact, [T, E] dense (what preprocess returned)."""
+        return self.probs if self.routing_map is not None else self.topk_weights
+
+    def with_weights(self, weights):
+        if self.routing_map is not None:
+            self.probs = weights
+        else:
+            self.topk_weights = weights
+
+
+@dataclass
 class _Pending:
     """One dispatch between its forward dispatch and its forward combine."""
 
@@ -247,7 +271,7 @@ class TokenDispatcher:
             raise InvalidArgument(f"dispatcher: local_expert_indices {list(local_expert_indices)}: epx puts experts "
                                   f"{first}..{first + self.num_local_experts - 1} on rank {self.group.rank}")
         self.local_expert_indices = list(local_expert_indices)
-        self._routing = None  # set by dispatch_preprocess: (topk_idx, topk_weights, routing_map, probs)
+        self._routing = None  # the _Routing dispatch_preprocess took
         self._pending = None
 
     # --- whole calls ----------------------------------------------------------------------------
@@ -290,38 +314,57 @@ class TokenDispatcher:
         tokens = routing_map.shape[0]
         routing_map = routing_map.reshape(tokens, self.config.num_experts).bool()
         probs = probs.reshape(tokens, self.config.num_experts).float()
-        self._routing = (None, None, routing_map, probs)
+        self._routing = _Routing(routing_map=routing_map, probs=probs)
         return self._flatten(hidden_states), probs
 
     def _preprocess_top_k(self, hidden_states, num_local_tokens, probs):
         tokens = probs.numel() // self.config.num_experts
-        if num_local_tokens is not None and num_local_tokens != tokens:
-            raise InvalidArgument(f"dispatcher: num_local_tokens={num_local_tokens}, but probs holds {tokens} tokens "
-                                  f"of {self.config.num_experts} experts")
         token_probs, token_indices = torch.topk(probs.reshape(tokens, self.config.num_experts).float(),
                                                 self.config.topk, dim=-1)
         return self.dispatch_preprocess2(hidden_states, num_local_tokens, token_probs,
                                          token_indices.masked_fill(token_probs == 0, -1))
 
     def dispatch_preprocess2(self, hidden_states, num_local_tokens, token_probs, token_indices):
-        """The compact routing: token_indices [T, K] (-1 unused), token_probs [T, K]. num_local_tokens is
-        accepted for NeMo's signature (the tokens are hidden_states' rows)."""
-        self._routing = (token_indices, token_probs.float(), None, None)
-        return self._flatten(hidden_states), self._routing[1]
+        """The compact routing: token_indices [T, K] (-1 unused), token_probs [T, K]. num_local_tokens (NeMo's
+        signature; None: not checked) must be T, as in the dense form; a wrong one fails the dispatch that
+        follows on every rank (preprocess is this rank's alone)."""
+        self._routing = _Routing(topk_idx=token_indices, topk_weights=token_probs.float())
+        tokens = token_indices.shape[0]
+        if num_local_tokens is not None and num_local_tokens != tokens:
+            self._routing.problem = (f"dispatcher: num_local_tokens={num_local_tokens}, but the routing holds "
+                                     f"{tokens} tokens")
+        return self._flatten(hidden_states), self._routing.topk_weights
 
     def dispatch_all_to_all(self, hidden_states, probs=None, async_finish=None, allocate_on_comm_stream=None,
                             previous_event=None):
         """The dispatch itself (collective). Returns (received rows, their probs): expert-major rows and
-        [N] probs with fused_permute, else rank-major rows and [M, K] probs. With async_dispatch the call
-        runs on the buffer's communication stream; async_finish (default: async_dispatch) returns before it
-        is done, and dispatch_postprocess waits (self.dispatch_event). allocate_on_comm_stream is accepted
-        for Megatron's signature: epx's outputs always come from the stream the call ran on."""
+        [N] probs with fused_permute, else rank-major rows and [M, K] probs.
+
+        probs: the probs that travel with the tokens, of the shape dispatch_preprocess returned ([T, E]
+        dense, [T, K] compact); None: those preprocess returned. (Megatron's flex dispatcher passes back
+        what preprocess returned; its alltoall dispatcher sends the probs it is given: both hold here.)
+
+        With async_dispatch the call runs on the buffer's communication stream after previous_event (else
+        after the current stream); async_finish (default: async_dispatch) returns before it is done, and
+        dispatch_postprocess waits (self.dispatch_event). Without async_dispatch the call runs on torch's
+        current stream, which first waits for previous_event; async_finish=True is refused there (there is
+        no other stream to finish on). allocate_on_comm_stream is accepted for Megatron's signature: epx's
+        outputs always come from the stream the call ran on.
+
+        A bad probs, async_finish or num_local_tokens fails this call on every rank."""
         if self._routing is None:
             raise InvalidArgument("dispatcher: dispatch_all_to_all before dispatch_preprocess")
-        topk_idx, topk_weights, routing_map, probs_dense = self._routing
-        self._routing = None
+        routing, self._routing = self._routing, None
         hidden, tokens = hidden_states.shape[1], hidden_states.shape[0]
         buffer, calibrating = self.pool.buffer_for(hidden, tokens)
+        problem = routing.problem or self._probs_problem(routing, probs) or self._async_problem(
+            "dispatch_all_to_all", async_finish)
+        if problem is not None:
+            buffer.reject(Op.dispatch, problem)  # the peers' dispatch fails too, quoting it
+        if probs is not None:
+            routing.with_weights(probs.reshape(routing.weights.shape).float())
+        topk_idx, topk_weights, routing_map, probs_dense = (routing.topk_idx, routing.topk_weights,
+                                                            routing.routing_map, routing.probs)
         layout = Layout.expert_major if self.config.fused_permute else Layout.rank_major
 
         def run():  # on the stream the call runs on: the cast too, after previous_event
@@ -379,6 +422,9 @@ class TokenDispatcher:
         """The combine (collective, unweighted: the experts applied the probs). Returns [T, H] bf16; async as
         dispatch_all_to_all (combine_postprocess waits, self.combine_event)."""
         pending = self._require_pending("combine_all_to_all")
+        problem = self._async_problem("combine_all_to_all", async_finish)
+        if problem is not None:
+            pending.buffer.reject(Op.combine, problem)  # the peers' combine fails too; the dispatch stays pending
 
         def run():
             return epx_torch.combine(pending.buffer, hidden_states, pending.output.handle, weighted=False)
@@ -454,6 +500,28 @@ class TokenDispatcher:
         pending.rows, pending.positions = rows, positions
         return permuted, probs, padded
 
+    @staticmethod
+    def _probs_problem(routing, probs):
+        """Why dispatch_all_to_all cannot send `probs` in place of the routing's (None: it can)."""
+        if probs is None or probs is routing.weights:
+            return None
+        want = routing.weights
+        if not isinstance(probs, torch.Tensor) or probs.numel() != want.numel() or probs.dim() < 1 \
+                or probs.shape[0] != want.shape[0]:
+            shape = tuple(probs.shape) if isinstance(probs, torch.Tensor) else type(probs).__name__
+            return (f"dispatcher: dispatch_all_to_all: probs {shape} is not of the routing dispatch_preprocess took "
+                    f"({tuple(want.shape)}: pass what it returned, or probs of that shape)")
+        return None
+
+    def _async_problem(self, step, async_finish):
+        """async_finish=True needs the communication stream, which only async_dispatch uses."""
+        if async_finish and not self.config.async_dispatch:
+            return (f"dispatcher: {step}: async_finish=True with async_dispatch=False: every call then runs on "
+                    "torch's current stream (as CUDA graph capture needs), so there is nothing to finish "
+                    "asynchronously; make the dispatcher with DispatcherConfig(async_dispatch=True), or pass "
+                    "async_finish=False / None")
+        return None
+
     def _on_call_stream(self, buffer):
         """A context that runs torch ops on the stream _on_stream runs the calls on."""
         if buffer.device.type != "cuda" or not self.config.async_dispatch:
@@ -464,7 +532,12 @@ class TokenDispatcher:
         """Runs an epx call where this pool's calls run: torch's current stream, or (async_dispatch) the
         buffer's communication stream (streams.on_side_stream). Returns (result, EventOverlap). Backward
         runs on the stream the forward ran on (torch's rule)."""
-        if buffer.device.type != "cuda" or not self.config.async_dispatch:
+        if buffer.device.type != "cuda":
+            return run(), NO_EVENT  # the CPU backend has no streams: every call is done when it returns
+        if not self.config.async_dispatch:
+            event = event_of(previous_event)
+            if event is not None:  # the call is ordered after previous_event on the stream it runs on
+                torch.cuda.current_stream(buffer.device).wait_event(event)
             return run(), NO_EVENT
         asynchronous = self.config.async_dispatch if async_finish is None else bool(async_finish)
         return on_side_stream(buffer.comm_stream, run, inputs, previous_event, asynchronous)

@@ -150,8 +150,10 @@ class EpxManager:
             d.dispatch_preprocess2(hidden_states, None, self.token_probs, self.token_indices)
         else:
             d.dispatch_preprocess(hidden_states, self.routing_map, self.token_probs)
+        # async_finish=None: the pool's choice (async_dispatch, which dispatcher_config sets; moe_epx_options may
+        # turn it off): the manager waits below either way.
         received, self.dispatched_probs = d.dispatch_all_to_all(hidden_states.reshape(-1, hidden_states.shape[-1]),
-                                                                async_finish=True, previous_event=previous_event)
+                                                                async_finish=None, previous_event=previous_event)
         d.dispatch_event.current_stream_wait()
         output = d.last_dispatch
         self.handle = output.handle
@@ -181,7 +183,7 @@ class EpxManager:
         """Brings the rows back and sums them per token (collective): [T, H] bf16, ordered on the current
         stream when this returns. Releases the dispatch's handle."""
         d = self.dispatcher
-        out = d.combine_all_to_all(hidden_states, async_finish=True)
+        out = d.combine_all_to_all(hidden_states, async_finish=None)
         d.combine_event.current_stream_wait()
         out = d.combine_postprocess(out).reshape(-1, out.shape[-1])
         self.handle = None

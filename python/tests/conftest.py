@@ -33,3 +33,17 @@ def ep1_group():
     yield epx.Group.from_torch(dist.group.WORLD, device=0)
     if started:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def torch_world():
+    """torch.distributed's WORLD of one process (gloo over a HashStore): what the adapters are given as the EP
+    process group by code that has one (Megatron's tp_ep_group, vLLM's and SGLang's groups)."""
+    import torch.distributed as dist
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    if started:
+        dist.destroy_process_group()

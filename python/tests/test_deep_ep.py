@@ -427,10 +427,51 @@ def test_cached_dispatch_refuses_what_would_make_it_another_call(ranks):
         again = b.dispatch(p.x[r], handle=handle, config=deep_ep.Buffer.get_dispatch_config(ranks))
         return outcomes, again
 
-    for outcomes, again in run_all(groups, rank):
+    for d, (outcomes, again) in enumerate(run_all(groups, rank)):
         for name, (_, error, message) in cases.items():
             assert isinstance(outcomes.get(name), error) and message in str(outcomes[name]), (name, outcomes.get(name))
         assert again[1:5] == (None, None, None, None)
+        assert torch.equal(again[0], RefDispatch(p, d).x), f"rank {d}: the cached dispatch after the refusals"
+
+
+@pytest.mark.parametrize("weights", [False, True])
+def test_combine_config_epx_cannot_honour_fails_every_rank(weights):
+    """combine runs with its dispatch's SM budget: a config of another num_sms is refused on every rank (one rank
+    passing it fails that combine everywhere), one of the same num_sms (or none) is accepted; the dispatch's
+    config.num_sms is the budget of the buffer it runs on."""
+    ranks, p = 2, problem(2, seed=96)
+    groups = epx.Group.host(ranks)
+    buffers = make_buffers(groups)
+    dispatch_config = deep_ep.Config(8)
+
+    def rank(g):
+        b, r = buffers[g.rank], g.rank
+        recv_x, _, recv_w, _, handle, _ = b.dispatch(p.x[r], config=dispatch_config, **_dispatch_kwargs(b, p, r))
+        assert handle.buffer.config.num_sms == 8
+        topk_weights = recv_w if weights else None
+        outcomes = []
+        for bad_ranks in ((1,), (0, 1)):
+            try:
+                b.combine(recv_x, handle, topk_weights=topk_weights,
+                          config=deep_ep.Config(12) if r in bad_ranks else None)
+                outcomes.append(None)
+            except epx.Error as e:
+                outcomes.append(e)
+        same = b.combine(recv_x, handle, topk_weights=topk_weights, config=deep_ep.Config(8))
+        default = b.combine(recv_x, handle, topk_weights=topk_weights)
+        return recv_x, outcomes, same[0], default[0]
+
+    runs = run_all(groups, rank)
+    (one_0, all_0), (one_1, all_1) = runs[0][1], runs[1][1]
+    assert isinstance(one_1, epx.Unsupported) and "config.num_sms=12" in str(one_1), one_1
+    assert isinstance(one_0, epx.PeerFailed) and "config.num_sms=12" in str(one_0), one_0
+    for e in (all_0, all_1):
+        assert isinstance(e, epx.Unsupported) and "dispatch's SM budget" in str(e), e
+    refs = [RefDispatch(p, d) for d in range(ranks)]
+    for s, run in enumerate(runs):
+        want, scale = ref_combine(refs, [r[0] for r in runs], s, p)
+        assert_close_sum(run[2], want, scale, f"rank {s} combined, config of the dispatch's num_sms")
+        assert torch.equal(run[2], run[3])
 
 
 # --- low latency -----------------------------------------------------------------------------------
@@ -649,6 +690,41 @@ def test_constructor_refusals():
         b.get_local_buffer_tensor(torch.bfloat16)
 
 
+# DeepEP's constructor (deep_ep/buffer.py): code that passes its arguments by position lands on the same ones.
+DEEP_EP_BUFFER_ARGS = ["group", "num_nvl_bytes", "num_rdma_bytes", "low_latency_mode", "num_qps_per_rank",
+                       "allow_nvlink_for_low_latency_mode", "allow_mnnvl", "use_fabric", "explicitly_destroy",
+                       "enable_shrink", "comm"]
+
+
+def test_constructor_takes_deep_eps_arguments_in_deep_eps_order():
+    params = list(inspect.signature(deep_ep.Buffer.__init__).parameters.values())[1:]
+    positional = [q.name for q in params if q.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    assert positional == DEEP_EP_BUFFER_ARGS
+    defaults = {q.name: q.default for q in params if q.name in DEEP_EP_BUFFER_ARGS[1:]}
+    assert defaults == dict(num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=24,
+                            allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, use_fabric=False,
+                            explicitly_destroy=False, enable_shrink=False, comm=None)
+    (g,) = epx.Group.host(1)
+    rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(M, H, 1, E)
+    b = deep_ep.Buffer(g, nvl_bytes(1), rdma, True, 8, True, True, False, True, False, None)  # all by position
+    assert (b.num_nvl_bytes, b.num_rdma_bytes, b.low_latency_mode, b.num_qps_per_rank, b.allow_mnnvl,
+            b.explicitly_destroy) == (nvl_bytes(1), rdma, True, 8, True, True)
+    b.destroy()  # explicitly_destroy (the ninth) took True
+
+
+@pytest.mark.parametrize("name, why", [("use_fabric", "fabric"), ("enable_shrink", "rank masking")])
+def test_constructor_refuses_what_epx_cannot_honour_by_name(name, why):
+    (g,) = epx.Group.host(1)
+    with pytest.raises(epx.Unsupported, match=f"{name}=True.*{why}"):
+        deep_ep.Buffer(g, num_nvl_bytes=nvl_bytes(1), **{name: True})
+    position = DEEP_EP_BUFFER_ARGS.index(name)
+    args = [g, nvl_bytes(1), 0, False, 24, True, False, False, False, False, None]
+    args[position] = True
+    with pytest.raises(epx.Unsupported, match=f"{name}=True"):
+        deep_ep.Buffer(*args)
+    deep_ep.Buffer(g, num_nvl_bytes=nvl_bytes(1), **{name: False})  # False: DeepEP's default, accepted
+
+
 def _dispatch_kwargs(b, p, r, **extra):
     per_rank, rdma, per_expert, in_rank, _ = b.get_dispatch_layout(p.idx[r], E)
     args = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=rdma, is_token_in_rank=in_rank,
@@ -740,6 +816,70 @@ def test_combine_weights_held_elsewhere_fail_every_rank():
     _, errors = run_ranks(groups, rank)
     assert isinstance(errors[1], epx.Unsupported) and "recv_topk_idx == -1" in str(errors[1]), errors[1]
     assert isinstance(errors[0], epx.PeerFailed), errors[0]
+
+
+LAYOUT_EDITS = {"num_tokens_per_rank": lambda t: t + 1, "num_tokens_per_expert": lambda t: t.flip(0) + 1,
+                "is_token_in_rank": lambda t: ~t}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUT_EDITS))
+def test_layout_arguments_not_of_topk_idx_fail_every_rank(name):
+    """DeepEP's dispatch sends and counts by num_tokens_per_rank / is_token_in_rank / num_tokens_per_expert, epx
+    by topk_idx: a value other than get_dispatch_layout's for topk_idx (on one rank) fails that dispatch on every
+    rank; an equal copy passes (it is compared), and so does the next dispatch."""
+    ranks, p = 2, problem(2, seed=185)
+    groups = epx.Group.host(ranks)
+    buffers = make_buffers(groups)
+
+    def rank(g):
+        b, r = buffers[g.rank], g.rank
+        args = _dispatch_kwargs(b, p, r)
+        if r == 1:
+            args[name] = LAYOUT_EDITS[name](args[name])
+        try:
+            b.dispatch(p.x[r], **args)
+            error = None
+        except epx.Error as e:
+            error = e
+        copies = {key: value.clone() if isinstance(value, torch.Tensor) else value
+                  for key, value in _dispatch_kwargs(b, p, r).items()}
+        return error, b.dispatch(p.x[r], **copies)[0]
+
+    runs = run_all(groups, rank)
+    assert isinstance(runs[1][0], epx.InvalidArgument) and f"{name} is not what" in str(runs[1][0]), runs[1][0]
+    assert isinstance(runs[0][0], epx.PeerFailed) and f"{name} is not what" in str(runs[0][0]), runs[0][0]
+    for d, (_, recv_x) in enumerate(runs):
+        assert torch.equal(recv_x, RefDispatch(p, d).x)
+
+
+def test_zero_copy_combine_of_another_x_fails_every_rank():
+    """DeepEP's zero-copy combine reads its own buffer, not x: zero_copy=True with an x that is not
+    get_next_low_latency_combine_buffer's tensor fails that combine on every rank; with it, it works."""
+    ranks, p = 2, problem(2, seed=186, tokens=M, hidden=512)
+    groups = epx.Group.host(ranks)
+    buffers = make_buffers(groups, hidden=512)
+
+    def rank(g):
+        b, r = buffers[g.rank], g.rank
+        _, _, handle, _, _ = b.low_latency_dispatch(p.x[r], p.idx[r], M, E, use_fp8=False)
+        y_buffer = b.get_next_low_latency_combine_buffer(handle)
+        y_buffer.copy_(random_bf16(y_buffer.shape, 187 + r))
+        try:
+            b.low_latency_combine(y_buffer.clone() if r == 1 else y_buffer, p.idx[r], p.w[r], handle, zero_copy=True)
+            error = None
+        except epx.Error as e:
+            error = e
+        y_next = b.get_next_low_latency_combine_buffer(handle)  # the next combine's (the failed one took its turn)
+        y_next.copy_(y_buffer)
+        return error, handle, y_next.clone(), b.low_latency_combine(y_next, p.idx[r], p.w[r], handle,
+                                                                    zero_copy=True)[0]
+
+    runs = run_all(groups, rank)
+    assert isinstance(runs[1][0], epx.InvalidArgument) and "zero_copy=True" in str(runs[1][0]), runs[1][0]
+    assert isinstance(runs[0][0], epx.PeerFailed) and "zero_copy=True" in str(runs[0][0]), runs[0][0]
+    for d, run in enumerate(runs):
+        want, scale = ll_expected_combine(p, [r[1] for r in runs], [r[2] for r in runs], d, p.w[d])
+        assert_close_sum(run[3], want, scale, f"rank {d}")
 
 
 def test_low_latency_bad_input_on_one_rank_fails_every_rank():

@@ -158,9 +158,41 @@ def test_nemo_form_takes_the_token_count_and_dense_probs(ranks):
         return out.detach(), x.grad, slot_grads(dense.grad, p.idx[r])
 
     check_against_reference(p, run_all(groups, rank), p.idx, expert_w, grad_outs)
-    with pytest.raises(epx.InvalidArgument, match="num_local_tokens=5"):
-        g = epx.Group.host(1)[0]
-        TokenDispatcher(g, range(E), config()).dispatch_preprocess(p.x[0], 5, p.dense(0)[1])
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_wrong_num_local_tokens_fails_the_dispatch_on_every_rank(compact):
+    """num_local_tokens other than the routing's token count, on one rank, in the dense (NeMo) form or the
+    compact one: that rank's dispatch raises InvalidArgument, its peer's the same dispatch PeerFailed; the
+    next dispatch (right counts) works and matches the reference."""
+    p = Problem(2, H, E, K, [9, 6], seed=23)
+    expert_w, grad_outs = expert_weights(E, H), grads_for(p)
+    groups = epx.Group.host(2)
+    local = E // 2
+
+    def rank(g):
+        r = g.rank
+        d = TokenDispatcher(g, local_range(g, E), config())
+
+        def permutation(count):
+            if compact:
+                return d.token_permutation2(p.x[r], count, p.w[r], p.idx[r])
+            return d.token_permutation(p.x[r], count, p.dense(r)[1])
+
+        try:
+            permutation(5 if r == 1 else p.tokens[r])
+            error = None
+        except epx.Error as e:
+            error = e
+        permuted, counts, probs = permutation(p.tokens[r])
+        out = d.token_unpermutation(experts_forward(permuted, counts, probs, expert_w[r * local:(r + 1) * local])
+                                    .bfloat16())
+        return error, out
+
+    runs = run_all(groups, rank)
+    assert isinstance(runs[1][0], epx.InvalidArgument) and "num_local_tokens=5" in str(runs[1][0]), runs[1][0]
+    assert isinstance(runs[0][0], epx.PeerFailed) and "num_local_tokens=5" in str(runs[0][0]), runs[0][0]
+    check_against_reference(p, [(run[1],) for run in runs], p.idx, expert_w, grad_outs)
 
 
 def test_one_dispatcher_serves_two_layers_forward_and_backward():
@@ -295,7 +327,6 @@ def test_split_steps_with_async_events_match_whole_calls():
     results as token_permutation / token_unpermutation, forward and backward."""
     p = Problem(2, H, E, K, 9, seed=6)
     expert_w, grad_outs = expert_weights(E, H), grads_for(p)
-    local = E // 2
 
     def split_dispatcher(g):
         d = TokenDispatcher(g, local_range(g, E), config(async_dispatch=True))
@@ -321,10 +352,108 @@ def test_split_steps_with_async_events_match_whole_calls():
 
     split = run_layer(p, None, False, expert_w, grad_outs, split_dispatcher)
     whole = run_layer(p, config(), False, expert_w, grad_outs)
-    for (a, b) in zip(split, whole):
-        for u, v in zip(a, b):
-            assert torch.equal(u, v)
-    assert local == E // 2
+    check_against_reference(p, split, p.idx, expert_w, grad_outs)  # not only equal to the whole calls: right
+    assert len(split) == len(whole) == 2
+    for r, (a, b) in enumerate(zip(split, whole)):
+        assert len(a) == len(b) == 3
+        for what, u, v in zip(("out", "grad x", "grad probs"), a, b):
+            assert torch.equal(u, v), f"rank {r} {what}"
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_dispatch_all_to_all_sends_the_probs_it_is_given(compact):
+    """probs given to dispatch_all_to_all (here twice those preprocess returned) are the ones that travel:
+    the layer equals the reference with doubled weights, and the gradient reaches the router's probs through
+    them."""
+    p = Problem(2, H, E, K, [9, 7], seed=26)
+    doubled = Problem(2, H, E, K, [9, 7], seed=26)
+    doubled.w = [w * 2 for w in p.w]
+    expert_w, grad_outs = expert_weights(E, H), grads_for(p)
+    local = E // 2
+
+    def rank(g):
+        r = g.rank
+        d = TokenDispatcher(g, local_range(g, E), config())
+        x = p.x[r].clone().requires_grad_()
+        if compact:
+            probs = p.w[r].clone().requires_grad_()
+            hidden, stored = d.dispatch_preprocess2(x, None, probs, p.idx[r])
+        else:
+            routing_map, dense = p.dense(r)
+            probs = dense.clone().requires_grad_()
+            hidden, stored = d.dispatch_preprocess(x, routing_map, probs)
+        hidden, recv_probs = d.dispatch_all_to_all(hidden, stored * 2)
+        permuted, counts, permuted_probs = d.dispatch_postprocess(hidden, recv_probs)
+        y = experts_forward(permuted, counts, permuted_probs, expert_w[r * local:(r + 1) * local]).bfloat16()
+        out = d.token_unpermutation(y)
+        (out.float() * grad_outs[r]).sum().backward()
+        # d loss / d probs = 2 * d loss / d (the doubled weights), which the reference gives
+        return out.detach(), x.grad, (probs.grad if compact else slot_grads(probs.grad, p.idx[r])) / 2
+
+    check_against_reference(doubled, run_all(epx.Group.host(2), rank), p.idx, expert_w, grad_outs)
+
+
+def test_probs_not_of_the_routing_fail_the_dispatch_on_every_rank():
+    """probs of another shape than the routing's, on one rank: that rank's dispatch raises, its peer's fails
+    with PeerFailed quoting it; the probs preprocess returned (or none) are accepted."""
+    p = Problem(2, H, E, K, 8, seed=27)
+    groups = epx.Group.host(2)
+
+    def rank(g):
+        r = g.rank
+        d = TokenDispatcher(g, local_range(g, E), config())
+        hidden, stored = d.dispatch_preprocess2(p.x[r], None, p.w[r], p.idx[r])
+        try:
+            d.dispatch_all_to_all(hidden, stored[:, :1] if r == 1 else stored)
+            error = None
+        except epx.Error as e:
+            error = e
+        hidden, stored = d.dispatch_preprocess2(p.x[r], None, p.w[r], p.idx[r])
+        received = d.dispatch_all_to_all(hidden, stored)
+        d.dispatch_postprocess(*received)
+        d.combine_postprocess(d.combine_all_to_all(d.combine_preprocess(received[0])))
+        return error
+
+    errors = run_all(groups, rank)
+    assert isinstance(errors[1], epx.InvalidArgument) and "is not of the routing" in str(errors[1]), errors[1]
+    assert isinstance(errors[0], epx.PeerFailed) and "is not of the routing" in str(errors[0]), errors[0]
+
+
+@pytest.mark.parametrize("step", ["dispatch", "combine"])
+def test_async_finish_without_async_dispatch_fails_every_rank(step):
+    """async_dispatch=False runs every call on the current stream: async_finish=True cannot be honoured and is
+    refused (one rank passing it fails the call on every rank); previous_event is accepted (the current stream
+    waits for it; on the CPU there is none); the step then works without async_finish."""
+    p = Problem(2, H, E, K, 8, seed=28)
+    groups = epx.Group.host(2)
+
+    def rank(g):
+        r = g.rank
+        d = TokenDispatcher(g, local_range(g, E), config(async_dispatch=False))
+        asynchronous = dict(async_finish=True if r == 1 else None)
+        hidden, stored = d.dispatch_preprocess2(p.x[r], None, p.w[r], p.idx[r])
+        error = None
+        try:
+            received = d.dispatch_all_to_all(hidden, stored, **(asynchronous if step == "dispatch" else {}))
+        except epx.Error as e:
+            error = e
+            hidden, stored = d.dispatch_preprocess2(p.x[r], None, p.w[r], p.idx[r])
+            received = d.dispatch_all_to_all(hidden, stored, previous_event=epx.EventOverlap())
+        permuted, _, _ = d.dispatch_postprocess(*received)
+        y = d.combine_preprocess(permuted)
+        try:
+            out = d.combine_all_to_all(y, **(asynchronous if step == "combine" else {}))
+        except epx.Error as e:
+            error = e
+            out = d.combine_all_to_all(y, previous_event=epx.EventOverlap())
+        return error, d.combine_postprocess(out)
+
+    runs = run_all(groups, rank)
+    assert isinstance(runs[1][0], epx.InvalidArgument) and "async_dispatch=False" in str(runs[1][0]), runs[1][0]
+    assert isinstance(runs[0][0], epx.PeerFailed) and "async_dispatch=False" in str(runs[0][0]), runs[0][0]
+    for r, (_, out) in enumerate(runs):  # experts = identity: each token's rows summed over its kept slots
+        used = (p.idx[r] >= 0).sum(dim=1, keepdim=True)
+        assert torch.equal(out, (p.x[r].double() * used).bfloat16()), f"rank {r}"
 
 
 def test_hidden_states_keep_their_shape_and_dtype():
@@ -582,3 +711,32 @@ def test_gpu_shared_forward_matches_reference(ranks, async_dispatch, fused, back
     groups = epx.Group.shared_gpu(ranks, 0)
     runs = run_all(groups, lambda g: gpu_layer_rank(g, p, cfg, expert_w, grad_outs, backward, torch.cuda.Stream(0)))
     check_against_reference(p, runs, p.idx, expert_w, grad_outs)
+
+
+@needs_gpu
+def test_gpu_previous_event_orders_the_call_without_async_dispatch(ep1_group):
+    """async_dispatch=False: the dispatch runs on the current stream, which first waits for previous_event. The
+    rows are written on another stream after a long sleep, then the event: a dispatch that did not wait would
+    send the zeros that were there before."""
+    p = Problem(1, 256, 8, 4, 32, seed=76)
+    expert_w, grad_outs = expert_weights(8, 256), grads_for(p)
+    cfg = config(experts=8, topk=4, async_dispatch=False, max_tokens_per_rank=32)
+    pool = BufferPool(ep1_group, cfg)
+    try:
+        d = TokenDispatcher(ep1_group, range(8), cfg, pool=pool)
+        source, idx, w = (t.to("cuda") for t in (p.x[0], p.idx[0], p.w[0]))
+        x = torch.zeros_like(source)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)  # far longer than the dispatch's own launch and run
+            x.copy_(source)
+            written = torch.cuda.Event()
+            written.record(side)
+        hidden, probs = d.dispatch_preprocess2(x, None, w, idx)
+        received = d.dispatch_all_to_all(hidden, probs, previous_event=epx.EventOverlap(written))
+        permuted, counts, permuted_probs = d.dispatch_postprocess(*received)
+        out = d.token_unpermutation(experts_forward(permuted, counts, permuted_probs, expert_w.to("cuda")).bfloat16())
+        close(out.cpu(), dense_reference(p, p.idx, expert_w, grad_outs)[0][0], "out")
+    finally:
+        pool.close()

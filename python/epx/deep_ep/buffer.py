@@ -13,6 +13,8 @@ recv_topk_idx local expert ids or -1); DeepEP combine is epx's unweighted rank-m
 """
 
 
+import weakref
+
 import torch
 
 from ..buffer import Buffer as EpxBuffer
@@ -58,8 +60,10 @@ class Buffer(LowLatencyCalls):
     num_sms = 20  # DeepEP's class-wide SM budget for the high-throughput calls (set_num_sms)
 
     def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=24,
-                 allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, explicitly_destroy=False, comm=None, *,
-                 epx_max_tokens_per_rank=None, epx_timeout_ms=0):
+                 allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, use_fabric=False, explicitly_destroy=False,
+                 enable_shrink=False, comm=None, *, epx_max_tokens_per_rank=None, epx_timeout_ms=0):
+        # DeepEP's positional order (deep_ep/buffer.py); refusals here come before anything collective, and
+        # every rank passes these arguments alike, so every rank refuses the same construction.
         if comm is not None:
             raise Unsupported("deep_ep.Buffer: comm (an mpi4py communicator) is not supported by epx; pass the "
                               "torch.distributed group (or an epx.Group) as group")
@@ -68,6 +72,14 @@ class Buffer(LowLatencyCalls):
         if not allow_nvlink_for_low_latency_mode:
             raise Unsupported("deep_ep.Buffer: allow_nvlink_for_low_latency_mode=False asks for RDMA-only traffic; "
                               "epx moves every token over NVLink / peer memory (it has no RDMA transport)")
+        if use_fabric:
+            raise Unsupported("deep_ep.Buffer: use_fabric=True asks for communication memory allocated with CUDA "
+                              "fabric handles (multi-node NVLink); epx allocates its buffers itself, for the ranks "
+                              "of one node, and has no fabric-memory allocation")
+        if enable_shrink:
+            raise Unsupported("deep_ep.Buffer: enable_shrink=True asks for DeepEP's shrink mode (a mask buffer that "
+                              "takes failed ranks out of the low-latency calls, with low_latency_update_mask_buffer "
+                              "and the other mask calls); epx has no rank masking: every call needs every rank")
         if low_latency_mode and num_qps_per_rank <= 0:
             raise InvalidArgument(f"deep_ep.Buffer: num_qps_per_rank must be > 0, got {num_qps_per_rank}")
         self.group = group
@@ -83,6 +95,7 @@ class Buffer(LowLatencyCalls):
         self._buffers = {}  # shape key -> epx buffer (high-throughput and low-latency), in creation order
         self._side_stream = None
         self._destroyed = False
+        self._last_layout = None  # what get_dispatch_layout returned last (_LayoutRecord)
 
     # --- DeepEP's static helpers ----------------------------------------------------------------
 
@@ -147,6 +160,7 @@ class Buffer(LowLatencyCalls):
         (per_rank, per_expert, in_rank), event = self.run_on_side_stream(
             lambda: dispatch_layout(topk_idx, num_experts, self.group_size), (topk_idx,), previous_event,
             async_finish, allocate_on_comm_stream)
+        self._last_layout = _LayoutRecord(topk_idx, (per_rank, per_expert, in_rank))
         return per_rank, None, per_expert, in_rank, event
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None, is_token_in_rank=None,
@@ -156,9 +170,10 @@ class Buffer(LowLatencyCalls):
         num_recv_tokens_per_expert_list, handle, event); with a handle, the cached dispatch:
         (recv_x, None, None, None, None, event). x: [T, H] bf16, or (fp8 codes, scales [T, H/128] f32).
 
-        Routing is topk_idx's; num_tokens_per_rank / is_token_in_rank / num_tokens_per_expert are what
-        get_dispatch_layout derives from it and are not read, except num_tokens_per_expert's length
-        (the expert count)."""
+        Routing is topk_idx's; num_tokens_per_rank / is_token_in_rank / num_tokens_per_expert must be what
+        get_dispatch_layout derives from it (DeepEP would route and count by them): values that are not
+        fail the dispatch on every rank (_check_layout_args). num_tokens_per_expert's length is the expert
+        count."""
         self._check_alive()
         refuse_options("dispatch", options)
         given = x
@@ -176,11 +191,14 @@ class Buffer(LowLatencyCalls):
             return self._cached_dispatch(x, x_scales, handle, streams)
         self._check_routing_args(topk_idx, num_tokens_per_expert, num_tokens_per_rdma_rank, expert_alignment,
                                  num_worst_tokens)
-        config = config if config is not None else self.get_dispatch_config(self.group_size)
+        # The config's num_sms is part of the buffer's key: the dispatch runs with it (the chunk sizes tune
+        # DeepEP's rings, which epx does not have).
+        num_sms = config_sms(config if config is not None else self.get_dispatch_config(self.group_size))
         buffer = self._ht_buffer(x.shape[1], topk_idx.shape[1], num_tokens_per_expert.numel(),
-                                 "bf16" if x_scales is None else "fp8", num_worst_tokens, config.num_sms)
+                                 "bf16" if x_scales is None else "fp8", num_worst_tokens, num_sms)
         if x.shape[0] > buffer.config.max_tokens_per_rank:
             refuse(buffer, Op.dispatch, self._budget_message(x.shape[0], buffer), InvalidArgument)
+        self._check_layout_args(buffer, topk_idx, (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank))
         order_copies(buffer, given, x_scales, previous_event)
         d = buffer.dispatch(x, topk_idx, topk_weights, x_scales=x_scales, layout="rank_major", **streams)
 
@@ -209,6 +227,10 @@ class Buffer(LowLatencyCalls):
                                   f"{type(handle).__name__}")
         buffer, streams = handle.buffer, dict(previous_event=previous_event, async_finish=async_finish,
                                               allocate_on_comm_stream=allocate_on_comm_stream)
+        op = Op.combine if topk_weights is None else Op.dispatch_backward  # the epx call this combine makes
+        # DeepEP runs its combine with the config's SMs; epx's combine runs on the buffer its dispatch made, with
+        # that buffer's SM budget, and cannot take another one per call.
+        check_config(buffer, op, "combine", config, "epx's combine runs with its dispatch's SM budget", Unsupported)
         biases = [b for b in unpack_bias(bias) if b is not None]
         if topk_weights is None:
             shared = biases.pop(0) if biases else None
@@ -256,11 +278,8 @@ class Buffer(LowLatencyCalls):
             refuse(buffer, Op.cached_dispatch,
                    f"dispatch: num_worst_tokens={num_worst_tokens} with a handle whose dispatch had "
                    f"{buffer.config.capacity_rows}: a cached dispatch has its handle's output rows", InvalidArgument)
-        if config is not None and config.num_sms != buffer.config.num_sms:
-            refuse(buffer, Op.cached_dispatch,
-                   f"dispatch: config.num_sms={config.num_sms} with a handle whose dispatch ran with "
-                   f"{buffer.config.num_sms}: a cached dispatch runs on its handle's buffer and SM budget; pass "
-                   "the config of that dispatch (or none)", InvalidArgument)
+        check_config(buffer, Op.cached_dispatch, "dispatch", config,
+                     "a cached dispatch runs on its handle's buffer and SM budget", InvalidArgument)
 
     def _check_routing_args(self, topk_idx, num_tokens_per_expert, num_tokens_per_rdma_rank, expert_alignment,
                             num_worst_tokens):
@@ -279,6 +298,27 @@ class Buffer(LowLatencyCalls):
             raise InvalidArgument(f"dispatch: expert_alignment must be an int >= 1, got {expert_alignment!r}")
         if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
             raise InvalidArgument(f"dispatch: num_worst_tokens must be an int >= 0, got {num_worst_tokens!r}")
+
+    def _check_layout_args(self, buffer, topk_idx, given):
+        """DeepEP's dispatch sends by num_tokens_per_rank / is_token_in_rank and counts by num_tokens_per_expert;
+        epx sends and counts by topk_idx. They agree when those are what get_dispatch_layout gives for topk_idx,
+        so other values are refused on every rank. get_dispatch_layout's own outputs for this topk_idx, unchanged,
+        pass without a look; others are compared (a host sync on the GPU; skipped in a graph capture)."""
+        if self._last_layout is not None and self._last_layout.holds(topk_idx, given):
+            return
+        if topk_idx.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
+        experts = buffer.num_experts
+        if topk_idx.dtype not in (torch.int32, torch.int64) or bool(((topk_idx < -1) | (topk_idx >= experts)).any()):
+            return  # epx refuses this topk_idx itself, on every rank, naming it
+        want = dispatch_layout(topk_idx, experts, self.group_size)
+        for name, t, w in zip(("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank"), given, want):
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor) or t.shape != w.shape or not torch.equal(t.to(w.device, w.dtype), w):
+                refuse(buffer, Op.dispatch, f"dispatch: {name} is not what get_dispatch_layout gives for topk_idx: "
+                                            "DeepEP would send (or count) by it, epx sends by topk_idx; pass "
+                                            "get_dispatch_layout's outputs for this topk_idx", InvalidArgument)
 
     def _check_combine_weights(self, handle, topk_weights):
         """Refuses, on every rank, weights epx cannot sum as DeepEP does: non-zero where this rank holds none
@@ -337,6 +377,39 @@ class Buffer(LowLatencyCalls):
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream()
         return on_side_stream(self._side_stream, make, inputs, previous_event, async_finish)
+
+
+class _LayoutRecord:
+    """get_dispatch_layout's topk_idx and outputs, by weak reference and version: a dispatch given them unchanged
+    needs no look at their values."""
+
+    def __init__(self, topk_idx, outputs):
+        tensors = (topk_idx, *outputs)
+        self.refs = [weakref.ref(t) for t in tensors]
+        self.versions = [t._version for t in tensors]
+
+    def holds(self, topk_idx, given):
+        for ref, version, t in zip(self.refs, self.versions, (topk_idx, *given)):
+            if t is not None and (ref() is not t or t._version != version):
+                return False
+        return True
+
+
+def config_sms(config):
+    """The SM count of a deep_ep.Config (or of DeepEP's own Config, which has the same attribute)."""
+    num_sms = getattr(config, "num_sms", None)
+    if not isinstance(num_sms, int):
+        raise InvalidArgument(f"config: expected a deep_ep.Config, got {type(config).__name__}")
+    return num_sms
+
+
+def check_config(buffer, op, call, config, why, error):
+    """Refuses, on every rank, a config (None: the default, accepted) whose num_sms is not the SM budget of the
+    epx buffer the call runs on: epx cannot honour it (`why`)."""
+    num_sms = getattr(config, "num_sms", None)
+    if config is not None and num_sms != buffer.config.num_sms:
+        refuse(buffer, op, f"{call}: config.num_sms={num_sms!r}, but the handle's dispatch ran with "
+                           f"{buffer.config.num_sms} and {why}; pass a config with that num_sms (or none)", error)
 
 
 def split_x(x):

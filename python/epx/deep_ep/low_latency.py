@@ -182,7 +182,9 @@ class LowLatencyCalls:
                             **options):
         """(combined_x [T, H] bf16, event, hook or None): combined_x[t] = sum over slots k with topk_idx >= 0
         of topk_weights[t, k] * x[its row] (epx sums per expert rank first, rounding each rank's partial to
-        bf16). zero_copy: x is read in place either way. out: written and returned."""
+        bf16). zero_copy=True: x must be get_next_low_latency_combine_buffer's tensor for this combine (DeepEP
+        reads that buffer, not x), else the combine fails on every rank; x is read in place either way. out:
+        written and returned."""
         self._check_alive()
         refuse_options("low_latency_combine", options)
         if use_logfmt:
@@ -194,8 +196,15 @@ class LowLatencyCalls:
         state = self._ll_state_of(handle, "low_latency_combine")
         if handle.epx is None:  # this rank's own state: its peers' same combine fails too
             state.ll.reject("combine", "low_latency_combine: the dispatch's receive hook has not run yet")
-        weights = combine_weights(topk_idx, topk_weights)
         set_index = state.ll.combine_calls % 2
+        if zero_copy and not same_memory(x, state.zero_copy[set_index]):
+            # DeepEP's zero-copy combine reads its own buffer, not x; epx reads x: they agree only when x is that
+            # buffer (the one get_next_low_latency_combine_buffer handed out for this combine).
+            state.ll.reject("combine", "low_latency_combine: zero_copy=True with an x that is not the tensor "
+                                       "get_next_low_latency_combine_buffer returned for this combine: DeepEP would "
+                                       "combine what that buffer holds, epx combines x; pass that tensor as x (or "
+                                       "zero_copy=False)")
+        weights = combine_weights(topk_idx, topk_weights)
         if return_recv_hook:
             state.ll.combine_send(x, handle.epx, topk_weights=weights)
             target = out if out is not None else self._reserved_combine(state, set_index, handle, x)
@@ -260,6 +269,12 @@ class LowLatencyCalls:
     def _require_low_latency_mode(self, call):
         if not self.low_latency_mode:
             raise InvalidArgument(f"{call}: needs a Buffer made with low_latency_mode=True (as in DeepEP)")
+
+
+def same_memory(a, b):
+    """Whether tensor a is tensor b's memory in b's layout (b may be None)."""
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.data_ptr() == b.data_ptr() \
+        and a.shape == b.shape and a.stride() == b.stride()
 
 
 def ll_wire(use_fp8, round_scale, use_ue8m0):
