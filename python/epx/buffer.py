@@ -12,7 +12,7 @@ from . import _C, registry
 from .config import CapacityMode, DType, Layout, Op, WireFormat, code_of, names_of
 from .errors import InvalidArgument
 from .outputs import (CombineBackwardOutput, CombineOutput, DispatchBackwardOutput, DispatchOutput, Handle)
-from .streams import NO_EVENT, CallStreams, handle_of, wait_for
+from .streams import NO_EVENT, CallStreams, current_stream_handle, handle_of, wait_for
 from .tensors import arg, out, problem
 
 BF16 = (DType.bf16,)
@@ -258,29 +258,29 @@ class Buffer:
         """Chooses and prepares the call's stream (streams.py); None on the CPU backend."""
         if not self._cuda:
             return None
-        current = torch.cuda.current_stream(self.device)
         on_comm = async_finish or previous_event is not None or allocate_on_comm_stream
         if not on_comm:
-            self._use_stream(current)
-            return CallStreams(current, current, False, False)
+            handle = current_stream_handle(self.device)
+            self._use_stream(handle)
+            return CallStreams(None, None, False, False, handle)
+        current = torch.cuda.current_stream(self.device)
         if torch.cuda.is_current_stream_capturing():
             self.reject(op, f"{Op(op).name}: previous_event / async_finish / allocate_on_comm_stream are not "
                             "supported while a CUDA graph is being captured; capture with the defaults (the call "
                             "then runs on the capturing stream)")
         comm = self.comm_stream
         wait_for(comm, previous_event, current)
-        self._use_stream(comm)
+        self._use_stream(handle_of(comm))
         return CallStreams(comm, current, bool(async_finish), True)
 
-    def _use_stream(self, stream):
-        handle = handle_of(stream)
+    def _use_stream(self, handle):
         if handle != self._stream:
             self._c.set_stream(handle)  # orders the new stream after the previous one (an event, no host wait)
             self._stream = handle
 
     @staticmethod
     def _consumer(streams):
-        return 0 if streams is None else handle_of(streams.consumer)
+        return 0 if streams is None else streams.consumer_handle
 
     @staticmethod
     def _finish(streams, inputs):

@@ -20,7 +20,7 @@ import torch
 from . import _C, registry
 from .config import DType, WireFormat, code_of, names_of
 from .errors import InvalidArgument
-from .streams import handle_of
+from .streams import current_stream_handle
 from .tensors import arg, out, problem
 
 _BF16, _F32, _I32 = (DType.bf16,), (DType.f32,), (DType.i32,)
@@ -240,7 +240,7 @@ class LowLatencyBuffer:
 
     def _use_current_stream(self):
         if self._cuda:
-            handle = handle_of(torch.cuda.current_stream(self.device))
+            handle = current_stream_handle(self.device)
             if handle != self._stream:
                 self._c.set_stream(handle)
                 self._stream = handle

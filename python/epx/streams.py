@@ -23,6 +23,18 @@ def handle_of(stream):
     return stream.cuda_stream or _LEGACY_STREAM
 
 
+_RAW_CURRENT_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_stream_handle(device):
+    """handle_of(torch.cuda.current_stream(device)) without making the Stream object, which costs a call
+    ~3 us of host time before its first kernel (docs/lab/2026-12-02-host-read.md)."""
+    if _RAW_CURRENT_STREAM is None:
+        return handle_of(torch.cuda.current_stream(device))
+    return _RAW_CURRENT_STREAM(device.index if device.index is not None else torch.cuda.current_device()) \
+        or _LEGACY_STREAM
+
+
 class EventHandle:
     """DeepEP's EventHandle: an event recorded on torch's current stream when it is made (with no CUDA
     device, none: the CPU backend has no streams to order). ``current_stream_wait()`` makes the
@@ -88,13 +100,15 @@ def wait_for(stream, previous_event, current):
 
 
 class CallStreams:
-    """Where one call runs and which stream consumes its outputs (CUDA buffers only)."""
+    """Where one call runs and which stream consumes its outputs (CUDA buffers only). A call on the current
+    stream needs only its handle: run and consumer are then None."""
 
-    def __init__(self, run, consumer, asynchronous, on_comm):
+    def __init__(self, run, consumer, asynchronous, on_comm, consumer_handle=None):
         self.run = run
         self.consumer = consumer
         self.asynchronous = asynchronous
         self.on_comm = on_comm
+        self.consumer_handle = handle_of(consumer) if consumer_handle is None else consumer_handle
 
     def finish(self, inputs):
         """After the call: the handle to wait on (async), or the current stream ordered after it."""
