@@ -70,7 +70,23 @@ def main():
         fail(f"{path} holds {len(records)} records {keys}; expected {expected}, the rows printed: {rows}")
     if not all(r["verified"] for r in records):
         fail("a record is not verified")
+    check_hbm_bytes(records)
     print(f"OK: {path} holds all {len(records)} records")
+
+
+def check_hbm_bytes(records):
+    """The bytes each floor is made of (tools/bench/floors.hpp): T rows of bf16 x in, T rows out, and the
+    received rows between (the bf16 dispatch's output rows are what combine and the backward passes read
+    or write)."""
+    dispatched = {r["layout"]: r["hbm_write_bytes"] for r in records if r["op"] == "dispatch" and r["dtype"] == "bf16"}
+    for r in records:
+        row = 2 * r["hidden"] * r["tokens"]
+        got = (r.get("hbm_read_bytes"), r.get("hbm_write_bytes"))
+        received = dispatched.get(r["layout"])
+        want = {"dispatch": (row, got[1]), "combine": (received, row), "dispatch_backward": (received, row),
+                "combine_backward": (row + (received if r["layout"] == "expert_major" else 0), received)}[r["op"]]
+        if got != want or not got[1] or got[1] <= 0:
+            fail(f"{r['op']} {r['dtype']} {r['layout']}: HBM bytes (read, write) {got}, expected {want}")
 
 
 main()

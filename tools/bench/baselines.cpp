@@ -176,6 +176,8 @@ std::vector<Record> local_copies(const Options& o, const std::vector<std::vector
   int sms = 0;
   BENCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const int budget = o.sms > 0 ? o.sms : 24;
+  // On the shared GPU every rank's blocks run on GPU 0: the floors take the rates of all of them.
+  const int all_ranks = o.shared_gpu ? std::min(budget * o.ranks, sms) : budget;
   std::vector<Record> out;
   auto add = [&](const char* op, const std::vector<LocalCopyTime>& times, double bytes) {
     for (const LocalCopyTime& t : times) {
@@ -184,12 +186,15 @@ std::vector<Record> local_copies(const Options& o, const std::vector<std::vector
       out.push_back(r);
     }
   };
-  add("local_copy", time_local_copies(static_cast<size_t>(received), {budget, sms}, o.warmup, o.iters), received);
+  std::vector<int> copy_blocks{budget, all_ranks, sms};
+  std::sort(copy_blocks.begin(), copy_blocks.end());
+  copy_blocks.erase(std::unique(copy_blocks.begin(), copy_blocks.end()), copy_blocks.end());
+  add("local_copy", time_local_copies(static_cast<size_t>(received), copy_blocks, o.warmup, o.iters), received);
   // Reads of 4x those bytes (about what the expert-major partials read at two ranks: ~4 expert
   // rows per received token), by 8 and 16 SMs, the budget and every SM: how a read-bound sum's
   // rate grows with the SMs given to it; then writes of as many bytes (about what an
   // expert-major receiver writes at two ranks).
-  std::vector<int> block_counts{8, 16, budget, sms};
+  std::vector<int> block_counts{8, 16, budget, all_ranks, sms};
   std::sort(block_counts.begin(), block_counts.end());
   block_counts.erase(std::unique(block_counts.begin(), block_counts.end()), block_counts.end());
   const double expert_row_bytes = 4 * received;

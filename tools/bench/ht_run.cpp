@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdlib>
 
+#include "bench/floors.hpp"
 #include "verify/replicas.hpp"
 
 namespace epx::bench {
@@ -224,6 +225,12 @@ Record make_record(const Options& o, const Ranks& ranks, const verify::Problem& 
                                              : 2.0 * p.cfg.hidden;
   const auto [logical, wire_bytes] = bytes_per_rank(outs, row_bytes);
   set_bytes(rec, logical, wire_bytes);
+  std::vector<HbmBytes> per_rank;
+  for (int r = 0; r < static_cast<int>(outs.size()); ++r)
+    per_rank.push_back(rank_hbm_bytes(op, p, wire, layout == Layout::expert_major, outs[r], r));
+  const HbmBytes hbm = busiest(per_rank);
+  rec.hbm_read_bytes = hbm.read;
+  rec.hbm_write_bytes = hbm.write;
   rec.verify_error = verify_op(op, p, layout, outs);
   rec.verified = rec.verify_error.empty();
   return rec;

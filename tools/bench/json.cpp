@@ -46,6 +46,10 @@ bool write_json(const std::string& path, const std::vector<Record>& records) {
       << ", \"logical_gbps\": " << number(r.logical_gbps) << ", \"wire_gbps\": " << number(r.wire_gbps)
       << ", \"link_fraction\": " << number(r.link_fraction)
       << ", \"logical_bytes\": " << number(r.logical_bytes) << ", \"verified\": " << (r.verified ? "true" : "false");
+    if (r.hbm_read_bytes > 0 || r.hbm_write_bytes > 0)
+      f << ", \"hbm_read_bytes\": " << static_cast<long long>(r.hbm_read_bytes)
+        << ", \"hbm_write_bytes\": " << static_cast<long long>(r.hbm_write_bytes);  // whole rows: exact
+    if (r.floor_us > 0) f << ", \"floor_us\": " << number(r.floor_us) << ", \"floor_ratio\": " << number(r.floor_ratio);
     if (!r.combine_wire.empty()) f << ", \"combine_wire\": " << quoted(r.combine_wire);
     if (!r.verify_error.empty()) f << ", \"verify_error\": " << quoted(r.verify_error);
     if (!r.transport.empty()) f << ", \"transport\": " << quoted(r.transport);

@@ -28,6 +28,11 @@ struct Record {
   double wire_gbps = 0;     // bytes that crossed to another rank, per rank / time
   double link_fraction = 0; // wire_gbps / the peer-copy GB/s measured in the same run (0: not measured)
   double logical_bytes = 0;
+  // High-throughput ops: what the op must read and write in HBM on its busiest rank (rows only:
+  // inputs read once, outputs written once; floors.hpp), and the floor those bytes give at the
+  // rates this run's baselines measured with the record's SM budget (0: not computed).
+  double hbm_read_bytes = 0, hbm_write_bytes = 0;
+  double floor_us = 0, floor_ratio = 0;
   bool verified = false;
   std::string verify_error;
   std::string backend;

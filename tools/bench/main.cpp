@@ -321,6 +321,7 @@ int run(const Options& o) {
   if (!bytes_to.empty())
     for (Record& r : measure_baselines(o, bytes_to)) sink.add(std::move(r));
   sink.add_link_fractions();  // every record's wire rate as a fraction of a plain peer copy's in this run
+  sink.add_floors(o.shared_gpu);  // every high-throughput record's time against its HBM floor in this run
   const std::vector<Record>& records = sink.records();
   const bool all_ok = std::all_of(records.begin(), records.end(), [](const Record& r) {
     return r.verified || is_baseline(r.op);

@@ -14,6 +14,7 @@
 #include <string>
 #include <tuple>
 
+#include "bench/floors.hpp"
 #include "bench/ht_run.hpp"
 
 #ifdef EPX_HAS_CUDA
@@ -36,6 +37,7 @@ struct Slot {
   int ran;  // 1 once the rank wrote it
   double times[kMaxIters];
   double logical, wire;  // DeepEP's accounting, this rank's bytes
+  HbmBytes hbm;          // what this rank's op must read and write in HBM (floors.hpp)
   char error[kText];     // this rank's check against the reference; empty when it matches
 };
 
@@ -98,6 +100,7 @@ int rank_process(const Options& o, const verify::Problem& base, const std::vecto
         std::copy(t.begin(), t.end(), s.times);
         const double row = op == "dispatch" ? wire_row_bytes(wire, p.cfg.hidden) : 2.0 * p.cfg.hidden;
         std::tie(s.logical, s.wire) = rank_bytes(outs[r].dispatched, r, o.ranks, row);
+        s.hbm = rank_hbm_bytes(op, p, k == 0 ? wire : WireFormat::bf16, layout == Layout::expert_major, outs[r], r);
         copy_text(s.error, verify_op(op, p, layout, outs, r));
         s.ran = 1;
       }
@@ -186,6 +189,7 @@ std::vector<Record> run_processes(const Options& o, const verify::Problem& base,
       std::vector<std::vector<double>> times(o.ranks);
       std::vector<const std::vector<double>*> per_rank;
       double logical = 0, wire_bytes = 0;
+      std::vector<HbmBytes> hbm;
       std::string error;
       for (int r = 0; r < o.ranks; ++r) {
         const Slot& s = sh->slots[c][k][r];
@@ -193,11 +197,14 @@ std::vector<Record> run_processes(const Options& o, const verify::Problem& base,
         per_rank.push_back(&times[r]);
         logical += s.logical / o.ranks;
         wire_bytes += s.wire / o.ranks;
+        hbm.push_back(s.hbm);
         if (error.empty() && s.error[0]) error = s.error;
       }
       Record rec = base_record(o, ranks, p, kOps[k], k == 0 ? wire : WireFormat::bf16,
                                std::string(layout_name(layout)), per_rank);
       set_bytes(rec, logical, wire_bytes);
+      rec.hbm_read_bytes = busiest(hbm).read;
+      rec.hbm_write_bytes = busiest(hbm).write;
       rec.verify_error = error;
       rec.verified = error.empty();
       rec.ranks_as = "processes";

@@ -1,6 +1,8 @@
 // Records as they are measured: record_sink.hpp.
 #include "bench/record_sink.hpp"
 
+#include "bench/floors.hpp"
+
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -53,6 +55,18 @@ void RecordSink::add_link_fractions() {
     std::printf("  %-18s %-10s %-13s %4d %6.2f\n", r.op.c_str(), r.dtype.c_str(), r.layout.c_str(), r.sms,
                 r.link_fraction);
   }
+  std::fflush(stdout);
+  save();
+}
+
+void RecordSink::add_floors(bool shared_gpu) {
+  if (bench::add_floors(records_, shared_gpu) == 0) return;
+  std::printf("floors (HBM bytes at this run's local_read / local_write / local_copy rates, same SMs):\n");
+  std::printf("  %-18s %-10s %-13s %4s %11s %11s %7s\n", "op", "dtype", "layout", "sms", "median_us", "floor_us", "ratio");
+  for (const Record& r : records_)
+    if (r.floor_us > 0)
+      std::printf("  %-18s %-10s %-13s %4d %11.1f %11.1f %7.2f\n", r.op.c_str(), r.dtype.c_str(), r.layout.c_str(),
+                  r.sms, r.time_us, r.floor_us, r.floor_ratio);
   std::fflush(stdout);
   save();
 }

@@ -23,6 +23,10 @@ class RecordSink {
   // printed after the table and written to the JSON file.
   void add_link_fractions();
 
+  // With the local_read / local_write / local_copy baselines (CUDA, measured last): every
+  // high-throughput record's floor_us and floor_ratio (floors.hpp), printed and written.
+  void add_floors(bool shared_gpu);
+
   const std::vector<Record>& records() const { return records_; }
 
  private:
