@@ -56,19 +56,21 @@ class Group:
         GPU as torchrun launches it. Collective over the process group: rank 0 makes the NCCL unique id and the
         group carries it to the others. `device`: the GPU of this rank (default: torch's current device).
 
-        A build without CUDA takes a process group of one rank as the CPU backend's single rank (a rank alone
-        exchanges nothing); more ranks need the CUDA backend (the CPU backend's ranks are threads of one
-        process, it has no transport between processes)."""
+        Without CUDA (a build without it, or a torch that sees no CUDA device) a process group of one rank is
+        the CPU backend's single rank (a rank alone exchanges nothing); more ranks need the CUDA backend (the
+        CPU backend's ranks are threads of one process, it has no transport between processes)."""
         import torch.distributed as dist
 
         pg = process_group if process_group is not None else dist.group.WORLD
         rank, size = dist.get_rank(pg), dist.get_world_size(pg)
-        if not _C.has_cuda and size == 1:
+        missing = None if _C.has_cuda else "this build of epx has none (built without nvcc, or with -DEPX_CUDA=OFF)"
+        if missing is None and not torch.cuda.is_available():
+            missing = "torch sees no CUDA device (a CPU-only torch, or no GPU visible)"
+        if missing is not None and size == 1:
             return Group.host(1)[0]
-        if not _C.has_cuda:
-            raise Unsupported(f"Group.from_torch: a process group of {size} ranks needs epx's CUDA backend, and this "
-                              "build has none (built without nvcc, or with -DEPX_CUDA=OFF); the CPU backend's ranks "
-                              "are threads of one process (Group.host)")
+        if missing is not None:
+            raise Unsupported(f"Group.from_torch: a process group of {size} ranks needs epx's CUDA backend, and "
+                              f"{missing}; the CPU backend's ranks are threads of one process (Group.host)")
         index = torch.cuda.current_device() if device is None else _index(device)
         box = [_C.nccl_unique_id() if rank == 0 else None]
         src = _global_rank(pg, 0)
