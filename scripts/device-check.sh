@@ -4,8 +4,8 @@
 # sanitizer serializes kernels, so ranks waiting on each other could not progress), epx-bench.
 # Logs and JSON go to $OUT; a short summary is printed last.
 #   usage: [EPX_GIT_COMMIT=$(git rev-parse --short=12 HEAD)] [GTEST_FILTER=...] [GTEST_REPEAT=n] [BENCH_ARGS=...] [SANITIZE_TOOLS=...] \
-#          [AB_ENV="VAR=value ...[;VAR=value ...]"] bash scripts/device-check.sh [tests|sanitize|python|bench|ab|interleave|procs|sweep|engines|ll|holdback|profile|chain|all]...
-#          (default: all but ab, interleave, procs, sweep, engines, profile, holdback, chain)
+#          [AB_ENV="VAR=value ...[;VAR=value ...]"] bash scripts/device-check.sh [tests|sanitize|python|bench|targets|ab|interleave|procs|sweep|engines|ll|holdback|profile|chain|all]...
+#          (default: all but ab, interleave, procs, sweep, engines, profile, holdback, chain, targets)
 # The driver probes (lab/) are built and run by hand (lab/README.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,7 +37,7 @@ fi
 note "built against NCCL in $NCCL_DIR"
 
 # Steps that run only when named ("all" leaves them out).
-optional_steps="ab interleave procs sweep engines profile holdback chain"
+optional_steps="ab interleave procs sweep engines profile holdback chain targets"
 want() { [[ ( " $steps " == *" all "* && " $optional_steps " != *" $1 "* ) || " $steps " == *" $1 "* ]]; }
 gpus=$(nvidia-smi -L | wc -l)
 
@@ -133,6 +133,30 @@ if os.path.exists(f"{out}/bench-sms2.json"):
 PY
     note "epx-bench at ${BENCH_SMS2-16} SMs rc=$rc"
   fi
+fi
+if want targets; then
+  # Every record issues #27 and #29 set a target for (docs/performance.md), into targets.json, then
+  # tools/bench/check_targets.py's report: EP1 V3, every op, wire and layout at 24 and 16 SMs; EP1 at
+  # 128 tokens; the shared GPU at EP2 and EP4 (rank-major); low-latency at EP1 (every wire) and on the
+  # shared GPU at EP2.
+  tb() { timeout 300 ./build-gpu/epx-bench --backend cuda "$@" >> "$OUT/targets.log" 2>&1 || echo "FAILED: $*" >> "$OUT/targets.log"; }
+  for sms in 24 16; do tb --ranks 1 --wire bf16,fp8,nvfp4 --sms $sms --json "$OUT/targets-ep1-$sms.part"; done
+  tb --ranks 1 --tokens 128 --wire bf16 --layout rank_major --ops dispatch,combine --json "$OUT/targets-t128.part"
+  for r in 2 4; do
+    tb --shared-gpu --ranks $r --wire bf16 --layout rank_major --ops dispatch,combine --json "$OUT/targets-shared$r.part"
+  done
+  tb --preset ll --ranks 1 --ops ll_dispatch,ll_combine --wire fp8,nvfp4,bf16 --json "$OUT/targets-ll.part"
+  tb --preset ll --shared-gpu --ranks 2 --ops ll_dispatch,ll_combine --wire fp8 --json "$OUT/targets-ll-shared.part"
+  python3 - "$OUT" <<'PY'
+import glob, json, sys
+out = sys.argv[1]
+records = [r for f in sorted(glob.glob(f"{out}/targets-*.part")) for r in json.load(open(f))]
+with open(f"{out}/targets.json", "w") as o:
+    o.write("[\n" + ",\n".join("  " + json.dumps(r) for r in records) + "\n]\n")
+PY
+  rm -f "$OUT"/targets-*.part
+  python3 tools/bench/check_targets.py "$OUT/targets.json" | tee "$OUT/targets-report.txt" | tail -40
+  note "targets: $(grep -c ': meets$' "$OUT/targets-report.txt") met, $(grep -c ': misses$' "$OUT/targets-report.txt") missed, $(grep -c ': no record$' "$OUT/targets-report.txt") without a record (targets-report.txt)"
 fi
 if want ab; then
   # The same benchmark once more with AB_ENV's variables set (e.g. AB_ENV="EPX_DISPATCH_ENGINE=sm"):

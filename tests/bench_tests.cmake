@@ -39,3 +39,7 @@ add_test(NAME bench_replicas
                  --replicas 2 --wire bf16,fp8 --iters 1 --warmup 0)
 set_tests_properties(bench_replicas PROPERTIES TIMEOUT 60 PASS_REGULAR_EXPRESSION "all results verified"
                      FAIL_REGULAR_EXPRESSION "VERIFICATION FAILED")
+
+# The performance targets' report (tools/bench/check_targets.py) on made-up records.
+add_test(NAME bench_check_targets COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/check_targets_test.py)
+set_tests_properties(bench_check_targets PROPERTIES TIMEOUT 60 PASS_REGULAR_EXPRESSION "OK: check_targets.py")
