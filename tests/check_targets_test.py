@@ -12,16 +12,18 @@ SCRIPT = os.path.join(HERE, "..", "tools", "bench", "check_targets.py")
 
 
 def record(op, dtype="bf16", layout="rank_major", ranks=1, sms=24, tokens=4096, time_us=100.0, **extra):
-    r = dict(op=op, dtype=dtype, layout=layout, ranks=ranks, sms=sms, tokens=tokens, time_us=time_us, verified=True)
+    r = dict(op=op, dtype=dtype, layout=layout, ranks=ranks, sms=sms, tokens=tokens, time_us=time_us, verified=True,
+             hidden=7168, topk=8, experts=288 if op.startswith("ll_") else 256, routing="uniform",
+             git_commit="81cb7820ea10")
     r.update(extra)
     return r
 
 
-def run(records):
+def run(records, *options):
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(records, f)
     try:
-        p = subprocess.run([sys.executable, SCRIPT, f.name], capture_output=True, text=True)
+        p = subprocess.run([sys.executable, SCRIPT, *options, f.name], capture_output=True, text=True)
     finally:
         os.remove(f.name)
     return p.returncode, p.stdout.splitlines()
@@ -71,6 +73,18 @@ def main():
 
     rc, lines = run([])
     expect(rc == 1 and sum(l.endswith("no record") for l in lines) == 9, f"no records: {lines}")
+
+    # Records of other conditions count for nothing: a sweep's skewed routing, forced engines, another
+    # shape; --commit keeps one commit's.
+    slow = dict(time_us=900.0, floor_us=90.0, floor_ratio=10.0)
+    others = [record("dispatch", routing="skewed", **slow), record("dispatch", engines="dispatch=sm,combine=auto", **slow),
+              record("dispatch", hidden=2048, **slow), record("dispatch", git_commit="0123456", **slow)]
+    rc, lines = run(every + others[:3])
+    expect(rc == 0 and len(lines) == len(every) + 1, f"records of other conditions ignored: {lines}")
+    rc, lines = run(every + others, "--commit", "81cb782")
+    expect(rc == 0 and len(lines) == len(every) + 1, f"--commit keeps one commit's records: {lines}")
+    rc, lines = run(every + others)
+    expect(rc == 1, f"without --commit another commit's record counts: {lines}")
     print("OK: check_targets.py")
 
 

@@ -66,9 +66,11 @@ class Group:
         missing = None if _C.has_cuda else "this build of epx has none (built without nvcc, or with -DEPX_CUDA=OFF)"
         if missing is None and not torch.cuda.is_available():
             missing = "torch sees no CUDA device (a CPU-only torch, or no GPU visible)"
-        if missing is not None and size == 1:
+        if size == 1 and missing is not None:
+            if device is not None and torch.device(device).type == "cuda":
+                raise Unsupported(f"Group.from_torch: device {device} asks for the CUDA backend, and {missing}")
             return Group.host(1)[0]
-        if missing is not None:
+        if missing is not None:  # every rank of a job has the same build and torch: they refuse alike
             raise Unsupported(f"Group.from_torch: a process group of {size} ranks needs epx's CUDA backend, and "
                               f"{missing}; the CPU backend's ranks are threads of one process (Group.host)")
         index = torch.cuda.current_device() if device is None else _index(device)

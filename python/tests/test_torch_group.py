@@ -108,3 +108,9 @@ def test_megatron_manager_over_a_process_group(torch_world, megatron_module):  #
                                 p.idx, expert_w, grad_outs)
     finally:
         pool.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: the CUDA group is made")
+def test_from_torch_without_cuda_refuses_a_cuda_device(torch_world):
+    with pytest.raises(epx.Unsupported, match="device cuda:0 asks for the CUDA backend"):
+        epx.Group.from_torch(torch_world, device="cuda:0")

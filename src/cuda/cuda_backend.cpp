@@ -503,9 +503,9 @@ void CudaBackend::exchange_plan(const Call& call, int phase, int64_t tokens, int
                                 const kernels::LayoutJob* layout, const int64_t* dropped) {
   const PlanHeader h = plan_header(call, "", tokens, signature);
   const kernels::Ctx c = ctx();
-  // The drop rule's exchange (expert_prefix) is not the call's last.
+  // The drop rule's exchange (expert_prefix) is not the call's last. The kernel writes every field of
+  // the report's status; plan_ok reads it after plan_done_, recorded behind this launch.
   const bool report = config().mode == CapacityMode::blocking && expert_prefix == nullptr;
-  if (report) std::memset(&plan_report_->status, 0, sizeof(DeviceStatus));  // the previous call's read is done
   kernels::exchange_plan(c, h, counts, count_len, phase, expert_prefix != nullptr,
                          expert_prefix ? config().capacity_factor : 0.0, expert_prefix,
                          drop_capacity ? drop_capacity : scratch_, layout,
