@@ -247,8 +247,6 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   EPX_CUDA(cudaMemset(call_state_, 0, sizeof(CallState)));
   EPX_CUDA(cudaMalloc(&status_, sizeof(DeviceStatus)));
   EPX_CUDA(cudaMalloc(&scratch_, sizeof(int64_t)));
-  EPX_CUDA(cudaMalloc(&load_, static_cast<size_t>(local_experts_) * sizeof(int64_t)));
-  EPX_CUDA(cudaMemset(load_, 0, static_cast<size_t>(local_experts_) * sizeof(int64_t)));
   EPX_CUDA(cudaMemset(status_, 0, sizeof(DeviceStatus)));
   EPX_CUDA(cudaHostAlloc(&host_status_, sizeof(DeviceStatus), cudaHostAllocMapped));
   std::memset(host_status_, 0, sizeof(DeviceStatus));
@@ -316,7 +314,6 @@ CudaBackend::~CudaBackend() {
   cudaFree(status_);
   cudaFree(call_state_);
   cudaFree(scratch_);
-  cudaFree(load_);
   cudaFreeHost(host_status_);
   cudaFreeHost(plan_report_);
   cudaEventDestroy(fork_);
@@ -351,12 +348,6 @@ CudaBackend::Call CudaBackend::begin_call(CallKind kind) {
   Call call{kind, calls_, cat(call_kind_name(kind), " #", calls_)};
   if (broken_) fail(ErrorCode::peer_failed, call.name, " (rank ", rank_, "): the group already failed: ", broken_reason_);
   EPX_CUDA(cudaSetDevice(device_));
-  // A blocking call reads the device on the host, which a CUDA graph capture cannot hold: refused
-  // before the call counts, so the host's and the device's call numbers stay together.
-  if (config().mode == CapacityMode::blocking && capturing(stream_))
-    fail(ErrorCode::invalid_argument, call.name, " (rank ", rank_, "): a blocking-mode call cannot be captured in a ",
-         "CUDA graph (it reads the device on the host); capture capacity-mode calls (BufferConfig::mode = "
-         "CapacityMode::capacity)");
   check_earlier_calls(call);  // its timeout message tells the earlier call's host steps
   host_steps_.begin();
   // The host's call count and the device's advance together (plan slots are found from either).
@@ -464,10 +455,6 @@ bool CudaBackend::plan_ok() {
          reinterpret_cast<volatile DeviceStatus*>(host_status_)->code == kStatusOk;
 }
 
-bool CudaBackend::copies_wait_for_plan() const {
-  return config().mode == CapacityMode::blocking && copy_combine_ && ranks_ > 1;
-}
-
 void CudaBackend::end_call(const Call& call, bool plan_failed) {
   if (plan_failed) sync_and_check(call);
   else kernels::publish_status(ctx(), host_status_);
@@ -517,8 +504,10 @@ void CudaBackend::exchange_plan(const Call& call, int phase, int64_t tokens, int
   const PlanHeader h = plan_header(call, "", tokens, signature);
   const kernels::Ctx c = ctx();
   // The drop rule's exchange (expert_prefix) is not the call's last. The kernel writes every field of
-  // the report's status; plan_ok reads it after plan_done_, recorded behind this launch.
+  // the report's status (plan_ok reads it after plan_done_, recorded behind this launch); the clear
+  // is only a belt, harmless even while an earlier call's kernel still runs (it writes before this one).
   const bool report = config().mode == CapacityMode::blocking && expert_prefix == nullptr;
+  if (report) std::memset(&plan_report_->status, 0, sizeof(DeviceStatus));
   kernels::exchange_plan(c, h, counts, count_len, phase, expert_prefix != nullptr,
                          expert_prefix ? config().capacity_factor : 0.0, expert_prefix,
                          drop_capacity ? drop_capacity : scratch_, layout,
@@ -621,18 +610,8 @@ void CudaBackend::OutputBlock::allocate() {
   }
 }
 
-// The counters themselves (device memory the buffer owns; dispatches add to them on its stream):
-// a view, as the CPU backend's, valid while the buffer is.
-Tensor CudaBackend::expert_load() const {
-  return Tensor(std::shared_ptr<void>(load_, [](void*) {}),
-                TensorView::of(load_, DType::i64, {local_experts_}, DeviceKind::cuda, device_));
-}
-
-// Stream-ordered: after every dispatch enqueued before it, before every one after.
-void CudaBackend::reset_expert_load() {
-  EPX_CUDA(cudaSetDevice(device_));
-  EPX_CUDA(cudaMemsetAsync(load_, 0, static_cast<size_t>(local_experts_) * sizeof(int64_t), stream_));
-}
+Tensor CudaBackend::expert_load() const { refuse_expert_load("buffer"); }
+void CudaBackend::reset_expert_load() { refuse_expert_load("buffer"); }
 
 void CudaBackend::check_device_tensor(const TensorView& t, std::string_view what) const {
   if (t.defined())
@@ -859,7 +838,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     host_steps_.mark("placing launched");
   }
   const bool capacity_mode = c.mode == CapacityMode::capacity;
-  const kernels::LayoutJob layout{dh->recv, opt.layout, c.expert_alignment, capacity_mode ? c.capacity_rows : 0, load_};
+  const kernels::LayoutJob layout{dh->recv, opt.layout, c.expert_alignment, capacity_mode ? c.capacity_rows : 0};
   auto h = std::make_shared<HandleState>();
   h->owner = this;
   h->dispatch_call = call.index;
@@ -976,8 +955,7 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
   kernels::CombineArgs a{in.y.ptr<const uint16_t>(), in.y.strides[0], opt.weighted, nullptr, 0,
                          in.shared_out.defined() ? in.shared_out.ptr<const uint16_t>() : nullptr,
                          in.shared_out.defined() ? in.shared_out.strides[0] : 0, out.out.data<uint16_t>(), nullptr};
-  const bool plan_failed = copies_wait_for_plan() && !plan_ok();
-  const bool by_copy = !plan_failed && start_copy_return(*h, in.y, TensorView{}, a, staging);
+  const bool by_copy = start_copy_return(*h, in.y, TensorView{}, a, staging);
   timer_.mark(2, stream_);
   kernels::combine(ctx(), by_copy ? 0 : send_blocks(false, h->layout), dh.recv, h->layout, h->tokens, dh.pos.send_pos,
                    dh.slot_expert, a);
@@ -994,8 +972,7 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
   timer_.add("combine: plan", 0, 1);
   timer_.add("combine: kernel", 2, 3);
   timer_.add("combine: all", 0, 3);
-  // The transfer is queued: the GPU goes on while the host reads the plan.
-  end_call(call, plan_failed || (c.mode == CapacityMode::blocking && !copies_wait_for_plan() && !plan_ok()));
+  end_call(call, c.mode == CapacityMode::blocking && !plan_ok());  // the transfer is queued: the GPU goes on
   return out;
 }
 
@@ -1069,12 +1046,11 @@ DispatchBackwardResult CudaBackend::dispatch_backward(const DispatchBackwardInpu
                          with_weights ? gw.ptr<const float>() : nullptr, with_weights ? gw.strides[0] : 0,
                          nullptr, 0, out.grad_x.data<uint16_t>(),
                          with_weights ? out.grad_topk_weights.data<float>() : nullptr};
-  const bool plan_failed = copies_wait_for_plan() && !plan_ok();  // as combine's
-  const bool by_copy = !plan_failed && start_copy_return(*h, in.grad_recv_x, gw, a, staging);
+  const bool by_copy = start_copy_return(*h, in.grad_recv_x, gw, a, staging);
   kernels::combine(ctx(), by_copy ? 0 : send_blocks(false, h->layout), dh.recv, h->layout, h->tokens, dh.pos.send_pos,
                    dh.slot_expert, a);
   if (by_copy) EPX_CUDA(cudaStreamWaitEvent(stream_, copies_done_, 0));  // the inputs are read until then
-  end_call(call, plan_failed || (c.mode == CapacityMode::blocking && !copies_wait_for_plan() && !plan_ok()));
+  end_call(call, c.mode == CapacityMode::blocking && !plan_ok());  // as combine's
   return out;
 }
 
