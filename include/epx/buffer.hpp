@@ -58,7 +58,8 @@ class Buffer {
   // slot) rows each received over every dispatch since creation or the last reset_expert_load
   // (after capacity-factor dropping; padding and shared rows not counted; a cached dispatch
   // counts nothing). A view of the buffer's counters, valid as long as the buffer: it shows
-  // later calls' counts. Not collective. The CUDA backend does not count yet (unsupported).
+  // later calls' counts. Not collective. The CUDA backend counts on the device, stream-ordered:
+  // synchronize before reading the view on the host; reset_expert_load is stream-ordered too.
   Tensor expert_load() const;
   void reset_expert_load();
 

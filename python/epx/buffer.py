@@ -113,7 +113,7 @@ class Buffer:
     def expert_load(self):
         """[L] int64: (token, slot) rows each local (physical) expert received over every dispatch since creation
         or the last reset_expert_load (after dropping; no padding, shared or cached-dispatch rows). A view of the
-        buffer's counters: later dispatches show in it. Not collective. CPU backend only (CUDA: Unsupported)."""
+        buffer's counters: later dispatches show in it. Not collective. CUDA: on the device, stream-ordered."""
         return out(self._c.expert_load())
 
     def reset_expert_load(self):

@@ -247,6 +247,8 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   EPX_CUDA(cudaMemset(call_state_, 0, sizeof(CallState)));
   EPX_CUDA(cudaMalloc(&status_, sizeof(DeviceStatus)));
   EPX_CUDA(cudaMalloc(&scratch_, sizeof(int64_t)));
+  EPX_CUDA(cudaMalloc(&load_, static_cast<size_t>(local_experts_) * sizeof(int64_t)));
+  EPX_CUDA(cudaMemset(load_, 0, static_cast<size_t>(local_experts_) * sizeof(int64_t)));
   EPX_CUDA(cudaMemset(status_, 0, sizeof(DeviceStatus)));
   EPX_CUDA(cudaHostAlloc(&host_status_, sizeof(DeviceStatus), cudaHostAllocMapped));
   std::memset(host_status_, 0, sizeof(DeviceStatus));
@@ -314,6 +316,7 @@ CudaBackend::~CudaBackend() {
   cudaFree(status_);
   cudaFree(call_state_);
   cudaFree(scratch_);
+  cudaFree(load_);
   cudaFreeHost(host_status_);
   cudaFreeHost(plan_report_);
   cudaEventDestroy(fork_);
@@ -610,8 +613,18 @@ void CudaBackend::OutputBlock::allocate() {
   }
 }
 
-Tensor CudaBackend::expert_load() const { refuse_expert_load("buffer"); }
-void CudaBackend::reset_expert_load() { refuse_expert_load("buffer"); }
+// The counters themselves (device memory the buffer owns; dispatches add to them on its stream):
+// a view, as the CPU backend's, valid while the buffer is.
+Tensor CudaBackend::expert_load() const {
+  return Tensor(std::shared_ptr<void>(load_, [](void*) {}),
+                TensorView::of(load_, DType::i64, {local_experts_}, DeviceKind::cuda, device_));
+}
+
+// Stream-ordered: after every dispatch enqueued before it, before every one after.
+void CudaBackend::reset_expert_load() {
+  EPX_CUDA(cudaSetDevice(device_));
+  EPX_CUDA(cudaMemsetAsync(load_, 0, static_cast<size_t>(local_experts_) * sizeof(int64_t), stream_));
+}
 
 void CudaBackend::check_device_tensor(const TensorView& t, std::string_view what) const {
   if (t.defined())
@@ -838,7 +851,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     host_steps_.mark("placing launched");
   }
   const bool capacity_mode = c.mode == CapacityMode::capacity;
-  const kernels::LayoutJob layout{dh->recv, opt.layout, c.expert_alignment, capacity_mode ? c.capacity_rows : 0};
+  const kernels::LayoutJob layout{dh->recv, opt.layout, c.expert_alignment, capacity_mode ? c.capacity_rows : 0, load_};
   auto h = std::make_shared<HandleState>();
   h->owner = this;
   h->dispatch_call = call.index;

@@ -178,6 +178,7 @@ class CudaBackend final : public Backend {
   DeviceStatus* host_status_ = nullptr;  // host-mapped copy, published at the end of every call
   PlanReport* plan_report_ = nullptr;    // host-mapped: blocking mode's plan status and sizes (plan_ok)
   int64_t* scratch_ = nullptr;           // device: the drop capacity calls other than dispatch ignore
+  int64_t* load_ = nullptr;              // device [L]: expert_load's counters (the layout kernel adds to them)
   // The stream of every call: the buffer's own non-blocking stream (kept alive by every tensor
   // allocated on it, so outputs may outlive the buffer) or one the caller set.
   std::shared_ptr<CUstream_st> owned_stream_;

@@ -372,7 +372,7 @@ TEST(CudaErrors, TheLowPrecisionCombineWireIsRefusedOnEveryRank) {
 
 // Redundant experts (EPLB) are the CPU backend's for now: both CUDA backends refuse
 // num_physical_experts > 0 at creation on every rank with unsupported (inside the agreement), the
-// load counters are refused as unsupported, and the group goes on.
+// low-latency buffer's load counters are refused as unsupported, and the group goes on.
 TEST(CudaErrors, RedundantExpertsAreRefusedAsUnsupportedOnEveryRank) {
   auto cfg = small_config(256, 32, 16, 4);
   cfg.timeout_ms = 20000;
@@ -388,7 +388,9 @@ TEST(CudaErrors, RedundantExpertsAreRefusedAsUnsupportedOnEveryRank) {
     ll_codes[r] = code_of([&] { LowLatencyBuffer b(g, l); }, &ll_errors[r]);
     try {
       Buffer b(g, cfg);  // without EPLB: the next buffers pair up as before
-      load_codes[r] = code_of([&] { b.expert_load(); }, &load_errors[r]);
+      LowLatencyBuffer lb(g, LowLatencyConfig{cfg.hidden, cfg.max_tokens_per_rank, cfg.num_experts, cfg.topk,
+                                              WireFormat::bf16, 20000});
+      load_codes[r] = code_of([&] { lb.expert_load(); }, &load_errors[r]);
     } catch (const Error& e) {
       after[r] = e.what();
     }
@@ -402,6 +404,54 @@ TEST(CudaErrors, RedundantExpertsAreRefusedAsUnsupportedOnEveryRank) {
     EXPECT_THAT(load_errors[r], testing::HasSubstr("does not count expert load yet"));
     EXPECT_EQ(after[r], "") << "rank " << r;
   }
+}
+
+// The high-throughput buffer's load counters (Buffer::expert_load): each local expert's (token,
+// slot) pairs of every dispatch, added on the device (graph-safe), in both layouts; a cached
+// dispatch and a call a rank refused add nothing; reset_expert_load zeroes them, stream-ordered.
+// tokens_per_expert, which every bit-for-bit test checks against the reference, is what one
+// dispatch adds.
+TEST(CudaExpertLoad, CountsEachDispatchsPairsPerLocalExpert) {
+  const auto p = two_ranks(small_config(256, 32, 16, 4));
+  std::vector<std::string> errors(2);
+  on_shared_gpu(p, [&](int r, const Group& g, const DeviceArray& x, const DeviceArray& idx) {
+    Buffer b(g, p.cfg);
+    DispatchInput in;
+    in.x = device_view(x, DType::bf16, {32, 256}, 0);
+    in.topk_idx = device_view(idx, DType::i32, {32, 4}, 0);
+    auto load = [&] {
+      b.synchronize();
+      const Tensor t = to_host(b.expert_load());
+      return std::vector<int64_t>(t.data<int64_t>(), t.data<int64_t>() + t.numel());
+    };
+    auto expect = [&](const std::vector<int64_t>& got, const Tensor& per_expert, int64_t times, const char* when) {
+      const Tensor want = to_host(per_expert);
+      for (int64_t l = 0; l < want.numel(); ++l)
+        if (got[static_cast<size_t>(l)] != times * want.data<int64_t>()[l])
+          errors[r] += std::string(when) + ": expert " + std::to_string(l) + " counted " +
+                       std::to_string(got[static_cast<size_t>(l)]) + ", expected " +
+                       std::to_string(times * want.data<int64_t>()[l]) + "; ";
+    };
+    const DispatchResult first = b.dispatch(in);  // expert-major
+    expect(load(), first.tokens_per_expert, 1, "one dispatch");
+    DispatchInput rows;
+    rows.x = in.x;
+    b.dispatch(rows, first.handle);  // a cached dispatch counts nothing
+    expect(load(), first.tokens_per_expert, 1, "after a cached dispatch");
+    b.dispatch(in, {Layout::rank_major, 0.0f});
+    expect(load(), first.tokens_per_expert, 2, "a rank-major dispatch more");
+    try {
+      if (r == 1) b.reject(Op::dispatch, "binding: refused");
+      b.dispatch(in);
+    } catch (const Error&) {
+    }
+    expect(load(), first.tokens_per_expert, 2, "after a refused dispatch");
+    b.reset_expert_load();
+    expect(load(), first.tokens_per_expert, 0, "after the reset");
+    b.dispatch(in);
+    expect(load(), first.tokens_per_expert, 1, "one dispatch after the reset");
+  });
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
 }
 
 // Ranks combining with handles of different dispatches fail with config_mismatch (the handle's

@@ -204,6 +204,7 @@ struct LayoutJob {
   Layout layout;
   int64_t alignment;
   int64_t capacity_rows;
+  int64_t* load = nullptr;  // [L] the buffer's load counters: += each local expert's (token, slot) pairs
 };
 
 // The dispatch's transfer, split in two kernels that run at the same time on different

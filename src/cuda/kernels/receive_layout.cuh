@@ -33,6 +33,7 @@ __device__ inline void receive_layout_block(const PeerWindows& w, const WindowMa
           n += ok ? plan_totals(w, m, slot, p)[w.rank * s.local_experts + l] : 0;
         }
         r.tokens_per_expert[l] = n;
+        if (job.load) job.load[l] += n;  // Buffer::expert_load (a failed call's n is 0: it counts nothing)
         return (n + job.alignment - 1) / job.alignment * job.alignment;
       },
       [&](int64_t l, int64_t before, int64_t) { r.expert_offsets[l] = before; });
