@@ -160,7 +160,7 @@ class LowLatencyBuffer:
 
     def expert_load(self):
         """[L] int64: rows received per local (physical) expert over every dispatch since creation or the last
-        reset_expert_load (recv_count summed). A view of the buffer's counters (CPU backend; CUDA: Unsupported)."""
+        reset_expert_load (recv_count summed). A view of the buffer's counters (CUDA: on the device, stream-ordered)."""
         return out(self._c.expert_load())
 
     def reset_expert_load(self):

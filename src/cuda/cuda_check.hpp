@@ -48,10 +48,4 @@ inline void refuse_shared_expert(bool shared_expert, const char* what) {
     fail(ErrorCode::unsupported, what, ": the CUDA backend does not have the fused shared expert yet (shared_expert)");
 }
 
-// LowLatencyBuffer::expert_load: the CUDA low-latency backend keeps no load counters yet.
-[[noreturn]] inline void refuse_expert_load(const char* what) {
-  fail(ErrorCode::unsupported, what, ": the CUDA backend does not count expert load yet (expert_load, "
-       "reset_expert_load); only the CPU backend and the CUDA high-throughput buffer have the counters");
-}
-
 }  // namespace epx::detail

@@ -99,6 +99,8 @@ class CudaLowLatency final : public LowLatencyBackend {
     EPX_CUDA(cudaMemset(status_, 0, sizeof(DeviceStatus)));
     EPX_CUDA(cudaMalloc(&done_, 2 * sizeof(uint32_t)));
     EPX_CUDA(cudaMemset(done_, 0, 2 * sizeof(uint32_t)));
+    EPX_CUDA(cudaMalloc(&load_, static_cast<size_t>(local_) * sizeof(int64_t)));
+    EPX_CUDA(cudaMemset(load_, 0, static_cast<size_t>(local_) * sizeof(int64_t)));
     if (stamped) {
       EPX_CUDA(cudaMalloc(&stamps_, stamp_bytes()));
       EPX_CUDA(cudaMemset(stamps_, 0, stamp_bytes()));
@@ -125,6 +127,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     window_.reset();
     cudaFree(status_);
     cudaFree(done_);
+    cudaFree(load_);
     cudaFreeHost(host_status_);
     cudaFreeHost(host_started_);
     cudaStreamDestroy(own_stream_);
@@ -138,8 +141,15 @@ class CudaLowLatency final : public LowLatencyBackend {
   }
 
   void synchronize() override { EPX_CUDA(cudaStreamSynchronize(stream_)); }
-  Tensor expert_load() const override { refuse_expert_load("low-latency buffer"); }
-  void reset_expert_load() override { refuse_expert_load("low-latency buffer"); }
+  // As the high-throughput buffer's: a view of the device counters the dispatch's receive adds to.
+  Tensor expert_load() const override {
+    return Tensor(std::shared_ptr<void>(load_, [](void*) {}),
+                  TensorView::of(load_, DType::i64, {local_}, DeviceKind::cuda, device_));
+  }
+  void reset_expert_load() override {  // stream-ordered
+    EPX_CUDA(cudaSetDevice(device_));
+    EPX_CUDA(cudaMemsetAsync(load_, 0, static_cast<size_t>(local_) * sizeof(int64_t), stream_));
+  }
 
   void dispatch_send(const LowLatencyDispatchInput& in) override {
     require(!dispatch_pending_, "ll dispatch_send: the previous dispatch_send has no dispatch_recv yet");
@@ -352,7 +362,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     const LowLatencyConfig& c = config();
     return ll::Ctx{window_->peers(), map_, c.hidden, c.topk, c.num_experts, local_, c.max_tokens_per_rank, c.wire,
                    wire_.x_bytes, wire_.scale_bytes, wire_.global_bytes, status_, host_status_, host_started_, done_,
-                   static_cast<uint64_t>(timeout_.count()) * 1000000ull, blocks_, stream_, stamps_, call};
+                   static_cast<uint64_t>(timeout_.count()) * 1000000ull, blocks_, stream_, stamps_, call, load_};
   }
 
   size_t stamp_bytes() const { return static_cast<size_t>(2 * blocks_ * ll::kStampSteps) * sizeof(uint64_t); }
@@ -507,6 +517,7 @@ class CudaLowLatency final : public LowLatencyBackend {
   DeviceStatus* host_status_ = nullptr;
   uint64_t* host_started_ = nullptr;  // ll::Ctx::host_started
   uint32_t* done_ = nullptr;
+  int64_t* load_ = nullptr;     // [L] expert_load's counters (ll::Ctx::load)
   uint64_t* stamps_ = nullptr;  // EPX_PROFILE=ll (ll::Ctx::stamps)
   cudaStream_t own_stream_ = nullptr;
   cudaEvent_t stream_switch_ = nullptr;  // set_stream's order between the old and the new stream

@@ -253,6 +253,60 @@ LowLatencyDispatchInput ll_input(const LlGpuCase& c, const DeviceArray& x, const
   return d;
 }
 
+// The low-latency buffer's load counters (LowLatencyBuffer::expert_load): each ll_dispatch adds its
+// recv_count (checked against the reference by every round test) on the device; a call with a bad
+// id counts nothing on any rank; reset_expert_load zeroes them, stream-ordered.
+TEST(CudaLowLatencyLoad, EachDispatchAddsItsRecvCount) {
+  const LlGpuCase c{true, 2, 256, 16, 8, 4, WireFormat::bf16};
+  const verify::Problem p = ll_problem(c, 41);
+  std::vector<std::string> wrong(c.ranks);
+  std::vector<DeviceArray> bad_idx;  // freed after the buffers (a shared GPU: see the test below)
+  for (int r = 0; r < c.ranks; ++r) {
+    std::vector<int32_t> bad = p.inputs[r].idx;
+    if (r == 1) bad[3 * c.topk] = 99;
+    bad_idx.emplace_back(bad);
+  }
+  const auto errors = on_ranks(c, p, 20000, [&](int r, LowLatencyBuffer& b, const DeviceArray& x, const DeviceArray& idx) {
+    auto host = [&](const Tensor& t) {
+      b.synchronize();
+      const Tensor h = to_host(t);
+      return std::vector<int64_t>(h.data<int64_t>(), h.data<int64_t>() + h.numel());
+    };
+    auto counts = [&](const LowLatencyDispatchResult& res) {
+      b.synchronize();
+      const Tensor h = to_host(res.recv_count);
+      std::vector<int64_t> v(static_cast<size_t>(h.numel()));
+      for (int64_t l = 0; l < h.numel(); ++l) v[static_cast<size_t>(l)] = h.data<int32_t>()[l];
+      return v;
+    };
+    auto expect = [&](const std::vector<int64_t>& want, int64_t times, const char* when) {
+      const std::vector<int64_t> got = host(b.expert_load());
+      for (size_t l = 0; l < want.size(); ++l)
+        if (got[l] != times * want[l])
+          wrong[r] += std::string(when) + ": expert " + std::to_string(l) + " counted " + std::to_string(got[l]) +
+                      ", expected " + std::to_string(times * want[l]) + "; ";
+    };
+    const std::vector<int64_t> once = counts(b.dispatch(ll_input(c, x, idx)));
+    expect(once, 1, "one dispatch");
+    b.dispatch(ll_input(c, x, idx));
+    expect(once, 2, "two dispatches");
+    b.dispatch(ll_input(c, x, bad_idx[r]));  // found on the device: raised by the next call
+    expect(once, 2, "after a failed dispatch");
+    try {
+      b.dispatch(ll_input(c, x, idx));
+    } catch (const Error&) {
+    }
+    b.reset_expert_load();
+    expect(once, 0, "after the reset");
+    b.dispatch(ll_input(c, x, idx));
+    expect(once, 1, "one dispatch after the reset");
+  });
+  for (int r = 0; r < c.ranks; ++r) {
+    EXPECT_EQ(errors[r], "") << "rank " << r;
+    EXPECT_EQ(wrong[r], "") << "rank " << r;
+  }
+}
+
 // An id out of range is found on the device: that call's results are not to be used, the next
 // call on every rank raises it (the bad rank its id, the others its rejection), and the call
 // after that works again.

@@ -68,6 +68,7 @@ struct Ctx {
   cudaStream_t stream;
   uint64_t* stamps;  // EPX_PROFILE=ll: [2 kinds][blocks][kStampSteps] global timer per step, else null
   int64_t call = 0;  // the call's number among its kind's (ll_dispatch #n, ll_combine #n), for a timeout's words
+  int64_t* load = nullptr;  // [L] LowLatencyBuffer::expert_load's counters: each dispatch adds its recv_count
 };
 
 // What a timeout report's `a` holds: the call's number and the wait that ran out (the host reads

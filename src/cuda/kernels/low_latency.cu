@@ -394,6 +394,7 @@ __device__ void write_layout(const Ctx& c, const Set& s, const Arrived& a, int h
       first += n;
     }
     s.recv_count[l] = first;
+    if (c.load) c.load[l] += first;  // a failed call's first is 0: it counts nothing
     s.prev_count[(half ^ 1) * c.local + l] = ok ? first : s.prev_count[half * c.local + l];
   }
 }
