@@ -351,6 +351,12 @@ CudaBackend::Call CudaBackend::begin_call(CallKind kind) {
   Call call{kind, calls_, cat(call_kind_name(kind), " #", calls_)};
   if (broken_) fail(ErrorCode::peer_failed, call.name, " (rank ", rank_, "): the group already failed: ", broken_reason_);
   EPX_CUDA(cudaSetDevice(device_));
+  // A blocking call reads the device on the host, which a CUDA graph capture cannot hold: refused
+  // before the call counts, so the host's and the device's call numbers stay together.
+  if (config().mode == CapacityMode::blocking && capturing(stream_))
+    fail(ErrorCode::invalid_argument, call.name, " (rank ", rank_, "): a blocking-mode call cannot be captured in a ",
+         "CUDA graph (it reads the device on the host); capture capacity-mode calls (BufferConfig::mode = "
+         "CapacityMode::capacity)");
   check_earlier_calls(call);  // its timeout message tells the earlier call's host steps
   host_steps_.begin();
   // The host's call count and the device's advance together (plan slots are found from either).
@@ -456,6 +462,10 @@ bool CudaBackend::plan_ok() {
   // is past it now): the call then runs on and raises it at its end, with its own.
   return reinterpret_cast<volatile PlanReport*>(plan_report_)->status.code == kStatusOk &&
          reinterpret_cast<volatile DeviceStatus*>(host_status_)->code == kStatusOk;
+}
+
+bool CudaBackend::copies_wait_for_plan() const {
+  return config().mode == CapacityMode::blocking && copy_combine_ && ranks_ > 1;
 }
 
 void CudaBackend::end_call(const Call& call, bool plan_failed) {
@@ -968,7 +978,8 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
   kernels::CombineArgs a{in.y.ptr<const uint16_t>(), in.y.strides[0], opt.weighted, nullptr, 0,
                          in.shared_out.defined() ? in.shared_out.ptr<const uint16_t>() : nullptr,
                          in.shared_out.defined() ? in.shared_out.strides[0] : 0, out.out.data<uint16_t>(), nullptr};
-  const bool by_copy = start_copy_return(*h, in.y, TensorView{}, a, staging);
+  const bool plan_failed = copies_wait_for_plan() && !plan_ok();
+  const bool by_copy = !plan_failed && start_copy_return(*h, in.y, TensorView{}, a, staging);
   timer_.mark(2, stream_);
   kernels::combine(ctx(), by_copy ? 0 : send_blocks(false, h->layout), dh.recv, h->layout, h->tokens, dh.pos.send_pos,
                    dh.slot_expert, a);
@@ -985,7 +996,8 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
   timer_.add("combine: plan", 0, 1);
   timer_.add("combine: kernel", 2, 3);
   timer_.add("combine: all", 0, 3);
-  end_call(call, c.mode == CapacityMode::blocking && !plan_ok());  // the transfer is queued: the GPU goes on
+  // The transfer is queued: the GPU goes on while the host reads the plan.
+  end_call(call, plan_failed || (c.mode == CapacityMode::blocking && !copies_wait_for_plan() && !plan_ok()));
   return out;
 }
 
@@ -1059,11 +1071,12 @@ DispatchBackwardResult CudaBackend::dispatch_backward(const DispatchBackwardInpu
                          with_weights ? gw.ptr<const float>() : nullptr, with_weights ? gw.strides[0] : 0,
                          nullptr, 0, out.grad_x.data<uint16_t>(),
                          with_weights ? out.grad_topk_weights.data<float>() : nullptr};
-  const bool by_copy = start_copy_return(*h, in.grad_recv_x, gw, a, staging);
+  const bool plan_failed = copies_wait_for_plan() && !plan_ok();  // as combine's
+  const bool by_copy = !plan_failed && start_copy_return(*h, in.grad_recv_x, gw, a, staging);
   kernels::combine(ctx(), by_copy ? 0 : send_blocks(false, h->layout), dh.recv, h->layout, h->tokens, dh.pos.send_pos,
                    dh.slot_expert, a);
   if (by_copy) EPX_CUDA(cudaStreamWaitEvent(stream_, copies_done_, 0));  // the inputs are read until then
-  end_call(call, c.mode == CapacityMode::blocking && !plan_ok());  // as combine's
+  end_call(call, plan_failed || (c.mode == CapacityMode::blocking && !copies_wait_for_plan() && !plan_ok()));
   return out;
 }
 

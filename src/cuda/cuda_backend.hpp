@@ -126,6 +126,11 @@ class CudaBackend final : public Backend {
   // The calls on a handle queue their transfer first (its kernels skip a failed call), so the GPU
   // does not wait for the host's read.
   bool plan_ok();
+  // The copy-engine return cannot skip a failed call as the kernels do: where it copies rows to other
+  // ranks (blocking, copy_combine_, more than one rank), combine and dispatch_backward read the plan
+  // first and copy nothing after a failed one (a peer late in its previous call may still read the
+  // rows the copies would overwrite).
+  bool copies_wait_for_plan() const;
   // The end of a call: plan_failed (what plan_ok found) syncs and raises; otherwise the status goes
   // to host-mapped memory, raised by the next call (what the transfer kernels found: a lost peer).
   void end_call(const Call& call, bool plan_failed);

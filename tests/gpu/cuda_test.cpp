@@ -737,6 +737,42 @@ TEST(CudaStreams, EventsOrderWorkBetweenTheCallersStreamAndTheBuffers) {
 // Capacity mode never synchronizes the host, so dispatch -> a stand-in expert (y = recv_x) ->
 // combine can be captured in one CUDA graph and replayed with fresh inputs; every replay must
 // equal the reference.
+// A blocking-mode call cannot be captured (it reads the device on the host): refused before it
+// counts, on every rank alike, leaving an empty capture; the buffer's next, uncaptured call works.
+TEST(CudaGraphs, BlockingCallsAreRefusedInACapture) {
+  const auto p = two_ranks(small_config(256, 32, 16, 4));
+  std::vector<std::string> errors(2), after(2);
+  std::vector<ErrorCode> codes(2, ErrorCode::internal);
+  on_shared_gpu(p, [&](int r, const Group& g, const DeviceArray& x, const DeviceArray& idx) {
+    cudaStream_t stream = nullptr;
+    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    {
+      Buffer b(g, p.cfg);
+      b.set_stream(stream);
+      DispatchInput in;
+      in.x = device_view(x, DType::bf16, {32, 256}, 0);
+      in.topk_idx = device_view(idx, DType::i32, {32, 4}, 0);
+      cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal);
+      codes[r] = code_of([&] { b.dispatch(in); }, &errors[r]);
+      cudaGraph_t graph = nullptr;
+      cudaStreamEndCapture(stream, &graph);
+      if (graph) cudaGraphDestroy(graph);
+      try {
+        b.dispatch(in);
+        b.synchronize();
+      } catch (const Error& e) {
+        after[r] = e.what();
+      }
+    }
+    cudaStreamDestroy(stream);
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(codes[r], ErrorCode::invalid_argument) << "rank " << r << ": " << errors[r];
+    EXPECT_THAT(errors[r], testing::HasSubstr("cannot be captured in a CUDA graph")) << "rank " << r;
+    EXPECT_EQ(after[r], "") << "rank " << r;
+  }
+}
+
 TEST(CudaGraphs, CapacityModeDispatchAndCombineReplayWithFreshInputs) {
   constexpr int kRanks = 2, kReplays = 3;
   constexpr int64_t kTokens = 64, kHidden = 1024, kExperts = 16, kTopk = 4, kLocal = kExperts / kRanks;
