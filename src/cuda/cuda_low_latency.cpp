@@ -452,10 +452,9 @@ class CudaLowLatency final : public LowLatencyBackend {
       case kStatusNonFinite:  // c: the value's fp32 bits
         fail(ErrorCode::invalid_argument, who, "ll_dispatch: x[", st.a, "][", st.b, "] is not finite (",
              nonfinite_name(bits_float(static_cast<uint32_t>(st.c))), ")");
-      case kStatusPeerRejected:  // a: the code the peer raised
-        if (st.a == kStatusTimeout || st.a == kStatusPeerRejected)
-          fail(ErrorCode::peer_failed, who, "rank ", st.rank, st.a == kStatusTimeout ? " gave up waiting for another rank"
-                                                                                   : " stopped after another rank failed",
+      case kStatusPeerRejected:  // a: the code the peer raised (its own finding: block_arrived passes on no other)
+        if (st.a == kStatusTimeout)
+          fail(ErrorCode::peer_failed, who, "rank ", st.rank, " gave up waiting for another rank",
                " (its own error says which), so the group stops; ", when);
         fail(ErrorCode::peer_failed, who, "rank ", st.rank, " rejected its input (its own error says why), so the group stops");
       case kStatusTimeout:

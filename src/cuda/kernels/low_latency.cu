@@ -102,6 +102,9 @@ __device__ uint32_t* weights_word(const Ctx& c, int owner, int set, int source) 
 // (it orders the writes of all the block's threads, which __syncthreads made visible to thread 0),
 // it raises the call's error word at each rank if this rank found an error, then counts itself in.
 // Only blocks [0, arriving) count (block 0 says how many): the others wrote nothing to any rank.
+// A peer's error that another block of this kernel already found (kStatusPeerRejected) is not
+// passed on: every rank reads the failing rank's own word, and a relay could reach a peer after
+// it had skipped the call, to fail its next good call.
 __device__ void block_arrived(const Ctx& c, Kind kind, int set, int64_t arriving) {
   if (blockIdx.x >= arriving) return;
   __syncthreads();
@@ -111,7 +114,7 @@ __device__ void block_arrived(const Ctx& c, Kind kind, int set, int64_t arriving
   int32_t code = *reinterpret_cast<volatile int32_t*>(&c.status->code);
   __threadfence_system();
   while (code == -1) code = *reinterpret_cast<volatile int32_t*>(&c.status->code);  // a report being written
-  if (code > 0) {
+  if (code > 0 && code != kStatusPeerRejected) {
     for (int d = 0; d < c.peers.ranks; ++d)
       atomicMax_system(word_of<uint32_t>(c, c.map.errors, d, kind, set, c.peers.rank), static_cast<uint32_t>(code));
     __threadfence_system();
