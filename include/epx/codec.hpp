@@ -82,19 +82,14 @@ EPX_HD float e2m1_to_float(uint8_t c) {
   return (c & 8u) ? -m : m;
 }
 
-// Round to nearest even code, saturating at 6; NaN encodes as 0.
+// Round to nearest even code, saturating at 6; NaN encodes as 0. The code is the number of
+// rounding boundaries |f| is past (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5; ties go to the even
+// code, hence > at some and >= at others; NaN is past none): a sum of comparisons, with no
+// branch for a warp's lanes to diverge on.
 EPX_HD uint8_t float_to_e2m1(float f) {
   const uint8_t sign = (float_bits(f) >> 28) & 8u;
   const float a = fabsf(f);
-  uint8_t c;
-  if (!(a > 0.25f)) c = 0;  // also NaN
-  else if (a < 0.75f) c = 1;
-  else if (a <= 1.25f) c = 2;
-  else if (a < 1.75f) c = 3;
-  else if (a <= 2.5f) c = 4;
-  else if (a < 3.5f) c = 5;
-  else if (a <= 5.0f) c = 6;
-  else c = 7;
+  const int c = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
   return c == 0 ? 0 : static_cast<uint8_t>(sign | c);
 }
 

@@ -34,15 +34,18 @@ constexpr int kDefaultBlocks = 24;
 constexpr int64_t kBroadcastPieces = 4;
 
 // Copy-engine dispatch (kernels/broadcast.cu). EPX_DISPATCH_ENGINE=copy or sm forces an engine;
-// unset (auto), bf16 and fp8 wires at one and two ranks use the copy engines; everything else the
-// SM path: a broadcast sends every token to every rank, and nvfp4 by copy engine was not measured
-// against the SM engine. At two ranks nearly every token goes to the other rank and the copy
-// engines were measured faster (docs/lab/2026-12-01-performance-diary.md); at one rank nothing is
-// copied and every block of the path receives (the SM path gives a third of them to senders with
-// nothing to send): faster in every op measured (docs/lab/2026-12-02-host-read.md).
+// unset (auto), every wire at one rank and bf16 and fp8 wires at two ranks use the copy engines;
+// everything else the SM path: a broadcast sends every token to every rank, and nvfp4 by copy
+// engine was not measured against the SM engine at two ranks. At two ranks nearly every token
+// goes to the other rank and the copy engines were measured faster
+// (docs/lab/2026-12-01-performance-diary.md); at one rank nothing is copied, a quantized wire's
+// encode overlaps the routing, and every block of the path receives (the SM path gives a third
+// of them to senders with nothing to send): faster in every op measured
+// (docs/lab/2026-12-02-host-read.md; nvfp4: docs/lab/2026-12-02-nvfp4-encode.md).
 bool use_broadcast(const BufferConfig& c, int ranks) {
   const Engine engine = env_dispatch_engine();
-  return engine == Engine::copy || (engine == Engine::automatic && ranks <= 2 && c.wire != WireFormat::nvfp4);
+  return engine == Engine::copy ||
+         (engine == Engine::automatic && (ranks == 1 || (ranks == 2 && c.wire != WireFormat::nvfp4)));
 }
 
 // Copy-engine combine and dispatch_backward (blocking calls): EPX_COMBINE_ENGINE=copy or sm forces

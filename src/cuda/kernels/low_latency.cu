@@ -191,8 +191,8 @@ __device__ void send_routing(const Ctx& c, int set, const Route& route, int64_t 
 }
 
 // Send phase. Warp per (token, destination rank, span of the row: up to kWireSpans of them while
-// the grid's warps cover every unit at once; nvfp4: the whole row, whose global scale needs all
-// of it): the token's checked routing; if one of its experts
+// the grid's warps cover every unit at once; nvfp4 with per-token global scales: each span's
+// warp reads the whole row for its max): the token's checked routing; if one of its experts
 // lives at the destination, the span of its wire row (once, whatever the number of those experts)
 // to slot (this rank, token) there. The span-0 warp also sends the routing (and weights) and one
 // count per such expert in the token's chunk; the (destination 0, span 0) warp keeps the routing
@@ -205,13 +205,12 @@ __device__ void dispatch_send(const Ctx& c, int set, const Route& route, const R
   // Spans only as far as the grid's warps cover them in one pass: with few warps per rank (the
   // shared-GPU transport: 8 blocks at EP8) they would only repeat each token's routing checks.
   int64_t span = c.hidden;
-  if (c.wire != WireFormat::nvfp4)
-    for (int64_t parts = kWireSpans; parts > 1; parts /= 2)
-      if (n * ranks * parts <= warps_in_grid()) {
-        span = (c.hidden + parts - 1) / parts;
-        span = (span + 511) / 512 * 512;  // whole 512-channel steps of quantize_fp8_row
-        break;
-      }
+  for (int64_t parts = kWireSpans; parts > 1; parts /= 2)
+    if (n * ranks * parts <= warps_in_grid()) {
+      span = (c.hidden + parts - 1) / parts;
+      span = (span + 511) / 512 * 512;  // whole 512-channel steps of quantize_fp8_row (nvfp4: 32 blocks)
+      break;
+    }
   const int64_t spans = (c.hidden + span - 1) / span;
   if (first_thread) *s.num_tokens = static_cast<int32_t>(n);  // for combine_recv
   if (blockIdx.x == 0 && threadIdx.x < ranks) {
@@ -240,7 +239,7 @@ __device__ void dispatch_send(const Ctx& c, int set, const Route& route, const R
       char* at = dst + 2 * h0;
       copy_row<true>(reinterpret_cast<const char*>(x + h0), &at, 1, 2 * (h1 - h0), lane);
     } else if (c.wire == WireFormat::nvfp4) {
-      quantize_nvfp4_row(x, c.hidden, rows.nvfp4_global_scale, &dst, 1, lane);
+      quantize_nvfp4_row(x, c.hidden, rows.nvfp4_global_scale, &dst, 1, lane, h0, h1);
     } else {
       quantize_fp8_row(x, c.hidden, c.wire == WireFormat::fp8_ue8m0, &dst, 1, lane, h0, h1);
     }

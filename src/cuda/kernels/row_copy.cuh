@@ -83,6 +83,17 @@ __device__ inline void zero_row(char* const* dst, int n, int64_t bytes, int lane
   }
 }
 
+// The 8 bf16 values of a 16-byte vector as floats (little-endian: value 2j is word j's low half).
+__device__ inline void unpack_bf16x8(const int4& raw, float* v) {
+  const uint32_t word[4] = {static_cast<uint32_t>(raw.x), static_cast<uint32_t>(raw.y), static_cast<uint32_t>(raw.z),
+                            static_cast<uint32_t>(raw.w)};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    v[2 * j] = __uint_as_float(word[j] << 16);
+    v[2 * j + 1] = __uint_as_float(word[j] & 0xffff0000u);
+  }
+}
+
 // One 512-channel step of an fp8 row: lane's 16 values (when `on`) -> codes and its block's
 // scale. Every lane of the warp calls it (the block amax is 3 shuffles). The max keeps a NaN
 // (max.NaN, where fmaxf would drop it), so a block holding a NaN or an infinity gets the NaN
@@ -145,47 +156,107 @@ __device__ inline void quantize_fp8_row(const uint16_t* x, int64_t hidden, bool 
     for (int u = 0; u < kFp8Steps; ++u) {
       const int64_t h = base + u * 512 + lane * 16;
       const bool on = h < end;
-      if (on)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const uint32_t a = static_cast<uint32_t>(i < 4 ? (&raw[2 * u].x)[i] : (&raw[2 * u + 1].x)[i - 4]);
-          v[2 * i] = bf16_to_float(static_cast<uint16_t>(a & 0xffffu));
-          v[2 * i + 1] = bf16_to_float(static_cast<uint16_t>(a >> 16));
-        }
+      if (on) {
+        unpack_bf16x8(raw[2 * u], v);
+        unpack_bf16x8(raw[2 * u + 1], v + 8);
+      }
       fp8_step(v, on, h, hidden, ue8m0, dst, n, lane);
     }
   }
 }
 
-// nvfp4 wire row (codes [H/2], e4m3 block scales [H/16], f32 1/g) to each of dst[0..n): a lane
-// owns whole 16-channel blocks. The per-token g is over the row's finite values; a block holding
-// a NaN or an infinity (its max non-finite) gets scale 0x7f, factor 0, codes 0.
-__device__ inline void quantize_nvfp4_row(const uint16_t* x, int64_t hidden, float given_scale, char* const* dst, int n,
-                                          int lane) {
-  float g = given_scale;
-  if (!(g > 0.0f)) {
-    float m = 0.0f;
+// The largest finite |x| of a bf16 row, to every lane: with an aligned row kUnroll 16-byte loads
+// per lane are in flight before any is compared (the row-max pass is one chain of load rounds).
+__device__ inline float row_max_finite(const uint16_t* x, int64_t hidden, int lane) {
+  float m = 0.0f;
+  if (!aligned16(x) || hidden % 8 != 0) {
     for (int64_t h = lane; h < hidden; h += 32) m = max_abs_finite(m, bf16_to_float(x[h]));
-    g = nvfp4_token_global_scale(warp_max(m));
+    return warp_max(m);
   }
-  for (int64_t b = lane; b < hidden / kNvfp4Block; b += 32) {
-    float v[kNvfp4Block];
-    float bmax = 0.0f;
-    for (int i = 0; i < kNvfp4Block; ++i) {
-      v[i] = bf16_to_float(x[b * kNvfp4Block + i]);
-      bmax = max_abs_nonfinite(bmax, v[i]);
-    }
-    const uint8_t s = nvfp4_block_scale(bmax, g);
-    const float f = nvfp4_encode_factor(s, g);
-    uint8_t packed[kNvfp4Block / 2];
-    for (int i = 0; i < kNvfp4Block; i += 2)
-      packed[i / 2] = static_cast<uint8_t>(float_to_e2m1(v[i] * f) | (float_to_e2m1(v[i + 1] * f) << 4));
-    for (int d = 0; d < n; ++d) {
-      for (int i = 0; i < kNvfp4Block / 2; ++i) dst[d][b * (kNvfp4Block / 2) + i] = static_cast<char>(packed[i]);
-      dst[d][hidden / 2 + b] = static_cast<char>(s);
+  const int4* from = reinterpret_cast<const int4*>(x);
+  const int64_t vectors = hidden / 8;
+  for (int64_t base = 0; base < vectors; base += 32 * kUnroll) {
+    int4 raw[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (base + u * 32 + lane < vectors) raw[u] = __ldg(from + base + u * 32 + lane);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (base + u * 32 + lane >= vectors) continue;
+      float v[8];
+      unpack_bf16x8(raw[u], v);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) m = max_abs_finite(m, v[i]);
     }
   }
-  if (lane == 0) {
+  return warp_max(m);
+}
+
+// One nvfp4 block's 16 values (with global scale g): its e4m3 scale code and its 8 bytes of
+// e2m1 code pairs (value 2i in byte i's low nibble), as float_to_e2m1 rounds each.
+__device__ inline uint8_t nvfp4_block(const float (&v)[kNvfp4Block], float g, uint2& codes) {
+  float bmax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kNvfp4Block; ++i) bmax = max_abs_nonfinite(bmax, v[i]);
+  const uint8_t s = nvfp4_block_scale(bmax, g);
+  const float f = nvfp4_encode_factor(s, g);
+  uint32_t word[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < kNvfp4Block; i += 2) {
+    const uint32_t pair = float_to_e2m1(v[i] * f) | static_cast<uint32_t>(float_to_e2m1(v[i + 1] * f)) << 4;
+    word[i / 8] |= pair << (4 * (i % 8));
+  }
+  codes = make_uint2(word[0], word[1]);
+  return s;
+}
+
+// nvfp4 wire row (codes [H/2], e4m3 block scales [H/16], f32 1/g) to each of dst[0..n): its
+// channels [begin, end) (multiples of 16; end < 0: the whole row) in their places in the row,
+// and 1/g by the warp whose part begins the row. A lane owns whole 16-channel blocks (block
+// lane + 32 i of the part), kNvfp4Loads of them loaded (two 16-byte loads each, with an aligned
+// row) before any is encoded; its 8 code bytes go as one store. The per-token g is over the
+// whole row's finite values (each part's warp reads the row for it); a block holding a NaN or
+// an infinity (its max non-finite) gets scale 0x7f, factor 0, codes 0.
+constexpr int kNvfp4Loads = 2;
+__device__ inline void quantize_nvfp4_row(const uint16_t* x, int64_t hidden, float given_scale, char* const* dst, int n,
+                                          int lane, int64_t begin = 0, int64_t end = -1) {
+  const float g = given_scale > 0.0f ? given_scale : nvfp4_token_global_scale(row_max_finite(x, hidden, lane));
+  bool wide = aligned16(x);
+  for (int d = 0; d < n; ++d) wide &= (reinterpret_cast<uintptr_t>(dst[d]) & 7u) == 0;
+  const int64_t blocks = (end < 0 ? hidden : end) / kNvfp4Block;
+  for (int64_t base = begin / kNvfp4Block; base < blocks; base += 32 * kNvfp4Loads) {
+    int4 raw[kNvfp4Loads][2];  // bf16 until encoded: half the registers of the floats
+    if (wide)
+#pragma unroll
+      for (int u = 0; u < kNvfp4Loads; ++u) {
+        const int64_t b = base + u * 32 + lane;
+        if (b >= blocks) continue;
+        const int4* from = reinterpret_cast<const int4*>(x + b * kNvfp4Block);
+        raw[u][0] = __ldg(from);
+        raw[u][1] = __ldg(from + 1);
+      }
+#pragma unroll
+    for (int u = 0; u < kNvfp4Loads; ++u) {
+      const int64_t b = base + u * 32 + lane;
+      if (b >= blocks) continue;
+      float v[kNvfp4Block];
+      if (wide) {
+        unpack_bf16x8(raw[u][0], v);
+        unpack_bf16x8(raw[u][1], v + 8);
+      } else {
+        for (int i = 0; i < kNvfp4Block; ++i) v[i] = bf16_to_float(x[b * kNvfp4Block + i]);
+      }
+      uint2 codes;
+      const uint8_t s = nvfp4_block(v, g, codes);
+      for (int d = 0; d < n; ++d) {
+        char* at = dst[d] + b * (kNvfp4Block / 2);
+        if (wide) *reinterpret_cast<uint2*>(at) = codes;
+        else for (int i = 0; i < 8; ++i) at[i] = static_cast<char>((i < 4 ? codes.x : codes.y) >> (8 * (i % 4)));
+        dst[d][hidden / 2 + b] = static_cast<char>(s);
+      }
+    }
+  }
+  if (lane == 0 && begin == 0) {
     const float inv = 1.0f / g;
     for (int d = 0; d < n; ++d)
       for (int i = 0; i < 4; ++i) dst[d][hidden / 2 + hidden / kNvfp4Block + i] = reinterpret_cast<const char*>(&inv)[i];
