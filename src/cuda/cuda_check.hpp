@@ -24,14 +24,14 @@
 
 namespace epx::detail {
 
-// A check both CUDA backends make before the creation's agreement (so every rank fails at once):
-// their combine kernels move bf16 partials only; the fp8 combine wire is the CPU backend's for
-// now (docs/semantics.md, "Combine wire"). `what` names the buffer kind.
+// A check the CUDA high-throughput buffer makes before the creation's agreement (so every rank
+// fails at once): its combine kernels move bf16 partials only; the fp8 combine wire is the CPU
+// backend's and the CUDA low-latency buffer's for now (docs/semantics.md, "Combine wire").
 inline void refuse_low_precision_combine(WireFormat combine_wire, const char* what) {
   if (combine_wire != WireFormat::bf16)
     fail(ErrorCode::unsupported, what, ": combine_wire ", wire_name(combine_wire),
-         " is not supported by the CUDA backend yet (only the CPU backend has the low-precision combine); use "
-         "combine_wire bf16");
+         " is not supported by the CUDA backend yet (the CPU backend and the CUDA low-latency buffer have the "
+         "low-precision combine); use combine_wire bf16");
 }
 
 // As refuse_low_precision_combine, for redundant experts (EPLB): the CUDA backends route by

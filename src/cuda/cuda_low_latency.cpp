@@ -42,7 +42,6 @@ class CudaLowLatency final : public LowLatencyBackend {
       resolve_timeout(c.timeout_ms);  // EPX_TIMEOUT_MS may be bad on one rank's host: refused by every rank
       state = dynamic_cast<CudaGroupState*>(group.state().get());
       require(state != nullptr, "low-latency buffer: group is not a CUDA group");
-      refuse_low_precision_combine(c.combine_wire, "low-latency buffer");
       refuse_redundant_experts(c.num_physical_experts, "low-latency buffer");
       refuse_shared_expert(c.shared_expert, "low-latency buffer");
       require(ranks_ <= kMaxRanks, "low-latency buffer: at most ", kMaxRanks, " ranks, got ", ranks_);
@@ -264,6 +263,9 @@ class CudaLowLatency final : public LowLatencyBackend {
       check_tensor(in.y, "ll_combine: y", cat("[L=", local_, ", R*M=", slots_, ", H=", c.hidden, "]"), DType::bf16,
                    {local_, slots_, c.hidden}, DeviceKind::cuda);
       require(in.y.is_contiguous(), "ll_combine: y must be contiguous");
+      require(c.combine_wire == WireFormat::bf16 || reinterpret_cast<uintptr_t>(in.y.data) % 16 == 0,
+              "ll_combine: y must be 16-byte aligned with combine_wire ", wire_name(c.combine_wire),
+              " (its partials are quantized from 16-byte loads)");
       on_device(in.y, "ll_combine: y");
       check_combine_weights(in, handle.state(), DeviceKind::cuda);
       if (in.topk_weights.defined()) on_device(in.topk_weights, "ll_combine: topk_weights");
@@ -362,7 +364,8 @@ class CudaLowLatency final : public LowLatencyBackend {
     const LowLatencyConfig& c = config();
     return ll::Ctx{window_->peers(), map_, c.hidden, c.topk, c.num_experts, local_, c.max_tokens_per_rank, c.wire,
                    wire_.x_bytes, wire_.scale_bytes, wire_.global_bytes, status_, host_status_, host_started_, done_,
-                   static_cast<uint64_t>(timeout_.count()) * 1000000ull, blocks_, stream_, stamps_, call, load_};
+                   static_cast<uint64_t>(timeout_.count()) * 1000000ull, blocks_, stream_, stamps_, call, load_,
+                   c.combine_wire};
   }
 
   size_t stamp_bytes() const { return static_cast<size_t>(2 * blocks_ * ll::kStampSteps) * sizeof(uint64_t); }

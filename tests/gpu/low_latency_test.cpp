@@ -24,22 +24,27 @@ struct LlGpuCase {
   int ranks;
   int64_t hidden, tokens, experts, topk;
   WireFormat wire;
+  WireFormat combine_wire = WireFormat::bf16;  // what ll_combine's partials cross back in
 };
 
 std::string ll_case_name(const testing::TestParamInfo<LlGpuCase>& info) {
   const LlGpuCase& c = info.param;
   return std::string(c.shared ? "shared" : "nccl") + "_R" + std::to_string(c.ranks) + "_H" + std::to_string(c.hidden) +
          "_T" + std::to_string(c.tokens) + "_E" + std::to_string(c.experts) + "_K" + std::to_string(c.topk) + "_" +
-         std::string(wire_name(c.wire));
+         std::string(wire_name(c.wire)) +
+         (c.combine_wire == WireFormat::bf16 ? "" : "_combine_" + std::string(wire_name(c.combine_wire)));
 }
 
 LowLatencyConfig ll_config(const LlGpuCase& c) {
-  return LowLatencyConfig{c.hidden, c.tokens, c.experts, c.topk, c.wire, 20000};
+  LowLatencyConfig cfg{c.hidden, c.tokens, c.experts, c.topk, c.wire, 20000};
+  cfg.combine_wire = c.combine_wire;
+  return cfg;
 }
 
 verify::Problem ll_problem(const LlGpuCase& c, uint64_t seed) {
   verify::ProblemSpec spec;
   spec.cfg = small_config(c.hidden, c.tokens, c.experts, c.topk, c.wire);
+  spec.cfg.combine_wire = c.combine_wire;  // the reference's partials cross back in it
   spec.ranks = c.ranks;
   spec.seed = seed;
   spec.unused_slot_fraction = 0.1;
@@ -141,7 +146,10 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaLowLatency,
                                          LlGpuCase{false, 2, 1024, 48, 16, 6, WireFormat::fp8_ue8m0},
                                          LlGpuCase{false, 2, 1024, 32, 16, 4, WireFormat::nvfp4},
                                          LlGpuCase{true, 4, 512, 24, 36, 8, WireFormat::fp8},
-                                         LlGpuCase{true, 8, 256, 16, 72, 8, WireFormat::bf16}),
+                                         LlGpuCase{true, 8, 256, 16, 72, 8, WireFormat::bf16},
+                                         LlGpuCase{false, 1, 7168, 128, 288, 8, WireFormat::fp8, WireFormat::fp8},
+                                         LlGpuCase{true, 2, 1024, 32, 16, 4, WireFormat::bf16, WireFormat::fp8_ue8m0},
+                                         LlGpuCase{true, 4, 2176, 24, 36, 8, WireFormat::nvfp4, WireFormat::fp8}),
                          ll_case_name);
 
 // Decode inside a CUDA graph: dispatch -> a stand-in expert (y = recv_x) -> combine, captured once

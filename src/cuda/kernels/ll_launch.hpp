@@ -69,6 +69,7 @@ struct Ctx {
   uint64_t* stamps;  // EPX_PROFILE=ll: [2 kinds][blocks][kStampSteps] global timer per step, else null
   int64_t call = 0;  // the call's number among its kind's (ll_dispatch #n, ll_combine #n), for a timeout's words
   int64_t* load = nullptr;  // [L] LowLatencyBuffer::expert_load's counters: each dispatch adds its recv_count
+  WireFormat combine_wire = WireFormat::bf16;  // what the partials cross back in (docs/semantics.md, "Combine wire")
 };
 
 // What a timeout report's `a` holds: the call's number and the wait that ran out (the host reads

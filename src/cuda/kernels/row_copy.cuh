@@ -94,6 +94,19 @@ __device__ inline void unpack_bf16x8(const int4& raw, float* v) {
   }
 }
 
+// v[0..8) * inv as e4m3 codes, value i in byte i: the hardware's cvt.rn.satfinite, which
+// float_to_e4m3 specifies.
+__device__ inline uint2 e4m3x8(const float* v, float inv) {
+  uint32_t word[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < 8; i += 2) {
+    uint16_t pair;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(v[i + 1] * inv), "f"(v[i] * inv));
+    word[i / 4] |= static_cast<uint32_t>(pair) << (8 * (i % 4));
+  }
+  return make_uint2(word[0], word[1]);
+}
+
 // One 512-channel step of an fp8 row: lane's 16 values (when `on`) -> codes and its block's
 // scale. Every lane of the warp calls it (the block amax is 3 shuffles). The max keeps a NaN
 // (max.NaN, where fmaxf would drop it), so a block holding a NaN or an infinity gets the NaN
@@ -107,14 +120,9 @@ __device__ inline void fp8_step(const float* v, bool on, int64_t h, int64_t hidd
   if (!on) return;
   const float scale = fp8_scale(amax, ue8m0);
   const float inv = 1.0f / scale;
-  uint32_t packed[4] = {};
-  for (int i = 0; i < 16; i += 2) {  // the hardware's cvt.rn.satfinite, which float_to_e4m3 specifies
-    uint16_t pair;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(v[i + 1] * inv), "f"(v[i] * inv));
-    packed[i / 4] |= static_cast<uint32_t>(pair) << (8 * (i % 4));
-  }
-  const int4 codes = make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]), static_cast<int>(packed[2]),
-                               static_cast<int>(packed[3]));
+  const uint2 lo = e4m3x8(v, inv), hi = e4m3x8(v + 8, inv);
+  const int4 codes = make_int4(static_cast<int>(lo.x), static_cast<int>(lo.y), static_cast<int>(hi.x),
+                               static_cast<int>(hi.y));
   for (int d = 0; d < n; ++d) {
     *reinterpret_cast<int4*>(dst[d] + h) = codes;
     if (lane % 8 == 0) reinterpret_cast<float*>(dst[d] + hidden)[h / kFp8Block] = scale;
@@ -296,27 +304,11 @@ __device__ inline int4 pack_bf16x8(const float (&acc)[8]) {
               static_cast<int>(bf16x2_bits(acc[4], acc[5])), static_cast<int>(bf16x2_bits(acc[6], acc[7]))};
 }
 
-// out = bf16(sum over terms i = 0..n-1 in order), fp32 accumulation from 0: acc = fma(w_i, v, acc)
-// when weighted, else acc + v. term(i, row, weight) returns false for an absent term. Wide
-// (16-byte) accesses when every row is 16-byte aligned and hidden % 8 == 0; then the loads of the
-// next kGroup present terms are issued before any of their adds (a warp's loads in flight: kGroup
-// x 4 vectors per lane), the adds still in term order.
-template <int kGroup = 1, typename Term>
-__device__ void sum_rows(int n, Term term, bool weighted, uint16_t* out, int64_t hidden, bool wide, int lane) {
-  if (!wide) {
-    for (int64_t h = lane; h < hidden; h += 32) {
-      float acc = 0.0f;
-      for (int i = 0; i < n; ++i) {
-        const uint16_t* row;
-        float weight;
-        if (!term(i, row, weight)) continue;
-        const float v = bf16_to_float(row[h]);
-        acc = weighted ? __fmaf_rn(weight, v, acc) : __fadd_rn(acc, v);
-      }
-      out[h] = float_to_bf16(acc);
-    }
-    return;
-  }
+// The wide form of sum_rows below: for each 16-byte vector v < hidden / 8 of the span the warp
+// sums, store(v, acc, on) gets its 8 fp32 sums; every lane calls it for every round of
+// kSumUnroll vectors (`on`: v is in the row), so a store may shuffle between the lanes.
+template <int kGroup = 1, typename Term, typename Store>
+__device__ void sum_rows_wide(int n, Term term, bool weighted, int64_t hidden, int lane, Store store) {
   const int64_t vectors = hidden / 8;
   for (int64_t base = 0; base < vectors; base += 32 * kSumUnroll) {
     float acc[kSumUnroll][8] = {};
@@ -346,11 +338,34 @@ __device__ void sum_rows(int n, Term term, bool weighted, uint16_t* out, int64_t
       }
     }
 #pragma unroll
-    for (int u = 0; u < kSumUnroll; ++u) {
-      const int64_t v = base + u * 32 + lane;
-      if (v < vectors) reinterpret_cast<int4*>(out)[v] = pack_bf16x8(acc[u]);
-    }
+    for (int u = 0; u < kSumUnroll; ++u) store(base + u * 32 + lane, acc[u], base + u * 32 + lane < vectors);
   }
+}
+
+// out = bf16(sum over terms i = 0..n-1 in order), fp32 accumulation from 0: acc = fma(w_i, v, acc)
+// when weighted, else acc + v. term(i, row, weight) returns false for an absent term. Wide
+// (16-byte) accesses when every row is 16-byte aligned and hidden % 8 == 0; then the loads of the
+// next kGroup present terms are issued before any of their adds (a warp's loads in flight: kGroup
+// x 4 vectors per lane), the adds still in term order.
+template <int kGroup = 1, typename Term>
+__device__ void sum_rows(int n, Term term, bool weighted, uint16_t* out, int64_t hidden, bool wide, int lane) {
+  if (!wide) {
+    for (int64_t h = lane; h < hidden; h += 32) {
+      float acc = 0.0f;
+      for (int i = 0; i < n; ++i) {
+        const uint16_t* row;
+        float weight;
+        if (!term(i, row, weight)) continue;
+        const float v = bf16_to_float(row[h]);
+        acc = weighted ? __fmaf_rn(weight, v, acc) : __fadd_rn(acc, v);
+      }
+      out[h] = float_to_bf16(acc);
+    }
+    return;
+  }
+  sum_rows_wide<kGroup>(n, term, weighted, hidden, lane, [&](int64_t v, const float (&acc)[8], bool on) {
+    if (on) reinterpret_cast<int4*>(out)[v] = pack_bf16x8(acc);
+  });
 }
 
 }  // namespace epx::detail
