@@ -20,7 +20,7 @@ namespace {
 constexpr int kWarps = 16;
 constexpr int64_t kSendSpan = 1024;  // channels of a row one warp returns in combine_send
 constexpr int kMaxTopk = 64;
-constexpr int64_t kWireSpans = 8;  // at most, pieces of a row that warps send apart in dispatch_send (bf16, fp8)
+constexpr int64_t kWireSpans = 8;  // at most, pieces of a row that warps send apart in dispatch_send (every wire)
 constexpr int64_t kSumSpan = 1024;   // channels of a token one warp sums in combine_recv
 constexpr unsigned kAll = 0xffffffffu;
 // A source's arrival word at a receiver: blocks in (bits 0..19), the source grid's size (bits
