@@ -511,10 +511,7 @@ struct Fp8Partial {
   __device__ void operator()(int64_t v, const float (&acc)[8], bool on) const {
     float p[8];
     unpack_bf16x8(pack_bf16x8(acc), p);
-    float amax = 0.0f;
-    if (on)
-      for (int i = 0; i < 8; ++i) amax = max_abs_nonfinite(amax, p[i]);
-    for (int o = 1; o < 16; o *= 2) amax = max_abs_nonfinite(amax, __shfl_xor_sync(kAll, amax, o));
+    const float amax = fp8_block_amax<8, 16>(p, on);
     if (!on) return;
     const float scale = fp8_scale(amax, ue8m0);
     *reinterpret_cast<uint2*>(codes + 8 * v) = e4m3x8(p, 1.0f / scale);

@@ -107,16 +107,26 @@ __device__ inline uint2 e4m3x8(const float* v, float inv) {
   return make_uint2(word[0], word[1]);
 }
 
-// One 512-channel step of an fp8 row: lane's 16 values (when `on`) -> codes and its block's
-// scale. Every lane of the warp calls it (the block amax is 3 shuffles). The max keeps a NaN
-// (max.NaN, where fmaxf would drop it), so a block holding a NaN or an infinity gets the NaN
-// scale, and its codes (x * NaN) the e4m3 NaN 0x7f.
-__device__ inline void fp8_step(const float* v, bool on, int64_t h, int64_t hidden, bool ue8m0, char* const* dst, int n,
-                                int lane) {
+// The max |v| of one 128-channel fp8 block whose values kLanes neighbouring lanes hold, kValues
+// each (`on`: the lane holds a block of the row); every lane of the warp must call it. The max keeps
+// a NaN (max.NaN, where fmaxf would drop it), so a block holding a NaN or an infinity gets the NaN
+// scale from fp8_scale.
+template <int kValues, int kLanes>
+__device__ float fp8_block_amax(const float* v, bool on) {
+  static_assert(kValues * kLanes == kFp8Block, "a block's lanes hold its 128 values");
   float amax = 0.0f;
   if (on)
-    for (int i = 0; i < 16; ++i) amax = max_abs_nonfinite(amax, v[i]);
-  for (int o = 1; o < 8; o *= 2) amax = max_abs_nonfinite(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    for (int i = 0; i < kValues; ++i) amax = max_abs_nonfinite(amax, v[i]);
+  for (int o = 1; o < kLanes; o *= 2) amax = max_abs_nonfinite(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  return amax;
+}
+
+// One 512-channel step of an fp8 row: lane's 16 values (when `on`) -> codes and its block's
+// scale. Every lane of the warp calls it (fp8_block_amax: 3 shuffles over a block's 8 lanes). A
+// block holding a NaN or an infinity gets the NaN scale, and its codes (x * NaN) the e4m3 NaN 0x7f.
+__device__ inline void fp8_step(const float* v, bool on, int64_t h, int64_t hidden, bool ue8m0, char* const* dst, int n,
+                                int lane) {
+  const float amax = fp8_block_amax<16, 8>(v, on);
   if (!on) return;
   const float scale = fp8_scale(amax, ue8m0);
   const float inv = 1.0f / scale;
