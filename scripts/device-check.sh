@@ -214,12 +214,12 @@ if want engines; then
   note "engines: $(grep -cE '^(dispatch|combine) ' "$OUT/engines.log") records, $(grep -c FAILED "$OUT/engines.log") failed"
 fi
 if want chain; then
-  # The small kernels before a dispatch's receiver (routing, positions, plan and layout, placing
+  # The small kernels before a dispatch's receiver (the call's begin, the plan kernel, placing
   # data) at one rank, copy engines forced so every one of them runs: each launch's duration by
   # ncu (kernels serialized, so no overlap hides one), the mean over CHAIN_CALLS calls (chain.log).
   timeout 300 env EPX_DISPATCH_ENGINE=copy ncu --clock-control none --metrics gpu__time_duration.sum \
-    -k 'regex:begin_call|canonicalize|count_chunks|scan_chunks|finalize_positions|exchange_plan|push_placing|broadcast_begin' \
-    --launch-skip 30 --launch-count "$((9 * ${CHAIN_CALLS:-10}))" ./build-gpu/epx-bench --backend cuda --ranks 1 --wire bf16 \
+    -k 'regex:begin_call|plan_dispatch|finalize_positions|push_placing|broadcast_begin' \
+    --launch-skip 15 --launch-count "$((5 * ${CHAIN_CALLS:-10}))" ./build-gpu/epx-bench --backend cuda --ranks 1 --wire bf16 \
     --layout rank_major --ops dispatch --warmup 4 --iters "$((${CHAIN_CALLS:-10} + 4))" > "$OUT/chain.log" 2>&1
   python3 - "$OUT/chain.log" <<'PY'
 import re, sys, collections

@@ -114,13 +114,16 @@ class Carver {
   int64_t used_ = 0;
 };
 
-void carve_handle(DeviceHandle& h, Carver& c, int64_t tokens, const BufferConfig& cfg, int ranks, int64_t max_chunks) {
+void carve_handle(DeviceHandle& h, Carver& c, int64_t tokens, const BufferConfig& cfg, int ranks, int64_t max_chunks,
+                  const kernels::PlanSplit& split) {
   const int64_t k = cfg.topk, rows = ranks * cfg.max_tokens_per_rank, l_count = cfg.num_experts / ranks;
   const int64_t chunks = (tokens + kChunkTokens - 1) / kChunkTokens, width = cfg.num_experts + ranks;
   h.slot_expert = c.take<int32_t>(tokens * k);
   h.slot_weight = c.take<float>(tokens * k);
   h.pos.chunk_count = c.take<int32_t>(chunks * width);
   h.pos.chunk_base = c.take<int32_t>(chunks * width);
+  h.pos.block_base = c.take<int32_t>(split.grid * width);
+  h.pos.chunks_per_block = split.chunks_per_block;
   h.pos.totals = c.take<int64_t>(width);
   h.pos.send_pos = c.take<int32_t>(tokens * ranks);
   h.pos.slot_pos = c.take<int32_t>(tokens * k);
@@ -514,21 +517,41 @@ void CudaBackend::reject(Op op, const std::string& reason) {
   reject(call, phases, reason, 0, signature_of({-1}));
 }
 
-void CudaBackend::exchange_plan(const Call& call, int phase, int64_t tokens, int64_t signature, const int64_t* counts,
-                                int64_t count_len, int64_t* expert_prefix, int64_t* drop_capacity,
-                                const kernels::LayoutJob* layout, const int64_t* dropped) {
-  const PlanHeader h = plan_header(call, "", tokens, signature);
-  const kernels::Ctx c = ctx();
+kernels::ExchangeJob CudaBackend::exchange_job(const Call& call, int phase, int64_t tokens, int64_t signature,
+                                               const int64_t* counts, int64_t count_len, int64_t* expert_prefix,
+                                               int64_t* drop_capacity, const kernels::LayoutJob* layout,
+                                               const int64_t* dropped) const {
+  kernels::ExchangeJob j;
+  j.header = plan_header(call, "", tokens, signature);
+  j.counts = counts;
+  j.count_len = counts ? count_len : 0;
+  j.phase = phase;
+  j.with_counts = expert_prefix != nullptr;
+  j.capacity_factor = expert_prefix ? config().capacity_factor : 0.0;
+  j.expert_prefix = expert_prefix;
+  j.drop_capacity = drop_capacity ? drop_capacity : scratch_;
+  if (layout) {
+    j.with_layout = true;
+    j.layout = *layout;
+  }
   // The drop rule's exchange (expert_prefix) is not the call's last. The kernel writes every field of
   // the report's status (plan_ok reads it after plan_done_, recorded behind this launch); the clear
   // is only a belt, harmless even while an earlier call's kernel still runs (it writes before this one).
-  const bool report = config().mode == CapacityMode::blocking && expert_prefix == nullptr;
-  if (report) std::memset(&plan_report_->status, 0, sizeof(DeviceStatus));
-  kernels::exchange_plan(c, h, counts, count_len, phase, expert_prefix != nullptr,
-                         expert_prefix ? config().capacity_factor : 0.0, expert_prefix,
-                         drop_capacity ? drop_capacity : scratch_, layout,
-                         report ? kernels::ReportJob{plan_report_, dropped} : kernels::ReportJob{});
-  if (report) EPX_CUDA(cudaEventRecord(plan_done_, c.stream));
+  if (config().mode == CapacityMode::blocking && expert_prefix == nullptr) {
+    std::memset(&plan_report_->status, 0, sizeof(DeviceStatus));
+    j.report = {plan_report_, dropped};
+  }
+  return j;
+}
+
+void CudaBackend::exchanged(const kernels::ExchangeJob& job) {
+  if (job.report.to) EPX_CUDA(cudaEventRecord(plan_done_, stream_));
+}
+
+void CudaBackend::exchange_plan(const Call& call, int64_t tokens, int64_t signature) {
+  const kernels::ExchangeJob job = exchange_job(call, 0, tokens, signature, nullptr, 0);
+  kernels::exchange_plan(ctx(), job);
+  exchanged(job);
 }
 
 void CudaBackend::wait(int kind) {
@@ -708,35 +731,51 @@ void CudaBackend::enqueue_broadcast(const BroadcastRows& b, int64_t tokens, int6
 std::shared_ptr<DeviceHandle> CudaBackend::make_device_handle(int64_t tokens) {
   const BufferConfig& c = config();
   auto dh = std::make_shared<DeviceHandle>();
+  const kernels::PlanSplit split = kernels::plan_split(blocks_, tokens);
   Carver measure(nullptr);
-  carve_handle(*dh, measure, tokens, c, ranks_, map_.max_chunks);
+  carve_handle(*dh, measure, tokens, c, ranks_, map_.max_chunks, split);
   const Tensor block = output_block(measure.used(), stream_);  // cached like the outputs
-  EPX_CUDA(cudaMemsetAsync(block.data<void>(), 0, static_cast<size_t>(measure.used()), stream_));
   dh->memory = block.storage();
   Carver carve(block.data<char>());
-  carve_handle(*dh, carve, tokens, c, ranks_, map_.max_chunks);
+  carve_handle(*dh, carve, tokens, c, ranks_, map_.max_chunks, split);
+  // The kernels write every array before they read it, but for the drop rule's sums (counts,
+  // dropped; carved one after the other with the prefix and the capacity between them).
+  if (c.capacity_factor > 0.0)
+    EPX_CUDA(cudaMemsetAsync(dh->counts, 0, reinterpret_cast<char*>(dh->dropped + 1) - reinterpret_cast<char*>(dh->counts),
+                             stream_));
   host_steps_.mark("handle allocated");
   return dh;
 }
 
-int CudaBackend::route(const Call& call, int64_t signature, const DispatchRequest& rq, DeviceHandle& dh) {
+// The dispatch's plan: routing, positions and the plan exchange with the receiver's layout in one
+// launch (kernels::plan_dispatch). With the drop rule, the routing and the exchange of its counts
+// come first, then drop_slots, then the positions and the last exchange. A copy-engine dispatch
+// then makes its positions final (the SM senders do it as they send).
+int CudaBackend::plan(const Call& call, int64_t signature, const DispatchRequest& rq, DeviceHandle& dh,
+                      const kernels::LayoutJob& layout) {
   const BufferConfig& c = config();
   const int64_t tokens = rq.tokens;
   timer_.mark(0, stream_);
   const kernels::Ctx x = ctx();
-  kernels::canonicalize_routing(x, rq.routing, tokens, dh.slot_expert, dh.slot_weight,
-                                c.capacity_factor > 0.0 ? dh.counts : nullptr, rq.finite);
+  kernels::RouteJob job{rq.routing, rq.finite, dh.slot_expert, dh.slot_weight};
+  job.pos = dh.pos;
   int phase = 0;
-  if (c.capacity_factor > 0.0) {  // a first plan exchange fixes what is kept
-    exchange_plan(call, phase++, tokens, signature, dh.counts, c.num_experts, dh.expert_prefix, dh.drop_capacity);
+  const bool drop = c.capacity_factor > 0.0;
+  if (drop) {  // a first exchange fixes what is kept
+    kernels::RouteJob routing = job;
+    routing.counts = dh.counts;
+    routing.positions = false;
+    kernels::plan_dispatch(x, tokens, routing, exchange_job(call, phase++, tokens, signature, dh.counts, c.num_experts,
+                                                            dh.expert_prefix, dh.drop_capacity));
     kernels::drop_slots(x, tokens, dh.slot_expert, dh.slot_weight, dh.expert_prefix, dh.drop_capacity, dh.dropped);
+    job.canonicalize = false;
   }
-  host_steps_.mark("routing launched");
-  timer_.mark(8, stream_);
-  kernels::chunk_positions(x, tokens, dh.slot_expert, dh.pos);
+  const kernels::ExchangeJob last = exchange_job(call, phase, tokens, signature, dh.pos.totals, c.num_experts + ranks_,
+                                                 nullptr, nullptr, &layout, drop ? dh.dropped : nullptr);
+  kernels::plan_dispatch(x, tokens, job, last);
+  exchanged(last);
   if (broadcast_) kernels::finalize_positions(x, tokens, dh.slot_expert, dh.pos);
-  timer_.mark(9, stream_);
-  host_steps_.mark("positions launched");
+  host_steps_.mark("plan launched");
   return phase;
 }
 
@@ -851,20 +890,20 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   BroadcastRows broadcast{};
   if (broadcast_) broadcast = start_broadcast(rq.rows, tokens);  // the copy engines start on the rows now
   const std::shared_ptr<DeviceHandle> dh = make_device_handle(tokens);
-  const int phase = route(call, signature, rq, *dh);
+  const bool capacity_mode = c.mode == CapacityMode::capacity;
+  const kernels::LayoutJob layout{dh->recv, opt.layout, c.expert_alignment, capacity_mode ? c.capacity_rows : 0, load_};
+  const int phase = plan(call, signature, rq, *dh, layout);
   const kernels::Placing mine{dh->slot_expert, dh->slot_weight, dh->pos.send_pos, dh->pos.slot_pos};
   if (broadcast_) {
     enqueue_broadcast(broadcast, tokens, 2, kMaxPieces);
     host_steps_.mark("broadcast's other pieces enqueued");
-    // The placing data goes out on the side stream while the plans are exchanged.
+    // The placing data goes out on the side stream, beside the senders.
     EPX_CUDA(cudaEventRecord(fork_, stream_));
     EPX_CUDA(cudaStreamWaitEvent(side_stream_, fork_, 0));
     EPX_CUDA(cudaStreamWaitEvent(side_stream_, broadcast_begun_, 0));
     kernels::broadcast_placing(ctx(side_stream_), mine, tokens);
     host_steps_.mark("placing launched");
   }
-  const bool capacity_mode = c.mode == CapacityMode::capacity;
-  const kernels::LayoutJob layout{dh->recv, opt.layout, c.expert_alignment, capacity_mode ? c.capacity_rows : 0, load_};
   auto h = std::make_shared<HandleState>();
   h->owner = this;
   h->dispatch_call = call.index;
@@ -883,9 +922,6 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   const bool sizes_first = !capacity_mode && opt.layout == Layout::expert_major;
   int64_t capacity = capacity_mode ? c.capacity_rows : ranks_ * c.max_tokens_per_rank;
   const int senders = broadcast_ ? 0 : send_blocks(true, opt.layout);  // a broadcast needs no sender
-  exchange_plan(call, phase, tokens, signature, dh->pos.totals, c.num_experts + ranks_, nullptr, nullptr, &layout,
-                c.capacity_factor > 0.0 ? dh->dropped : nullptr);
-  host_steps_.mark("plan posted");
 
   // Senders start now on the call's stream; the output allocation (after one host read of the
   // sizes in blocking expert-major mode) and the receiver follow on the side stream.
@@ -917,10 +953,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
 // EPX_PROFILE: the call's device steps (its events' marks) and host steps, added to the means
 // printed when the buffer goes.
 void CudaBackend::report_dispatch_profile(bool quantized, std::chrono::steady_clock::time_point host_call) {
-  timer_.add("dispatch: routing+plan", 0, 1);
-  timer_.add("dispatch: routing", 0, 8);
-  timer_.add("dispatch: positions", 8, 9);
-  timer_.add("dispatch: plan exchange", 9, 1);
+  timer_.add("dispatch: plan", 0, 1);
   timer_.add("dispatch: send kernel", 1, 2);
   timer_.add("dispatch: layout", 1, 3);
   timer_.add("dispatch: sizes read+alloc", 3, 4);
@@ -956,7 +989,7 @@ const HandleState& CudaBackend::start_handle_call(const Call& call, const Handle
   const int64_t signature =
       signature_of({options, h ? static_cast<int64_t>(h->layout) : -1, h ? h->dispatch_call : -1});
   if (!error.empty()) reject(call, 1, error, h ? h->tokens : 0, signature);
-  exchange_plan(call, 0, h->tokens, signature, nullptr, 0);
+  exchange_plan(call, h->tokens, signature);
   host_steps_.mark("plan posted");
   return *h;
 }

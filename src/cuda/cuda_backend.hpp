@@ -74,11 +74,12 @@ class CudaBackend final : public Backend {
   BroadcastRows start_broadcast(const kernels::SendRows& rows, int64_t tokens);
   // Pieces [first, end) of the broadcast by copy calls on the copy stream; after the last, copies_done_.
   void enqueue_broadcast(const BroadcastRows& b, int64_t tokens, int64_t first, int64_t end);
-  // The handle's arrays, sized for `tokens`, zeroed (the chunk counts are sums).
+  // The handle's arrays, sized for `tokens` (the kernels write them; the drop rule's sums zeroed).
   std::shared_ptr<DeviceHandle> make_device_handle(int64_t tokens);
-  // The sender's half of the layout: routing, the drop rule (with its plan exchange) and the
-  // positions. Returns the phase of the plan exchange that follows.
-  int route(const Call& call, int64_t signature, const DispatchRequest& rq, DeviceHandle& dh);
+  // The plan kernel(s): routing, the drop rule (with its own plan exchange), the positions and the
+  // plan exchange with the receiver's layout. Returns the phase of the last exchange.
+  int plan(const Call& call, int64_t signature, const DispatchRequest& rq, DeviceHandle& dh,
+           const kernels::LayoutJob& layout);
   // The outputs (one allocation, on the side stream; the receiver writes every row, padding and
   // empty rows too) and the receiver, with `senders` of the blocks sending beside it.
   void launch_receiver(DispatchResult& out, const DeviceHandle& dh, const kernels::SendRows& rows,
@@ -97,15 +98,18 @@ class CudaBackend final : public Backend {
   // A host-side input error: posts the rejection in each of the call's `phases` plan exchanges
   // (peers wait for every one of them, then stop with this message), then throws it.
   [[noreturn]] void reject(const Call& call, int phases, const std::string& error, int64_t tokens, int64_t signature);
-  // Posts the plan (with count_len counts) in this call's phase, waits for every rank and
-  // checks their plans; with expert_prefix (dispatch with dropping) also fills the lower
-  // ranks' per-expert prefix and the drop capacity.
-  // With a layout job (a dispatch's last exchange), the same kernel computes the receiver's layout.
-  // In blocking mode the call's last exchange (not the drop rule's) also writes plan_report_ and
-  // records plan_done_, for plan_ok.
-  void exchange_plan(const Call& call, int phase, int64_t tokens, int64_t signature, const int64_t* counts,
-                     int64_t count_len, int64_t* expert_prefix = nullptr, int64_t* drop_capacity = nullptr,
-                     const kernels::LayoutJob* layout = nullptr, const int64_t* dropped = nullptr);
+  // The plan exchange of this call's phase (kernels::ExchangeJob): this rank's plan (with count_len
+  // counts), every rank's awaited and checked; with expert_prefix (dispatch with dropping) also the
+  // lower ranks' per-expert prefix and the drop capacity; with a layout job (a dispatch's last
+  // exchange), the receiver's layout. In blocking mode the call's last exchange (not the drop
+  // rule's) also writes plan_report_; exchanged() then records plan_done_, for plan_ok.
+  kernels::ExchangeJob exchange_job(const Call& call, int phase, int64_t tokens, int64_t signature,
+                                    const int64_t* counts, int64_t count_len, int64_t* expert_prefix = nullptr,
+                                    int64_t* drop_capacity = nullptr, const kernels::LayoutJob* layout = nullptr,
+                                    const int64_t* dropped = nullptr) const;
+  void exchanged(const kernels::ExchangeJob& job);  // after the launch that runs it
+  // The header-only exchange of the calls on a handle, in a launch of its own.
+  void exchange_plan(const Call& call, int64_t tokens, int64_t signature);
   // The start of a call on a dispatch's handle (combine and the backward passes): the handle and
   // the inputs are checked (a rejection reaches every peer), then the plan exchange, whose
   // signature holds `options` and the handle's layout.

@@ -9,15 +9,15 @@ namespace epx::detail {
 constexpr int kScanThreads = 256;
 
 // For i in [0, n): out(i, sum of value(j) over j < i, value(i)), value(i) evaluated once, by
-// thread i % kScanThreads. Returns the total on every thread. Call with blockDim.x == kScanThreads.
-template <typename T, typename Value, typename Out>
+// thread i % kThreads. Returns the total on every thread. Call with blockDim.x == kThreads.
+template <typename T, int kThreads = kScanThreads, typename Value, typename Out>
 __device__ int64_t block_exclusive_sum(int64_t n, Value value, Out out) {
-  using Scan = cub::BlockScan<T, kScanThreads>;
+  using Scan = cub::BlockScan<T, kThreads>;
   __shared__ typename Scan::TempStorage temp;
   __shared__ int64_t running;
   if (threadIdx.x == 0) running = 0;
   __syncthreads();
-  for (int64_t base = 0; base < n; base += kScanThreads) {
+  for (int64_t base = 0; base < n; base += kThreads) {
     const int64_t i = base + threadIdx.x;
     const T v = i < n ? value(i) : T{0};
     T before{}, total{};

@@ -9,6 +9,7 @@
 // top-8 of 256: 99.6%); docs/lab/2026-12-01-performance-diary.md.
 #include <algorithm>
 
+#include "cuda/kernels/chunk_bases.cuh"
 #include "cuda/kernels/device_common.cuh"
 #include "cuda/kernels/launch.hpp"
 #include "cuda/kernels/wire_encode.cuh"
@@ -64,7 +65,7 @@ __global__ void finalize_positions_kernel(Shape s, int64_t tokens, const int32_t
   const int64_t width = s.experts + s.ranks;
   for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < tokens;
        t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int32_t* base = p.chunk_base + t / kChunkTokens * width;
+    const ChunkBases base = chunk_bases(p, width, t / kChunkTokens);
     for (int d0 = 0; d0 < s.ranks; d0 += kGroup) {
       int32_t pos[kGroup], add[kGroup];
 #pragma unroll

@@ -120,6 +120,7 @@ struct CallState {
   uint32_t bcast_epoch;            // the epoch of this rank's last broadcast (copy-engine dispatch)
   uint32_t recv_blocks_done;       // dispatch receive blocks finished in this call (the last resets it)
   uint32_t placing_blocks_done;    // copy-engine dispatch: placing blocks finished (the last resets it)
+  uint32_t plan_blocks_done;       // dispatch plan kernel blocks finished (the last resets it)
 };
 
 // Sizes every kernel needs.

@@ -7,6 +7,7 @@
 // tokens from the copies of its rows and placing data, each once flagged.
 #include "cuda/cuda_check.hpp"
 #include "cuda/kernels/bulk_copy.cuh"
+#include "cuda/kernels/chunk_bases.cuh"
 #include "cuda/kernels/empty_rows.cuh"
 #include "cuda/kernels/launch.hpp"
 #include "cuda/kernels/row_copy.cuh"
@@ -41,6 +42,7 @@ __device__ void send_token(const PeerWindows& w, const WindowMap& m, const Shape
                            const SendPlan& plan, int64_t c, int64_t t, int lane) {
   const ChunkPositions& p = plan.pos;
   const int64_t width = s.experts + s.ranks;
+  const ChunkBases base = chunk_bases(p, width, c);
   char* dst[kMaxRanks];
   int64_t at[kMaxRanks];
   int to[kMaxRanks];
@@ -48,7 +50,7 @@ __device__ void send_token(const PeerWindows& w, const WindowMap& m, const Shape
   for (int d = 0; d < s.ranks; ++d) {
     const int32_t in_chunk = p.send_pos[t * s.ranks + d];
     if (in_chunk < 0) continue;
-    const int64_t pos = p.chunk_base[c * width + s.experts + d] + in_chunk;
+    const int64_t pos = base[s.experts + d] + in_chunk;
     at[n] = stream_slot(s, w.rank, pos);
     to[n] = d;
     if (d != w.rank || !own_rows_from_input(rows))
@@ -68,7 +70,7 @@ __device__ void send_token(const PeerWindows& w, const WindowMap& m, const Shape
       const int64_t slot = at[i] * s.topk + k;
       at_window<int32_t>(w, r, m.fwd_slot_expert)[slot] = here ? static_cast<int32_t>(e % s.local_experts) : -1;
       at_window<float>(w, r, m.fwd_slot_weight)[slot] = here ? plan.slot_weight[t * s.topk + k] : 0.0f;
-      at_window<int32_t>(w, r, m.fwd_slot_index)[slot] = here ? p.chunk_base[c * width + e] + p.slot_pos[t * s.topk + k] : 0;
+      at_window<int32_t>(w, r, m.fwd_slot_index)[slot] = here ? base[e] + p.slot_pos[t * s.topk + k] : 0;
     }
   }
 }
@@ -89,8 +91,9 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(PeerWindows
     __syncthreads();
     if (warp == kSendWarps && lane == 0) {
       __threadfence_system();  // the chunk's rows (all warps', seen through the barrier) before its flags
+      const ChunkBases base = chunk_bases(plan.pos, width, c);
       for (int d = 0; d < s.ranks; ++d) {
-        const uint64_t range = static_cast<uint64_t>(plan.pos.chunk_base[c * width + s.experts + d]) << kRangeCountBits |
+        const uint64_t range = static_cast<uint64_t>(base[s.experts + d]) << kRangeCountBits |
                                static_cast<uint64_t>(plan.pos.chunk_count[c * width + s.experts + d]);
         set_flag(at_window<uint64_t>(w, d, m.fwd_chunk_flag) + w.rank * m.max_chunks + c,
                  static_cast<uint64_t>(epoch) << 32 | range);

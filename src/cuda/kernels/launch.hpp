@@ -53,17 +53,11 @@ struct FiniteCheck {
 // a peer's kernel waiting for this rank: a deadlock. Buffers call this before their collective setup.
 void preload_kernels();
 void preload_plan_kernels();
-void preload_positions_kernels();
+void preload_route_kernels();
 void preload_dispatch_kernels();
 void preload_combine_kernels();
 void preload_combine_backward_kernels();
 void preload_broadcast_kernels();
-
-// Canonical routing: slot_expert/slot_weight [T*K], counts [E] (+= per expert; only the drop
-// rule needs them, so null skips the atomics), errors reported in ctx.status. counts must be zeroed.
-// With check.parts, the same kernel scans those arrays' T rows (check_finite).
-void canonicalize_routing(const Ctx& ctx, const RoutingInput& in, int64_t tokens, int32_t* slot_expert,
-                          float* slot_weight, int64_t* counts, const FiniteCheck& check = {});
 
 // Starts a call on the device: the call number advances, the status is cleared.
 void begin_call(const Ctx& ctx);
@@ -74,33 +68,35 @@ void post_plan(const Ctx& ctx, const PlanHeader& header, const int64_t* counts, 
 // Advances the target of signal `kind` by `increment` and (when `wait`) waits for every rank's
 // counter to reach it.
 void wait_signals(const Ctx& ctx, int kind, uint64_t increment, bool wait = true);
-// The plan exchange of this call's `phase` in one launch: post_plan, wait_signals(kSignalPlan, 1),
-// then checks every rank's plan: same call, no rejected input. Fills drop_capacity (when
-// capacity_factor > 0, else -1) and, with_counts, per-expert prefix counts of lower ranks [E].
-// With a layout job, the same kernel then computes the receiver's layout (receive_layout).
-// With a report job (blocking mode's last exchange of a call), the kernel ends by writing the
-// status and the layout's sizes into report.to (host-mapped).
-struct LayoutJob;
+// Blocking mode's report of a call's last plan exchange (ExchangeJob).
 struct ReportJob {
   PlanReport* to = nullptr;         // host-mapped; null: no report
   const int64_t* dropped = nullptr;  // the dispatch's dropped count, or null (none)
 };
-void exchange_plan(const Ctx& ctx, const PlanHeader& mine, const int64_t* counts, int64_t count_len, int phase,
-                   bool with_counts, double capacity_factor, int64_t* expert_prefix, int64_t* drop_capacity,
-                   const LayoutJob* layout = nullptr, ReportJob report = {});
 // The drop rule on this rank's slots; adds the dropped count to *dropped.
 void drop_slots(const Ctx& ctx, int64_t tokens, int32_t* slot_expert, float* slot_weight, const int64_t* expert_prefix,
                 const int64_t* drop_capacity, int64_t* dropped);
 
-// The sender's half of the layout, per chunk of kChunkTokens tokens. Columns: E experts, then R ranks.
+// The sender's half of the layout, per chunk of kChunkTokens tokens. Columns: E experts, then R
+// ranks. The plan kernel's blocks each own chunks_per_block consecutive chunks: a chunk's place
+// among the rank's rows of a column is its block's base plus its place among the block's chunks
+// (chunk_bases, chunk_bases.cuh).
 struct ChunkPositions {
-  int32_t* chunk_count;  // [C, E+R] pairs of each expert / tokens to each rank in the chunk (zeroed before)
-  int32_t* chunk_base;   // [C, E+R] exclusive scan over chunks
+  int32_t* chunk_count;  // [C, E+R] pairs of each expert / tokens to each rank in the chunk
+  int32_t* chunk_base;   // [C, E+R] exclusive scan over the chunks of the chunk's block
+  int32_t* block_base;   // [G, E+R] exclusive scan over the plan kernel's G blocks
+  int64_t chunks_per_block;
   int64_t* totals;       // [E+R] this rank's pairs per expert, then tokens per destination rank
-  int32_t* send_pos;     // [T, R] place in the chunk (count_chunks), the stream position (send), or -1
-  int32_t* slot_pos;     // [T, K] the pair's place among the chunk's pairs of its expert
+  int32_t* send_pos;     // [T, R] place in the chunk (plan kernel), the stream position (send), or -1
+  int32_t* slot_pos;     // [T, K] the pair's place among the chunk's pairs of its expert (0: no expert)
 };
-void chunk_positions(const Ctx& ctx, int64_t tokens, const int32_t* slot_expert, const ChunkPositions& p);
+// The plan kernel's split of `tokens` tokens over at most `blocks` blocks: its grid and each
+// block's consecutive chunks.
+struct PlanSplit {
+  int grid;
+  int64_t chunks_per_block;
+};
+PlanSplit plan_split(int blocks, int64_t tokens);
 
 // A rank's placing data in its own arrays: slot_expert (global ids or -1) [T*K], slot weights
 // [T*K], stream positions at each rank (or -1) [T*R], each pair's index among the rank's pairs of
@@ -206,6 +202,48 @@ struct LayoutJob {
   int64_t capacity_rows;
   int64_t* load = nullptr;  // [L] the buffer's load counters: += each local expert's (token, slot) pairs
 };
+
+// A plan exchange of this call's `phase` (exchange.cuh): this rank's header (+ count_len int64
+// counts, or none) into every rank's plan slot, the wait for every rank's, then the checks of
+// every rank's plan: same call, no rejected input. Fills *drop_capacity (capacity_factor > 0, else
+// -1) and, with_counts, the per-expert prefix counts of lower ranks [E]. With a layout the same
+// block then computes the receiver's layout (receive_layout.cuh); with a report (blocking mode's
+// last exchange of a call) it ends by writing the status and the layout's sizes into report.to
+// (host-mapped). The call number and the error fields of the header come from the device.
+struct ExchangeJob {
+  PlanHeader header;
+  const int64_t* counts = nullptr;
+  int64_t count_len = 0;
+  int phase = 0;
+  bool with_counts = false;
+  double capacity_factor = 0.0;
+  int64_t* expert_prefix = nullptr;
+  int64_t* drop_capacity = nullptr;
+  bool with_layout = false;
+  LayoutJob layout{};
+  ReportJob report{};
+};
+// The exchange alone, in one single-block launch (the calls on a handle).
+void exchange_plan(const Ctx& ctx, const ExchangeJob& job);
+
+// A dispatch's plan in one launch (route.cu), then its plan exchange `x`. Each block reads and
+// checks its tokens' routing (canonicalize: into slot_expert / slot_weight, with counts [E] +=
+// per expert when not null, zeroed before; check_finite's scan of `finite` beside it) and counts
+// its chunks (positions); the last block to finish scans the blocks' counts and runs the
+// exchange. The drop rule's dispatch runs it twice: routing and the exchange of the counts, then
+// (after drop_slots) positions and the exchange with the layout. After begin_call (the call's
+// number and a clean status).
+struct RouteJob {
+  RoutingInput in;
+  FiniteCheck finite;
+  int32_t* slot_expert;
+  float* slot_weight;
+  int64_t* counts = nullptr;
+  bool canonicalize = true;
+  bool positions = true;
+  ChunkPositions pos;
+};
+void plan_dispatch(const Ctx& ctx, int64_t tokens, const RouteJob& route, const ExchangeJob& x);
 
 // The dispatch's transfer, split in two kernels that run at the same time on different
 // streams: the sender (ctx.stream, `blocks` blocks) moves rows into every destination's window

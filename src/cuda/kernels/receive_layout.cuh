@@ -15,16 +15,17 @@ __device__ inline const int64_t* plan_totals(const PeerWindows& w, const WindowM
   return at_window<const int64_t>(w, w.rank, m.plans + (slot * w.ranks + p) * m.plan_stride + sizeof(PlanHeader));
 }
 
-// Every thread of the block calls it (blockDim.x == kScanThreads); a failed call receives nothing.
+// Every thread of the block calls it (blockDim.x == kThreads); a failed call receives nothing.
 // Scans in parallel, not a thread's loop over the experts: each step of such a loop waited for
 // the previous one's store (256 steps at one rank: ~30 us on every dispatch's critical path).
+template <int kThreads>
 __device__ inline void receive_layout_block(const PeerWindows& w, const WindowMap& m, const Shape& s, int phase,
                                             const LayoutJob& job, const CallState* cs, const DeviceStatus* st) {
   const RecvArrays& r = job.r;
   const bool ok = !failed(st);
   const int slot = plan_slot(cs, phase);
   // Each local expert's rows from each source (expert-major bases), then its aligned rows' offset.
-  const int64_t aligned_rows = block_exclusive_sum<int64_t>(
+  const int64_t aligned_rows = block_exclusive_sum<int64_t, kThreads>(
       s.local_experts,
       [&](int64_t l) {
         int64_t n = 0;

@@ -1,0 +1,199 @@
+// A dispatch's plan in one launch: the routing read and checked, where every token and every
+// (token, slot) pair of this rank goes (the sender's half of the layout), then the plan exchange
+// with the receiver's half. Tokens are cut into chunks of kChunkTokens; a chunk's counts are
+// scanned across chunks, so a position is (the chunk's base) + (its place in the chunk), both in
+// token order, which keeps the layout deterministic. Each block owns consecutive chunks and scans
+// them; the last block to finish scans the blocks' totals and runs the exchange. No block waits
+// for another (the last one carries on alone), so the grid needs no co-residency: on a GPU shared
+// by ranks, a peer's kernels may hold the other SMs.
+#include "cuda/kernels/block_scan.cuh"
+#include "cuda/kernels/device_common.cuh"
+#include "cuda/kernels/exchange.cuh"
+#include "cuda/kernels/finite_scan.cuh"
+#include "cuda/kernels/launch.hpp"
+
+namespace epx::detail::kernels {
+
+namespace {
+
+// A warp per chunk: at 24 blocks, every chunk of 6144 tokens in one round (each warp's chunk is a
+// chain of dependent loads; more chunks per warp would queue them).
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr int kLoads = 8;                  // counts loaded at once by a scanning thread
+
+__device__ int64_t read_index(const RoutingInput& in, int64_t t, int64_t k) {
+  return in.idx64 ? static_cast<const int64_t*>(in.topk_idx)[t * in.idx_stride + k]
+                  : static_cast<const int32_t*>(in.topk_idx)[t * in.idx_stride + k];
+}
+
+// Slot k of token t (id checked) into e[k], w[k]; false for an id out of range (reported).
+__device__ bool canonical_slot(const Shape& s, const RoutingInput& in, int64_t t, int64_t k, int64_t id, float weight,
+                               int32_t* e, float* w, DeviceStatus* st) {
+  const bool valid = id >= -1 && id < s.experts;
+  if (!valid) report(st, kStatusBadExpert, s.rank, t, k, id);
+  e[k] = valid ? static_cast<int32_t>(id) : -1;
+  w[k] = !valid || id < 0 ? 0.0f : in.topk_weights ? weight : 1.0f;
+  return valid;
+}
+
+// Token t's routing, read, checked and (counts not null) counted per expert. topk_idx: slots in
+// groups of 8 whose ids and weights are loaded before any is stored (no dependent round per
+// slot), and repeats found in registers within a group (earlier groups read back, K > 8 only).
+__device__ void canonicalize_token(const Shape& s, const RoutingInput& in, int64_t t, int32_t* slot_expert,
+                                   float* slot_weight, int64_t* counts, DeviceStatus* st) {
+  constexpr int kGroup = 8;
+  int32_t* e = slot_expert + t * s.topk;
+  float* w = slot_weight + t * s.topk;
+  if (in.topk_idx) {
+    for (int64_t k0 = 0; k0 < s.topk; k0 += kGroup) {
+      int64_t id[kGroup];
+      float weight[kGroup];
+#pragma unroll
+      for (int i = 0; i < kGroup; ++i) id[i] = k0 + i < s.topk ? read_index(in, t, k0 + i) : -1;
+#pragma unroll
+      for (int i = 0; i < kGroup; ++i)
+        weight[i] = k0 + i < s.topk && in.topk_weights ? in.topk_weights[t * in.weight_stride + k0 + i] : 1.0f;
+#pragma unroll
+      for (int i = 0; i < kGroup; ++i)
+        if (k0 + i < s.topk && !canonical_slot(s, in, t, k0 + i, id[i], weight[i], e, w, st)) id[i] = -1;
+#pragma unroll
+      for (int i = 0; i < kGroup; ++i) {
+        if (id[i] < 0) continue;
+        bool repeat = false;
+        for (int64_t j = 0; j < k0 && !repeat; ++j)
+          if (e[j] == id[i]) repeat = true, report(st, kStatusRepeatedExpert, s.rank, t, j, id[i]);
+#pragma unroll
+        for (int j = 0; j < i; ++j)
+          if (!repeat && id[j] == id[i]) repeat = true, report(st, kStatusRepeatedExpert, s.rank, t, k0 + j, id[i]);
+        if (counts) atomicAdd(reinterpret_cast<unsigned long long*>(&counts[id[i]]), 1ull);
+      }
+    }
+    return;
+  }
+  int64_t k = 0;
+  for (int64_t x = 0; x < s.experts; ++x) {
+    if (!in.routing_map[t * in.map_stride + x]) continue;
+    if (k == s.topk) {  // more experts than slots: reported as slot K
+      report(st, kStatusBadExpert, s.rank, t, s.topk, x);
+      break;
+    }
+    e[k] = static_cast<int32_t>(x);
+    w[k] = in.probs ? in.probs[t * in.probs_stride + x] : 1.0f;
+    ++k;
+  }
+  for (; k < s.topk; ++k) e[k] = -1, w[k] = 0.0f;
+  if (counts)  // a map names each expert once: no repeats
+    for (int64_t j = 0; j < s.topk; ++j)
+      if (e[j] >= 0) atomicAdd(reinterpret_cast<unsigned long long*>(&counts[e[j]]), 1ull);
+}
+
+// One warp, chunk c: its counts (its row of chunk_count, zeroed first) and each token's and
+// pair's place in it. Lanes 0..15 own its tokens for the destination ranks (ballots); the chunk's
+// (token, slot) pairs go 32 at a time (a group) for the experts: a pair's place among the chunk's
+// pairs of its expert counts its expert in the lower lanes of its group (a match: in token order,
+// since a token holds an expert once) and in earlier groups (their ids, one shuffle per pair),
+// so no pair reads the ids of every earlier pair; the lowest lane of each match adds the group's
+// pairs of its expert to the chunk's count.
+__device__ void count_chunk(const Shape& s, int64_t tokens, const int32_t* slot_expert, const ChunkPositions& p,
+                            int64_t c, int lane) {
+  const unsigned lower = (1u << lane) - 1u;
+  const int64_t width = s.experts + s.ranks;
+  int32_t* count = p.chunk_count + c * width;
+  for (int64_t i = lane; i < width; i += 32) count[i] = 0;
+  __syncwarp();
+  const int64_t first = c * kChunkTokens, t = first + lane;
+  const bool mine = lane < kChunkTokens && t < tokens;
+  uint32_t dests = 0;
+  if (mine)
+    for (int64_t k = 0; k < s.topk; ++k) {
+      const int32_t e = slot_expert[t * s.topk + k];
+      if (e >= 0) dests |= 1u << (e / s.local_experts);
+    }
+  for (int d = 0; d < s.ranks; ++d) {
+    const uint32_t to_d = __ballot_sync(0xffffffffu, (dests >> d) & 1u);
+    if (mine) p.send_pos[t * s.ranks + d] = (dests >> d) & 1u ? __popc(to_d & lower) : -1;
+    if (lane == 0) count[s.experts + d] = __popc(to_d);
+  }
+  const int64_t pairs = (min(first + kChunkTokens, tokens) - first) * s.topk;
+  const int32_t* ids = slot_expert + first * s.topk;
+  for (int64_t g = 0; g < pairs; g += 32) {
+    const int32_t e = g + lane < pairs ? ids[g + lane] : -1;
+    const unsigned same = __match_any_sync(0xffffffffu, e);
+    int32_t before = __popc(same & lower);
+    for (int64_t h = 0; h < g; h += 32) {
+      const int32_t other = ids[h + lane];  // h + 32 <= g < pairs: a whole earlier group
+      for (int j = 0; j < 32; ++j) before += __shfl_sync(0xffffffffu, other, j) == e;
+    }
+    if (g + lane < pairs) p.slot_pos[first * s.topk + g + lane] = e < 0 ? 0 : before;
+    if (e >= 0 && (same & lower) == 0) atomicAdd(&count[e], __popc(same));
+  }
+}
+
+// Thread per column: the exclusive scan of `values` over rows [first, end) (rows `width` apart)
+// into `bases`, kLoads rows loaded before any is stored (the stores would otherwise keep each
+// load behind the last). Returns the column's total. Values another warp or block wrote are read
+// from L2 (__ldcg): their writers' barrier or fence made them visible there.
+__device__ int64_t scan_column(const int32_t* values, int32_t* bases, int64_t width, int64_t col, int64_t first,
+                               int64_t end) {
+  int64_t running = 0;
+  for (int64_t base = first; base < end; base += kLoads) {
+    int32_t v[kLoads];
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) v[i] = base + i < end ? __ldcg(values + (base + i) * width + col) : 0;
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      if (base + i < end) bases[(base + i) * width + col] = static_cast<int32_t>(running);
+      running += v[i];
+    }
+  }
+  return running;
+}
+
+// One block per SM at most (ptxas would otherwise keep registers for two and spill).
+__global__ void __launch_bounds__(kThreads, 1) plan_dispatch_kernel(PeerWindows w, WindowMap m, Shape s,
+                                                                    int64_t tokens, RouteJob job, ExchangeJob x,
+                                                                    uint64_t timeout_ns, CallState* cs,
+                                                                    DeviceStatus* st) {
+  const ChunkPositions& p = job.pos;
+  const int lane = threadIdx.x % 32;
+  const int64_t width = s.experts + s.ranks, chunks = (tokens + kChunkTokens - 1) / kChunkTokens;
+  const int64_t first = blockIdx.x * p.chunks_per_block, end = min(chunks, first + p.chunks_per_block);
+  for (int64_t c = first + threadIdx.x / 32; c < end; c += kWarps) {
+    const int64_t t = c * kChunkTokens + lane;
+    if (job.canonicalize && lane < kChunkTokens && t < tokens)
+      canonicalize_token(s, job.in, t, job.slot_expert, job.slot_weight, job.counts, st);
+    __syncwarp();  // the chunk's slots, written by its lanes, before they are counted
+    if (job.positions) count_chunk(s, tokens, job.slot_expert, p, c, lane);
+  }
+  if (job.canonicalize) scan_finite_all(job.finite, tokens, blockIdx.x, gridDim.x, s.rank, st);
+  __syncthreads();
+  if (job.positions)
+    for (int64_t col = threadIdx.x; col < width; col += blockDim.x)
+      p.block_base[blockIdx.x * width + col] =
+          static_cast<int32_t>(scan_column(p.chunk_count, p.chunk_base, width, col, first, end));
+  if (!last_block(&cs->plan_blocks_done)) return;
+  if (job.positions)  // the blocks' totals (in block_base) into their bases, and the rank's totals
+    for (int64_t col = threadIdx.x; col < width; col += blockDim.x)
+      p.totals[col] = scan_column(p.block_base, p.block_base, width, col, 0, gridDim.x);
+  __syncthreads();  // the totals for the whole block
+  exchange_plan_block<kThreads>(w, m, s, x, timeout_ns, cs, st);
+}
+
+}  // namespace
+
+PlanSplit plan_split(int blocks, int64_t tokens) {
+  const int64_t chunks = (tokens + kChunkTokens - 1) / kChunkTokens;
+  const int64_t per_block = std::max<int64_t>(1, (chunks + blocks - 1) / std::max(blocks, 1));
+  return {static_cast<int>(std::max<int64_t>(1, (chunks + per_block - 1) / per_block)), per_block};
+}
+
+void plan_dispatch(const Ctx& ctx, int64_t tokens, const RouteJob& route, const ExchangeJob& x) {
+  const PlanSplit split = plan_split(ctx.blocks, tokens);
+  plan_dispatch_kernel<<<split.grid, kThreads, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, tokens, route, x,
+                                                                    ctx.timeout_ns, ctx.state, ctx.status);
+}
+
+void preload_route_kernels() { preload(plan_dispatch_kernel); }
+
+}  // namespace epx::detail::kernels
