@@ -757,7 +757,11 @@ int CudaBackend::plan(const Call& call, int64_t signature, const DispatchRequest
   const int64_t tokens = rq.tokens;
   timer_.mark(0, stream_);
   const kernels::Ctx x = ctx();
-  kernels::RouteJob job{rq.routing, rq.finite, dh.slot_expert, dh.slot_weight};
+  kernels::RouteJob job;
+  job.in = rq.routing;
+  job.finite = rq.finite;
+  job.slot_expert = dh.slot_expert;
+  job.slot_weight = dh.slot_weight;
   job.pos = dh.pos;
   int phase = 0;
   const bool drop = c.capacity_factor > 0.0;

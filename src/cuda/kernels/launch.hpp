@@ -236,12 +236,12 @@ void exchange_plan(const Ctx& ctx, const ExchangeJob& job);
 struct RouteJob {
   RoutingInput in;
   FiniteCheck finite;
-  int32_t* slot_expert;
-  float* slot_weight;
+  int32_t* slot_expert = nullptr;
+  float* slot_weight = nullptr;
   int64_t* counts = nullptr;
   bool canonicalize = true;
   bool positions = true;
-  ChunkPositions pos;
+  ChunkPositions pos{};
 };
 void plan_dispatch(const Ctx& ctx, int64_t tokens, const RouteJob& route, const ExchangeJob& x);
 
