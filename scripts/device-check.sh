@@ -219,7 +219,7 @@ if want chain; then
   # ncu (kernels serialized, so no overlap hides one), the mean over CHAIN_CALLS calls (chain.log).
   timeout 300 env EPX_DISPATCH_ENGINE=copy ncu --clock-control none --metrics gpu__time_duration.sum \
     -k 'regex:begin_call|plan_dispatch|finalize_positions|push_placing|broadcast_begin' \
-    --launch-skip 15 --launch-count "$((5 * ${CHAIN_CALLS:-10}))" ./build-gpu/epx-bench --backend cuda --ranks 1 --wire bf16 \
+    --launch-skip 20 --launch-count "$((5 * ${CHAIN_CALLS:-10}))" ./build-gpu/epx-bench --backend cuda --ranks 1 --wire bf16 \
     --layout rank_major --ops dispatch --warmup 4 --iters "$((${CHAIN_CALLS:-10} + 4))" > "$OUT/chain.log" 2>&1
   python3 - "$OUT/chain.log" <<'PY'
 import re, sys, collections

@@ -738,11 +738,15 @@ std::shared_ptr<DeviceHandle> CudaBackend::make_device_handle(int64_t tokens) {
   dh->memory = block.storage();
   Carver carve(block.data<char>());
   carve_handle(*dh, carve, tokens, c, ranks_, map_.max_chunks, split);
-  // The kernels write every array before they read it, but for the drop rule's sums (counts,
-  // dropped; carved one after the other with the prefix and the capacity between them).
-  if (c.capacity_factor > 0.0)
-    EPX_CUDA(cudaMemsetAsync(dh->counts, 0, reinterpret_cast<char*>(dh->dropped + 1) - reinterpret_cast<char*>(dh->counts),
-                             stream_));
+  // The plan kernel writes every array of the sender's half before it reads it. The receive
+  // arrays (carved last, from recv.info to the end of recv.slot_row) are zeroed: a receiver that
+  // stops early in a failed call leaves zeros there, not an earlier dispatch's ranges and rows, for
+  // a later call on the handle (no chunk to return, no row to read). With the drop rule, its sums
+  // too (counts to dropped, carved just before them).
+  const int64_t rows = ranks_ * c.max_tokens_per_rank;
+  char* const from = c.capacity_factor > 0.0 ? reinterpret_cast<char*>(dh->counts) : reinterpret_cast<char*>(dh->recv.info);
+  char* const end = reinterpret_cast<char*>(dh->recv.slot_row + rows * c.topk);
+  EPX_CUDA(cudaMemsetAsync(from, 0, static_cast<size_t>(end - from), stream_));
   host_steps_.mark("handle allocated");
   return dh;
 }

@@ -74,7 +74,8 @@ class CudaBackend final : public Backend {
   BroadcastRows start_broadcast(const kernels::SendRows& rows, int64_t tokens);
   // Pieces [first, end) of the broadcast by copy calls on the copy stream; after the last, copies_done_.
   void enqueue_broadcast(const BroadcastRows& b, int64_t tokens, int64_t first, int64_t end);
-  // The handle's arrays, sized for `tokens` (the kernels write them; the drop rule's sums zeroed).
+  // The handle's arrays, sized for `tokens`: the receive arrays and the drop rule's sums zeroed,
+  // the sender's half left for the plan kernel to write.
   std::shared_ptr<DeviceHandle> make_device_handle(int64_t tokens);
   // The plan kernel(s): routing, the drop rule (with its own plan exchange), the positions and the
   // plan exchange with the receiver's layout. Returns the phase of the last exchange.

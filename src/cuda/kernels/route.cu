@@ -189,8 +189,10 @@ PlanSplit plan_split(int blocks, int64_t tokens) {
 }
 
 void plan_dispatch(const Ctx& ctx, int64_t tokens, const RouteJob& route, const ExchangeJob& x) {
-  const PlanSplit split = plan_split(ctx.blocks, tokens);
-  plan_dispatch_kernel<<<split.grid, kThreads, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, tokens, route, x,
+  // The grid the handle's positions were carved for (route.pos.chunks_per_block: plan_split's).
+  const int64_t chunks = (tokens + kChunkTokens - 1) / kChunkTokens, per_block = route.pos.chunks_per_block;
+  const int grid = static_cast<int>(std::max<int64_t>(1, (chunks + per_block - 1) / per_block));
+  plan_dispatch_kernel<<<grid, kThreads, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, tokens, route, x,
                                                                     ctx.timeout_ns, ctx.state, ctx.status);
 }
 
