@@ -6,7 +6,6 @@
 // them; the last block to finish scans the blocks' totals and runs the exchange. No block waits
 // for another (the last one carries on alone), so the grid needs no co-residency: on a GPU shared
 // by ranks, a peer's kernels may hold the other SMs.
-#include "cuda/kernels/block_scan.cuh"
 #include "cuda/kernels/device_common.cuh"
 #include "cuda/kernels/exchange.cuh"
 #include "cuda/kernels/finite_scan.cuh"
@@ -180,18 +179,23 @@ __global__ void __launch_bounds__(kThreads, 1) plan_dispatch_kernel(PeerWindows 
   exchange_plan_block<kThreads>(w, m, s, x, timeout_ns, cs, st);
 }
 
+// Blocks of per_block consecutive chunks that cover `tokens` tokens (one at least: the exchange).
+int plan_grid(int64_t tokens, int64_t per_block) {
+  const int64_t chunks = (tokens + kChunkTokens - 1) / kChunkTokens;
+  return static_cast<int>(std::max<int64_t>(1, (chunks + per_block - 1) / per_block));
+}
+
 }  // namespace
 
 PlanSplit plan_split(int blocks, int64_t tokens) {
   const int64_t chunks = (tokens + kChunkTokens - 1) / kChunkTokens;
   const int64_t per_block = std::max<int64_t>(1, (chunks + blocks - 1) / std::max(blocks, 1));
-  return {static_cast<int>(std::max<int64_t>(1, (chunks + per_block - 1) / per_block)), per_block};
+  return {plan_grid(tokens, per_block), per_block};
 }
 
 void plan_dispatch(const Ctx& ctx, int64_t tokens, const RouteJob& route, const ExchangeJob& x) {
   // The grid the handle's positions were carved for (route.pos.chunks_per_block: plan_split's).
-  const int64_t chunks = (tokens + kChunkTokens - 1) / kChunkTokens, per_block = route.pos.chunks_per_block;
-  const int grid = static_cast<int>(std::max<int64_t>(1, (chunks + per_block - 1) / per_block));
+  const int grid = plan_grid(tokens, route.pos.chunks_per_block);
   plan_dispatch_kernel<<<grid, kThreads, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, tokens, route, x,
                                                                     ctx.timeout_ns, ctx.state, ctx.status);
 }
