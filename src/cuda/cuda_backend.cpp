@@ -34,18 +34,18 @@ constexpr int kDefaultBlocks = 24;
 constexpr int64_t kBroadcastPieces = 4;
 
 // Copy-engine dispatch (kernels/broadcast.cu). EPX_DISPATCH_ENGINE=copy or sm forces an engine;
-// unset (auto), every wire at one rank and bf16 and fp8 wires at two ranks use the copy engines;
-// everything else the SM path: a broadcast sends every token to every rank, and nvfp4 by copy
-// engine was not measured against the SM engine at two ranks. At two ranks nearly every token
-// goes to the other rank and the copy engines were measured faster
-// (docs/lab/2026-12-01-performance-diary.md); at one rank nothing is copied, a quantized wire's
-// encode overlaps the routing, and every block of the path receives (the SM path gives a third
-// of them to senders with nothing to send): faster in every op measured
-// (docs/lab/2026-12-02-host-read.md; nvfp4: docs/lab/2026-12-02-nvfp4-encode.md).
+// unset (auto), quantized wires at one rank and bf16 and fp8 wires at two ranks use the copy
+// engines; everything else the SM engine. At two ranks nearly every token goes to the other rank
+// and the copy engines were measured faster (docs/lab/2026-12-01-performance-diary.md); nvfp4 by
+// copy engine was not measured against the SM engine there. At one rank a bf16 wire has nothing
+// to send and every SM block receives, faster than the copy-engine path; a quantized wire's
+// encode takes the SM engine's senders ~3x as long as the copy-engine path's encode and placing
+// (docs/lab/2026-12-02-one-transfer-kernel.md).
 bool use_broadcast(const BufferConfig& c, int ranks) {
   const Engine engine = env_dispatch_engine();
   return engine == Engine::copy ||
-         (engine == Engine::automatic && (ranks == 1 || (ranks == 2 && c.wire != WireFormat::nvfp4)));
+         (engine == Engine::automatic && ((ranks == 1 && c.wire != WireFormat::bf16) ||
+                                          (ranks == 2 && c.wire != WireFormat::nvfp4)));
 }
 
 // Copy-engine combine and dispatch_backward (blocking calls): EPX_COMBINE_ENGINE=copy or sm forces
@@ -208,8 +208,8 @@ void CudaBackend::choose_paths(const CudaGroupState& state) {
   timer_.start(env_profile());
   broadcast_ = use_broadcast(config(), ranks_);
   copy_combine_ = use_copy_combine(ranks_);
-  // The call's stream, the receiver's side stream and the copy engines' stream.
-  state.check_streams(2 + (broadcast_ || copy_combine_ ? 1 : 0));
+  // The call's stream and the copy engines' stream.
+  state.check_streams(1 + (broadcast_ || copy_combine_ ? 1 : 0));
 }
 
 CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
@@ -264,11 +264,9 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   EPX_CUDA(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking));
   owned_stream_ = std::shared_ptr<CUstream_st>(own, [](cudaStream_t st) { cudaStreamDestroy(st); });
   stream_ = own;
-  EPX_CUDA(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
   if (broadcast_ || copy_combine_) EPX_CUDA(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
   if (broadcast_) EPX_CUDA(cudaEventCreateWithFlags(&broadcast_begun_, cudaEventDisableTiming));
   EPX_CUDA(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
-  EPX_CUDA(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
   EPX_CUDA(cudaEventCreateWithFlags(&copies_done_, cudaEventDisableTiming));
   EPX_CUDA(cudaEventCreateWithFlags(&plan_done_, cudaEventDisableTiming));
   // Outputs come from the buffer's own pool, which keeps its memory between calls (the default
@@ -308,16 +306,15 @@ void CudaBackend::record_event(void* event) {
 CudaBackend::~CudaBackend() {
   cudaSetDevice(device_);
   cudaStreamSynchronize(stream_);
-  cudaStreamSynchronize(side_stream_);
   if (copy_stream_) cudaStreamSynchronize(copy_stream_);
   window_->await_peers_release(timeout_);  // before any cudaFree (a shared GPU: cuda_group.hpp)
   {
     std::lock_guard<std::mutex> lock(block_cache_->mutex);
-    for (const auto& block : block_cache_->blocks) cudaFreeAsync(block.first, side_stream_);
+    for (const auto& block : block_cache_->blocks) cudaFreeAsync(block.first, owned_stream_.get());
     block_cache_->blocks.clear();
   }
   block_cache_.reset();  // blocks released later go back to the pool
-  cudaStreamSynchronize(side_stream_);
+  cudaStreamSynchronize(owned_stream_.get());
   window_.reset();
   cudaFree(status_);
   cudaFree(call_state_);
@@ -327,9 +324,7 @@ CudaBackend::~CudaBackend() {
   cudaFreeHost(plan_report_);
   cudaEventDestroy(fork_);
   cudaEventDestroy(plan_done_);
-  cudaEventDestroy(join_);
   cudaEventDestroy(copies_done_);
-  cudaStreamDestroy(side_stream_);
   if (copy_stream_) cudaStreamDestroy(copy_stream_);
   if (broadcast_begun_) cudaEventDestroy(broadcast_begun_);
 }
@@ -354,7 +349,7 @@ kernels::Ctx CudaBackend::ctx(cudaStream_t stream) const {
 }
 
 CudaBackend::Call CudaBackend::begin_call(CallKind kind) {
-  Call call{kind, calls_, cat(call_kind_name(kind), " #", calls_)};
+  Call call{kind, calls_, cat(call_kind_name(kind), " #", calls_), kind == kDispatch || kind == kCachedDispatch};
   if (broken_) fail(ErrorCode::peer_failed, call.name, " (rank ", rank_, "): the group already failed: ", broken_reason_);
   EPX_CUDA(cudaSetDevice(device_));
   // A blocking call reads the device on the host, which a CUDA graph capture cannot hold: refused
@@ -367,7 +362,7 @@ CudaBackend::Call CudaBackend::begin_call(CallKind kind) {
   host_steps_.begin();
   // The host's call count and the device's advance together (plan slots are found from either).
   ++calls_;
-  kernels::begin_call(ctx());
+  if (call.begun_on_device) kernels::begin_call(ctx());
   host_steps_.mark("call begun");
   return call;
 }
@@ -385,7 +380,7 @@ void CudaBackend::check_earlier_calls(const Call& call) {
   std::memcpy(&st, host_status_, sizeof st);
   if (st.code == kStatusOk) return;
   std::memset(host_status_, 0, sizeof(DeviceStatus));
-  raise(st, Call{call.kind, call.index - 1, cat("the call before ", call.name, " (it ran without a host sync)")});
+  raise(st, Call{call.kind, call.index - 1, cat("the call before ", call.name, " (it ran without a host sync)"), true});
 }
 
 void CudaBackend::raise(const DeviceStatus& st, const Call& call) {
@@ -454,6 +449,10 @@ std::string CudaBackend::signals_now() const {
 
 void CudaBackend::sync_and_check(const Call& call) {
   kernels::publish_status(ctx(), host_status_);
+  sync_and_raise(call);
+}
+
+void CudaBackend::sync_and_raise(const Call& call) {
   EPX_CUDA(cudaStreamSynchronize(stream_));
   DeviceStatus st;
   std::memcpy(&st, host_status_, sizeof st);
@@ -474,9 +473,14 @@ bool CudaBackend::copies_wait_for_plan() const {
   return config().mode == CapacityMode::blocking && copy_combine_ && ranks_ > 1;
 }
 
-void CudaBackend::end_call(const Call& call, bool plan_failed) {
-  if (plan_failed) sync_and_check(call);
-  else kernels::publish_status(ctx(), host_status_);
+void CudaBackend::end_call(const Call& call, bool plan_failed, bool published) {
+  if (published) {
+    if (plan_failed) sync_and_raise(call);
+  } else if (plan_failed) {
+    sync_and_check(call);
+  } else {
+    kernels::publish_status(ctx(), host_status_);
+  }
 }
 
 PlanHeader CudaBackend::plan_header(const Call& call, const std::string& error, int64_t tokens, int64_t signature) const {
@@ -496,7 +500,7 @@ PlanHeader CudaBackend::plan_header(const Call& call, const std::string& error, 
 void CudaBackend::reject(const Call& call, int phases, const std::string& error, int64_t tokens, int64_t signature) {
   const PlanHeader h = plan_header(call, error, tokens, signature);
   for (int phase = 0; phase < phases; ++phase) {  // peers wait for every exchange of the call
-    kernels::post_plan(ctx(), h, nullptr, 0, phase);
+    kernels::post_plan(ctx(), h, nullptr, 0, phase, phase == 0 && !call.begun_on_device);
     kernels::wait_signals(ctx(), kSignalPlan, 1, /*wait=*/false);  // keeps this rank's targets in step
   }
   // In capacity mode the peers find the rejection on the device and raise it at their next call
@@ -526,6 +530,7 @@ kernels::ExchangeJob CudaBackend::exchange_job(const Call& call, int phase, int6
   j.counts = counts;
   j.count_len = counts ? count_len : 0;
   j.phase = phase;
+  j.begins_call = phase == 0 && !call.begun_on_device;
   j.with_counts = expert_prefix != nullptr;
   j.capacity_factor = expert_prefix ? config().capacity_factor : 0.0;
   j.expert_prefix = expert_prefix;
@@ -689,7 +694,6 @@ CudaBackend::DispatchRequest CudaBackend::read_dispatch(const DispatchInput& in,
     rq.routing = routing_input(in);
     rq.has_weights = in.topk_idx.defined() ? in.topk_weights.defined() : in.probs.defined();
     rq.rows = send_rows(in, c.wire, opt.nvfp4_global_scale);
-    rq.rows.broadcast = broadcast_;
     if (c.check_finite) rq.finite = finite_check(in, c.hidden);
   } catch (const Error& e) {
     rq.error = e.what();
@@ -783,6 +787,7 @@ int CudaBackend::plan(const Call& call, int64_t signature, const DispatchRequest
   kernels::plan_dispatch(x, tokens, job, last);
   exchanged(last);
   if (broadcast_) kernels::finalize_positions(x, tokens, dh.slot_expert, dh.pos);
+  timer_.mark(1, stream_);
   host_steps_.mark("plan launched");
   return phase;
 }
@@ -797,11 +802,10 @@ void CudaBackend::add_row_outputs(OutputBlock& outputs, DispatchResult& out, int
   if (wire_.global_bytes) outputs.add(&out.recv_global_scale, DType::f32, {capacity});
 }
 
-void CudaBackend::launch_receiver(DispatchResult& out, const DeviceHandle& dh, const kernels::SendRows& rows,
-                                  const kernels::Placing& mine, Layout layout, int64_t capacity, int senders,
-                                  int phase) {
+kernels::RecvOutputs CudaBackend::allocate_outputs(DispatchResult& out, const DeviceHandle& dh, Layout layout,
+                                                   int64_t capacity) {
   const BufferConfig& c = config();
-  OutputBlock outputs(*this, side_stream_);
+  OutputBlock outputs(*this, stream_);
   add_row_outputs(outputs, out, capacity);
   outputs.add(&out.recv_src, DType::i32, {capacity, 2});
   if (layout == Layout::expert_major) {
@@ -815,15 +819,50 @@ void CudaBackend::launch_receiver(DispatchResult& out, const DeviceHandle& dh, c
   outputs.allocate();
   host_steps_.mark("outputs allocated");
   auto ptr = [](const Tensor& t) { return t.defined() ? t.data<char>() : nullptr; };
-  const kernels::RecvOutputs ro{ptr(out.recv_x), ptr(out.recv_scales), ptr(out.recv_global_scale), wire_.x_bytes,
-                                wire_.scale_bytes, wire_.global_bytes, out.recv_src.data<int32_t>(),
-                                reinterpret_cast<float*>(ptr(out.recv_weights)),
-                                reinterpret_cast<int32_t*>(ptr(out.recv_topk_idx)),
-                                reinterpret_cast<float*>(ptr(out.recv_topk_weights))};
-  timer_.mark(4, side_stream_);
-  kernels::dispatch_receive(ctx(side_stream_), blocks_ - senders, dh.recv, ro, layout, rows, mine, phase);
-  host_steps_.mark("receiver launched");
-  timer_.mark(5, side_stream_);
+  return kernels::RecvOutputs{ptr(out.recv_x), ptr(out.recv_scales), ptr(out.recv_global_scale), wire_.x_bytes,
+                              wire_.scale_bytes, wire_.global_bytes, out.recv_src.data<int32_t>(),
+                              reinterpret_cast<float*>(ptr(out.recv_weights)),
+                              reinterpret_cast<int32_t*>(ptr(out.recv_topk_idx)),
+                              reinterpret_cast<float*>(ptr(out.recv_topk_weights))};
+}
+
+void CudaBackend::transfer(const DispatchRequest& rq, const DeviceHandle& dh, const kernels::RecvOutputs& outputs,
+                           Layout layout, int phase, const Tensor& words) {
+  const kernels::CallEnd end{dh.recv.info, words.data<int64_t>(), layout_words(dh, local_experts_), host_status_};
+  timer_.mark(4, stream_);
+  if (broadcast_) {
+    const kernels::Placing mine{dh.slot_expert, dh.slot_weight, dh.pos.send_pos, dh.pos.slot_pos};
+    // Once the peers have read this rank's previous broadcast and its own encoded rows are in place.
+    EPX_CUDA(cudaStreamWaitEvent(stream_, broadcast_begun_, 0));
+    kernels::broadcast_placing(ctx(), mine, rq.tokens);
+    kernels::dispatch_receive(ctx(), dh.recv, outputs, layout, rq.rows, mine, phase, end);
+    EPX_CUDA(cudaStreamWaitEvent(stream_, copies_done_, 0));  // x is read until then
+  } else {
+    // At one rank, rows that need no quantizing go from x to the outputs by the receivers alone.
+    const int senders = ranks_ == 1 && kernels::own_rows_from_input(rq.rows) ? 0 : send_blocks(true, layout);
+    kernels::dispatch_transfer(ctx(), senders, rq.rows, rq.tokens,
+                               kernels::SendPlan{dh.slot_expert, dh.slot_weight, dh.pos}, dh.recv, outputs, layout,
+                               end);
+  }
+  timer_.mark(5, stream_);
+  host_steps_.mark("transfer launched");
+}
+
+std::shared_ptr<HandleState> CudaBackend::new_handle_state(const Call& call, const DispatchRequest& rq,
+                                                           Layout layout) const {
+  const BufferConfig& c = config();
+  auto h = std::make_shared<HandleState>();
+  h->owner = this;
+  h->dispatch_call = call.index;
+  h->layout = layout;
+  h->rank = rank_;
+  h->ranks = ranks_;
+  h->tokens = rq.tokens;
+  h->topk = c.topk;
+  h->hidden = c.hidden;
+  h->has_weights = rq.has_weights;
+  h->recv.layout = layout;
+  return h;
 }
 
 void CudaBackend::take_sizes(DispatchResult& out, HandleState& h) const {
@@ -840,12 +879,11 @@ void CudaBackend::take_sizes(DispatchResult& out, HandleState& h) const {
 DispatchResult CudaBackend::finish_dispatch(const Call& call, DispatchResult out, std::shared_ptr<DeviceHandle> dh,
                                             std::shared_ptr<HandleState> h, Layout layout, int64_t capacity,
                                             bool sizes_read, std::chrono::steady_clock::time_point host_call) {
-  // Small outputs: one copy of the handle's layout arrays (info, rank_offsets, tokens_per_expert,
-  // expert_offsets, consecutive in its memory), so that no output aliases what later calls on the
-  // handle read: a caller may write into its outputs, and torch.compile reuses a dead output's memory.
+  // Small outputs: views of the transfer's copy of the handle's layout arrays (info,
+  // rank_offsets, tokens_per_expert, expert_offsets, consecutive in its memory), so that no output
+  // aliases what later calls on the handle read: a caller may write into its outputs, and
+  // torch.compile reuses a dead output's memory.
   const Tensor words = out.recv_info;
-  EPX_CUDA(cudaMemcpyAsync(words.data<void>(), dh->recv.info, static_cast<size_t>(layout_words(*dh, local_experts_)) * sizeof(int64_t),
-                           cudaMemcpyDeviceToDevice, stream_));
   auto view = [&](int64_t* p, int64_t n) {
     return Tensor(words.storage(), TensorView::of(words.data<int64_t>() + (p - dh->recv.info), DType::i64, {n},
                                                   DeviceKind::cuda, device_));
@@ -860,15 +898,13 @@ DispatchResult CudaBackend::finish_dispatch(const Call& call, DispatchResult out
     h->recv.num_rows = -1;
     h->recv.capacity = capacity;
     out.handle = Handle(std::move(h));
-    kernels::publish_status(ctx(), host_status_);
     return out;
   }
   // Blocking: the sizes, read already (with the plan's check; what the transfer finds is raised
   // by the next call), or read now with the call's one sync (the plan's report is in by then).
-  if (sizes_read) {
-    end_call(call, false);
-  } else {
-    sync_and_check(call);
+  // The transfer's last block published the status.
+  if (!sizes_read) {
+    sync_and_raise(call);
     host_steps_.mark("synced");
   }
   take_sizes(out, *h);
@@ -880,9 +916,10 @@ DispatchResult CudaBackend::finish_dispatch(const Call& call, DispatchResult out
   return out;
 }
 
-// The receiver's layout comes from the plan exchange's kernel. A copy-engine dispatch enqueues its
-// broadcast's first two pieces, launches its routing and then enqueues the other pieces; an SM
-// dispatch's senders start once the plan is posted, beside the receiver.
+// On the call's stream: the plan kernel, then (blocking expert-major: after the host's read of
+// the sizes) the outputs' allocation and the transfer, whose last block copies the small outputs
+// and publishes the status. A copy-engine dispatch enqueues its broadcast's first two pieces
+// before the plan and the others after it.
 DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOptions& opt) {
   const auto host_call = std::chrono::steady_clock::now();
   const Call call = begin_call(kDispatch);
@@ -901,72 +938,35 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   const bool capacity_mode = c.mode == CapacityMode::capacity;
   const kernels::LayoutJob layout{dh->recv, opt.layout, c.expert_alignment, capacity_mode ? c.capacity_rows : 0, load_};
   const int phase = plan(call, signature, rq, *dh, layout);
-  const kernels::Placing mine{dh->slot_expert, dh->slot_weight, dh->pos.send_pos, dh->pos.slot_pos};
   if (broadcast_) {
     enqueue_broadcast(broadcast, tokens, 2, kMaxPieces);
     host_steps_.mark("broadcast's other pieces enqueued");
-    // The placing data goes out on the side stream, beside the senders.
-    EPX_CUDA(cudaEventRecord(fork_, stream_));
-    EPX_CUDA(cudaStreamWaitEvent(side_stream_, fork_, 0));
-    EPX_CUDA(cudaStreamWaitEvent(side_stream_, broadcast_begun_, 0));
-    kernels::broadcast_placing(ctx(side_stream_), mine, tokens);
-    host_steps_.mark("placing launched");
   }
-  auto h = std::make_shared<HandleState>();
-  h->owner = this;
-  h->dispatch_call = call.index;
-  h->layout = opt.layout;
-  h->rank = rank_;
-  h->ranks = ranks_;
-  h->tokens = tokens;
-  h->topk = c.topk;
-  h->hidden = c.hidden;
-  h->has_weights = rq.has_weights;
-  h->recv.layout = opt.layout;
   // Output rows. Capacity mode: capacity_rows. Blocking, rank-major: at most every source's
   // max_tokens, no larger than the window's staging, so the outputs are allocated at that bound
   // and cut to num_rows after the call's one sync. Blocking, expert-major: the bound would be
-  // min(K, L) times larger, so the sizes are read first (one host read while the senders run).
-  const bool sizes_first = !capacity_mode && opt.layout == Layout::expert_major;
+  // min(K, L) times larger, so the sizes are read first: the call's one host read, with what the
+  // device found up to the plan (a finding makes the call run on and raise at its end).
   int64_t capacity = capacity_mode ? c.capacity_rows : ranks_ * c.max_tokens_per_rank;
-  const int senders = broadcast_ ? 0 : send_blocks(true, opt.layout);  // a broadcast needs no sender
-
-  // Senders start now on the call's stream; the output allocation (after one host read of the
-  // sizes in blocking expert-major mode) and the receiver follow on the side stream.
-  timer_.mark(1, stream_);
-  EPX_CUDA(cudaEventRecord(fork_, stream_));
-  EPX_CUDA(cudaStreamWaitEvent(side_stream_, fork_, 0));
-  if (senders > 0)
-    kernels::dispatch_send(ctx(), senders, rq.rows, tokens,
-                           kernels::SendPlan{dh->slot_expert, dh->slot_weight, dh->pos});
-  host_steps_.mark("senders launched");
-  timer_.mark(2, stream_);
-  timer_.mark(3, side_stream_);
-  // The call's one host read: the sizes, with what the device found up to the plan (a finding
-  // makes the call run on and raise at its end, as rank-major's).
   bool sizes_read = false;
-  if (sizes_first) {
+  if (!capacity_mode && opt.layout == Layout::expert_major) {
     sizes_read = plan_ok();
     capacity = plan_report_->info[2];
     host_steps_.mark("sizes read");
   }
   DispatchResult out;
-  launch_receiver(out, *dh, rq.rows, mine, opt.layout, capacity, senders, phase);
-  EPX_CUDA(cudaEventRecord(join_, side_stream_));
-  EPX_CUDA(cudaStreamWaitEvent(stream_, join_, 0));
-  if (broadcast_) EPX_CUDA(cudaStreamWaitEvent(stream_, copies_done_, 0));  // x is read until then
-  return finish_dispatch(call, std::move(out), dh, std::move(h), opt.layout, capacity, sizes_read, host_call);
+  const kernels::RecvOutputs outputs = allocate_outputs(out, *dh, opt.layout, capacity);
+  transfer(rq, *dh, outputs, opt.layout, phase, out.recv_info);
+  return finish_dispatch(call, std::move(out), dh, new_handle_state(call, rq, opt.layout), opt.layout, capacity,
+                         sizes_read, host_call);
 }
 
 // EPX_PROFILE: the call's device steps (its events' marks) and host steps, added to the means
 // printed when the buffer goes.
 void CudaBackend::report_dispatch_profile(bool quantized, std::chrono::steady_clock::time_point host_call) {
   timer_.add("dispatch: plan", 0, 1);
-  timer_.add("dispatch: send kernel", 1, 2);
-  timer_.add("dispatch: layout", 1, 3);
-  timer_.add("dispatch: sizes read+alloc", 3, 4);
-  timer_.add("dispatch: receive kernel", 4, 5);
-  timer_.add("dispatch: plan to received", 1, 5);
+  timer_.add("dispatch: sizes read+alloc", 1, 4);
+  timer_.add(broadcast_ ? "dispatch: placing+receive kernels" : "dispatch: transfer kernel", 4, 5);
   timer_.add("dispatch: all", 0, 5);
   if (broadcast_) {
     timer_.add("dispatch: broadcast copies", 6, 7);
@@ -1025,6 +1025,7 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
   const bool plan_failed = copies_wait_for_plan() && !plan_ok();
   const bool by_copy = !plan_failed && start_copy_return(*h, in.y, TensorView{}, a, staging);
   timer_.mark(2, stream_);
+  a.host_status = host_status_;  // the kernel's last block ends the call
   kernels::combine(ctx(), by_copy ? 0 : send_blocks(false, h->layout), dh.recv, h->layout, h->tokens, dh.pos.send_pos,
                    dh.slot_expert, a);
   timer_.mark(3, stream_);
@@ -1041,7 +1042,7 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
   timer_.add("combine: kernel", 2, 3);
   timer_.add("combine: all", 0, 3);
   // The transfer is queued: the GPU goes on while the host reads the plan.
-  end_call(call, plan_failed || (c.mode == CapacityMode::blocking && !copies_wait_for_plan() && !plan_ok()));
+  end_call(call, plan_failed || (c.mode == CapacityMode::blocking && !copies_wait_for_plan() && !plan_ok()), true);
   return out;
 }
 
@@ -1117,10 +1118,11 @@ DispatchBackwardResult CudaBackend::dispatch_backward(const DispatchBackwardInpu
                          with_weights ? out.grad_topk_weights.data<float>() : nullptr};
   const bool plan_failed = copies_wait_for_plan() && !plan_ok();  // as combine's
   const bool by_copy = !plan_failed && start_copy_return(*h, in.grad_recv_x, gw, a, staging);
+  a.host_status = host_status_;  // the kernel's last block ends the call
   kernels::combine(ctx(), by_copy ? 0 : send_blocks(false, h->layout), dh.recv, h->layout, h->tokens, dh.pos.send_pos,
                    dh.slot_expert, a);
   if (by_copy) EPX_CUDA(cudaStreamWaitEvent(stream_, copies_done_, 0));  // the inputs are read until then
-  end_call(call, plan_failed || (c.mode == CapacityMode::blocking && !copies_wait_for_plan() && !plan_ok()));
+  end_call(call, plan_failed || (c.mode == CapacityMode::blocking && !copies_wait_for_plan() && !plan_ok()), true);
   return out;
 }
 

@@ -45,6 +45,11 @@ class CudaBackend final : public Backend {
     CallKind kind;
     int64_t index;
     std::string name;  // "dispatch #3"
+    // Begun on the device by begin_call's kernel: a dispatch and a cached dispatch, whose first
+    // kernels are many blocks or report into the status before the plan exchange (a scan of x).
+    // The other calls on a handle begin in their plan exchange's single block (or their
+    // rejection's post), their first launch.
+    bool begun_on_device;
     // Where this call's plans are (kernels find them from the device's call number; the host
     // needs them only to read a peer's rejection message).
     int plan_slot(int phase) const { return static_cast<int>(index % 2) * 2 + phase; }
@@ -81,10 +86,15 @@ class CudaBackend final : public Backend {
   // plan exchange with the receiver's layout. Returns the phase of the last exchange.
   int plan(const Call& call, int64_t signature, const DispatchRequest& rq, DeviceHandle& dh,
            const kernels::LayoutJob& layout);
-  // The outputs (one allocation, on the side stream; the receiver writes every row, padding and
-  // empty rows too) and the receiver, with `senders` of the blocks sending beside it.
-  void launch_receiver(DispatchResult& out, const DeviceHandle& dh, const kernels::SendRows& rows,
-                       const kernels::Placing& mine, Layout layout, int64_t capacity, int senders, int phase);
+  // The outputs, one allocation on the call's stream (the transfer writes every row, padding and
+  // empty rows too), and their pointers as the transfer kernels take them.
+  kernels::RecvOutputs allocate_outputs(DispatchResult& out, const DeviceHandle& dh, Layout layout, int64_t capacity);
+  // The transfer: the SM engine's one kernel, or the copy-engine dispatch's placing kernel and
+  // receiver (after its broadcast has begun; the call's stream then waits for its copies). Its
+  // last block copies the layout words into `words` and publishes the call's status.
+  void transfer(const DispatchRequest& rq, const DeviceHandle& dh, const kernels::RecvOutputs& outputs, Layout layout,
+                int phase, const Tensor& words);
+  std::shared_ptr<HandleState> new_handle_state(const Call& call, const DispatchRequest& rq, Layout layout) const;
   // Blocking mode's sizes, from the plan's report (the layout's info words, the dropped count, the
   // rank offsets the copy-engine combine cuts by), once plan_ok or a sync has waited for it.
   void take_sizes(DispatchResult& out, HandleState& h) const;
@@ -122,8 +132,10 @@ class CudaBackend final : public Backend {
   void wait(int kind);
   // This rank's signal counters as read now, for a timeout's message.
   std::string signals_now() const;
-  // Reads the device status (synchronizing the stream) and throws what it says.
+  // Publishes the device status, then sync_and_raise.
   void sync_and_check(const Call& call);
+  // Synchronizes the stream and throws what the published status says.
+  void sync_and_raise(const Call& call);
   // Blocking mode's one host read: waits for the call's plan exchange (plan_done_, not the work
   // queued after it) and reads its report: true when the device found nothing so far (every peer
   // arrived and agreed, the routing is good) and no earlier call published a finding. Then the
@@ -138,7 +150,8 @@ class CudaBackend final : public Backend {
   bool copies_wait_for_plan() const;
   // The end of a call: plan_failed (what plan_ok found) syncs and raises; otherwise the status goes
   // to host-mapped memory, raised by the next call (what the transfer kernels found: a lost peer).
-  void end_call(const Call& call, bool plan_failed);
+  // `published`: the call's last kernel published the status already.
+  void end_call(const Call& call, bool plan_failed, bool published = false);
   // Throws if an earlier call that ran without a host sync failed.
   void check_earlier_calls(const Call& call);
   [[noreturn]] void raise(const DeviceStatus& st, const Call& call);
@@ -193,9 +206,8 @@ class CudaBackend final : public Backend {
   // allocated on it, so outputs may outlive the buffer) or one the caller set.
   std::shared_ptr<CUstream_st> owned_stream_;
   cudaStream_t stream_ = nullptr;
-  cudaStream_t side_stream_ = nullptr;  // dispatch's receiver, beside the senders on stream_
   cudaStream_t copy_stream_ = nullptr;  // copy-engine dispatch and combine (made only for them)
-  cudaEvent_t fork_ = nullptr, join_ = nullptr, copies_done_ = nullptr;
+  cudaEvent_t fork_ = nullptr, copies_done_ = nullptr;
   cudaEvent_t plan_done_ = nullptr;  // blocking mode: the call's last plan exchange (and its report) is done
   cudaEvent_t broadcast_begun_ = nullptr;  // copy-engine dispatch: the peers' regions are free
   bool broadcast_ = false;  // dispatch moves its rows by copy engine (kernels/broadcast.cu)

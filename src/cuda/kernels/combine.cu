@@ -129,42 +129,38 @@ __device__ void reduce_token(const PeerWindows& w, const WindowMap& m, const Sha
   }
 }
 
-__global__ void __launch_bounds__(kThreads) combine_kernel(PeerWindows w, WindowMap m, Shape s, RecvArrays r,
-                                                           Layout layout, int64_t tokens, const int32_t* send_pos,
-                                                           const int32_t* slot_expert, CombineArgs a, int send_blocks,
-                                                           const CallState* cs, uint64_t timeout_ns, DeviceStatus* st) {
-  const uint32_t epoch = call_epoch(cs);
-  if (block_sees_failure(st)) return;
+// Returning blocks, each a chunk at a time: its rows back to their source, then its flag there.
+__device__ void return_chunks(const PeerWindows& w, const WindowMap& m, const Shape& s, const RecvArrays& r,
+                              Layout layout, const CombineArgs& a, bool wide, uint32_t epoch, int block, int blocks) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  auto rows_aligned = [&](const void* p, int64_t stride_elems) {
-    return aligned16(p) && stride_elems % 8 == 0;
-  };
-  const bool wide = s.hidden % 8 == 0 && (!a.y || rows_aligned(a.y, a.y_stride)) &&
-                    (!a.shared || rows_aligned(a.shared, a.shared_stride)) && (!a.out || aligned16(a.out));
-  if (static_cast<int>(blockIdx.x) < send_blocks) {
-    int64_t chunks = 0;
-    for (int p = 0; p < w.ranks; ++p) chunks = max(chunks, static_cast<int64_t>(r.chunks_from[p]));
-    for (int64_t item = blockIdx.x; item < chunks * w.ranks; item += send_blocks) {
-      const int64_t c = item / w.ranks;
-      const int source = static_cast<int>(item % w.ranks);
-      if (c >= r.chunks_from[source]) continue;
-      const ChunkRange range = r.chunk_range[source * m.max_chunks + c];
-      if (warp < kSendWarps)
-        for (int64_t j = warp; j < range.count; j += kSendWarps)
-          return_row(w, m, s, r, layout, a, wide, source, range.start + j, lane);
-      __syncthreads();
-      if (warp == kSendWarps && lane == 0) {
-        __threadfence_system();
-        set_flag(at_window<uint32_t>(w, source, m.rev_chunk_flag) + w.rank * m.max_chunks + c, epoch);  // no data: epoch only
-      }
+  int64_t chunks = 0;
+  for (int p = 0; p < w.ranks; ++p) chunks = max(chunks, static_cast<int64_t>(r.chunks_from[p]));
+  for (int64_t item = block; item < chunks * w.ranks; item += blocks) {
+    const int64_t c = item / w.ranks;
+    const int source = static_cast<int>(item % w.ranks);
+    if (c >= r.chunks_from[source]) continue;
+    const ChunkRange range = r.chunk_range[source * m.max_chunks + c];
+    if (warp < kSendWarps)
+      for (int64_t j = warp; j < range.count; j += kSendWarps)
+        return_row(w, m, s, r, layout, a, wide, source, range.start + j, lane);
+    __syncthreads();
+    if (warp == kSendWarps && lane == 0) {
+      __threadfence_system();
+      set_flag(at_window<uint32_t>(w, source, m.rev_chunk_flag) + w.rank * m.max_chunks + c, epoch);  // no data: epoch only
     }
-    return;
   }
-  // The reducers stage a token's rows in their warp's shared memory (14 KiB in flight per warp
-  // instead of two rows' 4 KiB; docs/lab/2026-12-01-performance-diary.md), a term per lane.
+}
+
+// Reducing warps: each of this rank's tokens once its rows are back from every rank. The rows
+// come through the warp's shared memory (14 KiB in flight per warp instead of two rows' 4 KiB;
+// docs/lab/2026-12-01-performance-diary.md), a term per lane.
+__device__ void reduce_tokens(const PeerWindows& w, const WindowMap& m, const Shape& s, int64_t tokens,
+                              const int32_t* send_pos, const int32_t* slot_expert, const CombineArgs& a, bool wide,
+                              uint32_t epoch, uint64_t timeout_ns, DeviceStatus* st, int block, int blocks) {
+  const int lane = threadIdx.x % 32;
   const bool staged = wide && w.ranks + 1 <= 32;
-  const int64_t reducer = (blockIdx.x - send_blocks) * static_cast<int64_t>(kThreads / 32) + warp;
-  const int64_t reducers = static_cast<int64_t>(gridDim.x - send_blocks) * (kThreads / 32);
+  const int64_t reducer = block * static_cast<int64_t>(kThreads / 32) + threadIdx.x / 32;
+  const int64_t reducers = static_cast<int64_t>(blocks) * (kThreads / 32);
   for (int64_t t = reducer; t < tokens; t += reducers) {
     if (a.by_copy) {  // lane d waits for the piece of rank d that holds token t's row (none from this rank)
       const int32_t pos = lane < w.ranks && lane != w.rank ? send_pos[t * w.ranks + lane] : -1;
@@ -178,6 +174,29 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PeerWindows w, Window
     }
     reduce_token(w, m, s, send_pos, slot_expert, a, wide, staged, t, lane);
   }
+}
+
+// The first send_blocks blocks return, the others reduce; the last block to finish publishes the
+// call's status for the host.
+__global__ void __launch_bounds__(kThreads) combine_kernel(PeerWindows w, WindowMap m, Shape s, RecvArrays r,
+                                                           Layout layout, int64_t tokens, const int32_t* send_pos,
+                                                           const int32_t* slot_expert, CombineArgs a, int send_blocks,
+                                                           CallState* cs, uint64_t timeout_ns, DeviceStatus* st) {
+  const uint32_t epoch = call_epoch(cs);
+  auto rows_aligned = [&](const void* p, int64_t stride_elems) {
+    return aligned16(p) && stride_elems % 8 == 0;
+  };
+  const bool wide = s.hidden % 8 == 0 && (!a.y || rows_aligned(a.y, a.y_stride)) &&
+                    (!a.shared || rows_aligned(a.shared, a.shared_stride)) && (!a.out || aligned16(a.out));
+  const int block = static_cast<int>(blockIdx.x);
+  if (!block_sees_failure(st)) {
+    if (block < send_blocks)
+      return_chunks(w, m, s, r, layout, a, wide, epoch, block, send_blocks);
+    else
+      reduce_tokens(w, m, s, tokens, send_pos, slot_expert, a, wide, epoch, timeout_ns, st, block - send_blocks,
+                    static_cast<int>(gridDim.x) - send_blocks);
+  }
+  if (last_block(&cs->combine_blocks_done) && threadIdx.x == 0) publish(st, a.host_status);
 }
 
 // Copy-engine return of the expert-major layout: every warp of the grid sums received rows'

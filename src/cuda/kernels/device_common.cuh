@@ -162,6 +162,19 @@ __device__ inline bool block_sees_failure(const DeviceStatus* st) {
   return skip;
 }
 
+// Every thread of a block calls it once at its start: the block's place (0, 1, ...) in the order
+// the grid's blocks got here, which, unlike blockIdx, says which blocks run already. The last
+// block resets *count for the next launch.
+__device__ inline int arrival_order(uint32_t* count) {
+  __shared__ int order;
+  if (threadIdx.x == 0) {
+    order = static_cast<int>(atomicAdd(count, 1u));
+    if (order == static_cast<int>(gridDim.x) - 1) *count = 0;
+  }
+  __syncthreads();
+  return order;
+}
+
 // Every thread of a block calls it once at its end: true in the last block of the grid to get
 // here, whose threads then see every block's writes (each block fences them after a barrier
 // before it counts itself in *count: at system scope when the blocks wrote into peers' memory

@@ -121,6 +121,8 @@ struct CallState {
   uint32_t recv_blocks_done;       // dispatch receive blocks finished in this call (the last resets it)
   uint32_t placing_blocks_done;    // copy-engine dispatch: placing blocks finished (the last resets it)
   uint32_t plan_blocks_done;       // dispatch plan kernel blocks finished (the last resets it)
+  uint32_t transfer_arrivals;      // dispatch transfer blocks started (arrival_order; the last resets it)
+  uint32_t combine_blocks_done;    // combine kernel blocks finished (the last resets it)
 };
 
 // Sizes every kernel needs.

@@ -1,10 +1,12 @@
-// Dispatch's transfer. The sender moves each token once to every other destination rank's
-// window (quantizing on the way when the wire says so) and flags every finished chunk there; the
-// receiver, running at the same time on other SMs, places each flagged chunk's rows into the
-// outputs at positions fixed by the plans, copying this rank's own tokens straight from the
-// input when the wire needs no quantizing (docs/lab/2026-12-01-performance-diary.md). With a
-// copy-engine broadcast (broadcast.cu) there is no sender: the receiver takes every source's
-// tokens from the copies of its rows and placing data, each once flagged.
+// Dispatch's transfer. SM engine: one kernel whose first blocks to start send and the others
+// receive. Senders move each token once to every other destination rank's window (quantizing on
+// the way when the wire says so) and flag every finished chunk there; receivers place each
+// flagged chunk's rows into the outputs at positions fixed by the plans, and this rank's own
+// tokens straight from the input and the plan when the wire needs no quantizing (no sender
+// touches them: at one rank with such a wire every block receives). With a copy-engine broadcast
+// (broadcast.cu) there is no sender: the receiver takes every source's tokens from the copies of
+// its rows and placing data, each once flagged. The last block of either kernel copies the
+// call's small outputs and publishes its status.
 #include "cuda/cuda_check.hpp"
 #include "cuda/kernels/bulk_copy.cuh"
 #include "cuda/kernels/chunk_bases.cuh"
@@ -17,12 +19,11 @@ namespace epx::detail::kernels {
 
 namespace {
 
-constexpr int kSendWarps = 16;  // copy warps of a send block; one more warp flags finished chunks
-constexpr int kSendThreads = (kSendWarps + 1) * 32;
-// Receive warps per block: the copy-engine receiver works out each row's place itself and needs
-// more registers than 24 warps leave (80 a thread), so it runs 16 (128).
-template <bool kBroadcast>
-constexpr int kRecvWarps = kBroadcast ? 16 : 24;
+// Warps of a block of either kernel: a sender's copy warps and its flag warp, or a receiver's
+// warps. 16 leave 128 registers a thread and room for a bulk-copy stage per warp (bulk_copy.cuh).
+constexpr int kWarps = 16;
+constexpr int kThreads = kWarps * 32;
+constexpr int kSendWarps = kWarps - 1;  // the last warp flags finished chunks
 
 constexpr int kRowGroup = 8;  // output rows one read of a received row is written to at once
 
@@ -30,14 +31,16 @@ __device__ int64_t stream_slot(const Shape& s, int source, int64_t pos) {
   return source * s.max_tokens + pos;
 }
 
-// Own tokens skip the window when their wire row is a plain copy of the input (bf16, or fp8
-// given pre-quantized): the receiver copies them from x. Quantized on send (fp8, nvfp4), they
-// still go through the window: a quantizer in the receive loop would spill its registers (24
-// warps per block leave 80 registers a thread).
-__device__ bool own_rows_from_input(const SendRows& rows) { return rows.x_scales || rows.wire == WireFormat::bf16; }
+// Whether the sender moves rows to rank d. Own tokens skip the window when their wire row is a
+// plain copy of the input (own_rows_from_input): the receiver copies them from x, placing them by
+// this rank's plan. Quantized on send (fp8, nvfp4), they still go through the window: a quantizer
+// in the receive loop would need registers the bulk copies' loop keeps.
+__device__ bool sends_to(const PeerWindows& w, const SendRows& rows, int d) {
+  return d != w.rank || !own_rows_from_input(rows);
+}
 
-// One warp: token t of chunk c to every rank that holds one of its slots (this rank only when its
-// wire row is quantized here: see own_rows_from_input), and the row's placing data to every such rank.
+// One warp: token t of chunk c to every rank the sender serves that holds one of its slots, with
+// the row's placing data.
 __device__ void send_token(const PeerWindows& w, const WindowMap& m, const Shape& s, const SendRows& rows,
                            const SendPlan& plan, int64_t c, int64_t t, int lane) {
   const ChunkPositions& p = plan.pos;
@@ -46,21 +49,21 @@ __device__ void send_token(const PeerWindows& w, const WindowMap& m, const Shape
   char* dst[kMaxRanks];
   int64_t at[kMaxRanks];
   int to[kMaxRanks];
-  int n = 0, payloads = 0;
+  int n = 0;
   for (int d = 0; d < s.ranks; ++d) {
+    if (!sends_to(w, rows, d)) continue;  // the receiver places it and owns its send_pos entry
     const int32_t in_chunk = p.send_pos[t * s.ranks + d];
     if (in_chunk < 0) continue;
     const int64_t pos = base[s.experts + d] + in_chunk;
     at[n] = stream_slot(s, w.rank, pos);
     to[n] = d;
-    if (d != w.rank || !own_rows_from_input(rows))
-      dst[payloads++] = at_window<char>(w, d, m.fwd_payload + at[n] * m.payload_stride);
+    dst[n] = at_window<char>(w, d, m.fwd_payload + at[n] * m.payload_stride);
     ++n;
   }
   __syncwarp();  // every lane read send_pos before lane 0 turns it into stream positions
   if (lane == 0)
     for (int i = 0; i < n; ++i) p.send_pos[t * s.ranks + to[i]] = static_cast<int32_t>(at[i] - w.rank * s.max_tokens);
-  if (payloads > 0) encode_wire_row(rows, t, s.hidden, dst, payloads, lane);
+  if (n > 0) encode_wire_row(rows, t, s.hidden, dst, n, lane);
   for (int i = 0; i < n; ++i) {  // what the receiver needs to place the row
     const int r = to[i];
     if (lane == 0) at_window<int32_t>(w, r, m.fwd_token)[at[i]] = static_cast<int32_t>(t);
@@ -75,16 +78,14 @@ __device__ void send_token(const PeerWindows& w, const WindowMap& m, const Shape
   }
 }
 
-// Block per chunk (strided): copy warps take its tokens; the flag warp then publishes the
-// chunk's rows to each destination while the copy warps go on with the next chunk.
-__global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(PeerWindows w, WindowMap m, Shape s, SendRows rows,
-                                                                    int64_t tokens, SendPlan plan, const CallState* cs,
-                                                                    const DeviceStatus* st) {
-  const uint32_t epoch = call_epoch(cs);
-  if (block_sees_failure(st)) return;
+// Send block `block` of `blocks`, a chunk at a time (strided): copy warps take its tokens; the
+// flag warp then publishes the chunk's rows to each destination while the copy warps go on with
+// the next chunk.
+__device__ void send_chunks(const PeerWindows& w, const WindowMap& m, const Shape& s, const SendRows& rows,
+                            int64_t tokens, const SendPlan& plan, uint32_t epoch, int block, int blocks) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t chunks = (tokens + kChunkTokens - 1) / kChunkTokens, width = s.experts + s.ranks;
-  for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
+  for (int64_t c = block; c < chunks; c += blocks) {
     if (warp < kSendWarps)
       for (int64_t t = c * kChunkTokens + warp; t < min((c + 1) * kChunkTokens, tokens); t += kSendWarps)
         send_token(w, m, s, rows, plan, c, t, lane);
@@ -93,6 +94,7 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_send_kernel(PeerWindows
       __threadfence_system();  // the chunk's rows (all warps', seen through the barrier) before its flags
       const ChunkBases base = chunk_bases(plan.pos, width, c);
       for (int d = 0; d < s.ranks; ++d) {
+        if (!sends_to(w, rows, d)) continue;
         const uint64_t range = static_cast<uint64_t>(base[s.experts + d]) << kRangeCountBits |
                                static_cast<uint64_t>(plan.pos.chunk_count[c * width + s.experts + d]);
         set_flag(at_window<uint64_t>(w, d, m.fwd_chunk_flag) + w.rank * m.max_chunks + c,
@@ -150,7 +152,7 @@ __device__ void place_row(const SendRows* own, const char* payload, int32_t toke
   const char* codes = own ? own->x + token * own->x_stride_bytes : payload;
   const char* scales = own ? reinterpret_cast<const char*>(own->x_scales + token * own->scales_stride)
                            : payload + out.x_bytes;  // own: read only when the wire has scales (x_scales set)
-  place_parts(codes, scales, payload + out.x_bytes + out.scale_bytes, out, rows, n, lane);
+  place_parts(codes, scales, own ? nullptr : payload + out.x_bytes + out.scale_bytes, out, rows, n, lane);
 }
 
 // A received row's slots: the stream's arrays (the sender wrote local experts, -1 elsewhere), or
@@ -161,6 +163,9 @@ struct RowSlots {
   const int32_t* index;
   int64_t first;  // the row's first slot in the arrays
   int local_of;   // -1: ids are local already; else the rank whose experts count as local
+  // Set (in_block not null): indices are places in the token's chunk (this rank's own plan), to
+  // which the chunk's base for the expert is added.
+  ChunkBases index_base = {nullptr, nullptr};
 };
 
 __device__ RowSlots stream_slots(const PeerWindows& w, const WindowMap& m, const Shape& s, int64_t f) {
@@ -173,6 +178,7 @@ __device__ void slot_of(const RowSlots& rs, const Shape& s, int64_t k, int32_t& 
   l = rs.expert[rs.first + k];
   weight = rs.weight[rs.first + k];
   index = rs.index[rs.first + k];
+  if (rs.index_base.in_block && l >= 0) index += rs.index_base[l];
   if (rs.local_of >= 0) {
     const bool here = l >= 0 && l / s.local_experts == rs.local_of;
     l = here ? static_cast<int32_t>(l % s.local_experts) : -1;
@@ -275,8 +281,7 @@ __device__ void receive_row(const Shape& s, const RecvArrays& r, const RecvOutpu
 // SM engine, one warp: row j of chunk c of `source`'s stream, once the sender flagged the chunk.
 // False: the wait failed.
 __device__ bool receive_streamed(const PeerWindows& w, const WindowMap& m, const Shape& s, const RecvArrays& r,
-                                 const RecvOutputs& out, Layout layout, const SendRows& own, int source, int64_t c,
-                                 int64_t j, uint32_t epoch, uint64_t timeout_ns, DeviceStatus* st, int lane) {
+                                 const RecvOutputs& out, Layout layout, int source, int64_t c, int64_t j, uint32_t epoch, uint64_t timeout_ns, DeviceStatus* st, int lane) {
   const int64_t at = source * m.max_chunks + c;
   uint64_t flag = 0;
   if (!warp_wait_flags(at_window<uint64_t>(w, w.rank, m.fwd_chunk_flag) + at, 0, 1, source, epoch, timeout_ns, st,
@@ -289,9 +294,32 @@ __device__ bool receive_streamed(const PeerWindows& w, const WindowMap& m, const
   const int64_t pos = range.start + j, f = stream_slot(s, source, pos);
   const int32_t token = at_window<const int32_t>(w, w.rank, m.fwd_token)[f];
   const char* payload = at_window<const char>(w, w.rank, m.fwd_payload + f * m.payload_stride);
-  const SendRows* mine = source == w.rank && own_rows_from_input(own) ? &own : nullptr;
-  receive_row(s, r, out, layout, mine, payload, token, stream_slots(w, m, s, f), source, pos, lane);
+  receive_row(s, r, out, layout, nullptr, payload, token, stream_slots(w, m, s, f), source, pos, lane);
   return true;
+}
+
+// SM engine, one warp: token j of this rank's own chunk c, straight from x and the plan when no
+// sender moves it (own_rows_from_input). Like a sender, the warp turns the token's place in the
+// chunk into its stream position in send_pos (combine reads it), and records the chunk's range.
+__device__ void receive_own(const WindowMap& m, const Shape& s, const RecvArrays& r, const RecvOutputs& out,
+                            Layout layout, const SendRows& own, const SendPlan& plan, int64_t tokens, int64_t c,
+                            int64_t j, int lane) {
+  const ChunkPositions& p = plan.pos;
+  const int64_t width = s.experts + s.ranks;
+  const ChunkBases base = chunk_bases(p, width, c);
+  const int32_t first = base[s.experts + s.rank];
+  if (j == 0 && lane == 0)
+    r.chunk_range[s.rank * m.max_chunks + c] = ChunkRange{first, p.chunk_count[c * width + s.experts + s.rank]};
+  const int64_t t = c * kChunkTokens + j;
+  if (t >= tokens) return;
+  int32_t* const send_pos = p.send_pos + t * s.ranks + s.rank;
+  const int32_t in_chunk = *send_pos;
+  if (in_chunk < 0) return;
+  const int64_t pos = first + in_chunk;
+  __syncwarp();  // every lane read send_pos before lane 0 overwrites it
+  if (lane == 0) *send_pos = static_cast<int32_t>(pos);
+  const RowSlots slots{plan.slot_expert, plan.slot_weight, p.slot_pos, t * s.topk, s.rank, base};
+  receive_row(s, r, out, layout, &own, nullptr, static_cast<int32_t>(t), slots, s.rank, pos, lane);
 }
 
 // What one warp of the copy-engine receiver has already waited for and read of the source it
@@ -356,73 +384,119 @@ __device__ bool receive_broadcast(const PeerWindows& w, const WindowMap& m, cons
   return true;
 }
 
-// Warps take rows (chunk, source, row in chunk) in chunk order, so they follow the senders;
-// each waits for its chunk's flag. With a broadcast (kBroadcast, one instance each so neither
-// path pays the other's registers) they take this rank's own tokens first (they are in x
-// already) and then each source's tokens in order, the order its pieces land.
-template <bool kBroadcast>
-__global__ void __launch_bounds__(kRecvWarps<kBroadcast> * 32) dispatch_receive_kernel(PeerWindows w, WindowMap m, Shape s,
-                                                                          RecvArrays r, RecvOutputs given, Layout layout,
-                                                                          SendRows own, Placing mine, int phase,
-                                                                          CallState* cs, uint64_t timeout_ns,
-                                                                          DeviceStatus* st) {
-  const uint32_t epoch = call_epoch(cs);
-  RecvOutputs out = given;
-  if constexpr (!kBroadcast) out.bulk = false;  // compiled out of the SM engine's receiver
-  const int lane = threadIdx.x % 32;
-  const int64_t warp = blockIdx.x * static_cast<int64_t>(kRecvWarps<kBroadcast>) + threadIdx.x / 32;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kRecvWarps<kBroadcast>;
-  if (out.bulk) init_bulk_stage(lane);
-  fill_empty_rows(s, r, out, layout, warp, warps, lane);
+// Calls place(source, c, j) for every (source, chunk c, row j) this receiving warp owns until it
+// returns false (a failed wait): rows strided over `warps` warps in chunk order, sources of each
+// chunk in turn, so warps follow the senders; or (source_major) this rank's own tokens first
+// (they are in x already) and then each source's in order, the order a broadcast's pieces land.
+template <typename Place>
+__device__ void for_each_received_row(const PeerWindows& w, const RecvArrays& r, bool source_major, int64_t warp,
+                                      int64_t warps, Place place) {
   int64_t chunks = 0;
   for (int p = 0; p < w.ranks; ++p) chunks = max(chunks, static_cast<int64_t>(r.chunks_from[p]));
   const int64_t per_source = chunks * kChunkTokens;
-  const int slot = plan_slot(cs, phase);
-  SourceSeen seen;
   for (int64_t u = warp; u < per_source * w.ranks; u += warps) {
     const int64_t j = u % kChunkTokens;
-    const int64_t c = kBroadcast ? u % per_source / kChunkTokens : u / kChunkTokens / w.ranks;
-    const int source = static_cast<int>(kBroadcast ? (w.rank + u / per_source) % w.ranks : u / kChunkTokens % w.ranks);
+    const int64_t c = source_major ? u % per_source / kChunkTokens : u / kChunkTokens / w.ranks;
+    const int source = static_cast<int>(source_major ? (w.rank + u / per_source) % w.ranks : u / kChunkTokens % w.ranks);
     if (c >= r.chunks_from[source]) continue;
-    if constexpr (kBroadcast) {
-      if (!receive_broadcast(w, m, s, r, out, layout, own, mine, source, slot, c, j, epoch, timeout_ns, st, seen, lane))
-        break;
-    } else if (!receive_streamed(w, m, s, r, out, layout, own, source, c, j, epoch, timeout_ns, st, lane)) {
-      break;
-    }
+    if (!place(source, c, j)) return;
   }
+}
+
+// A receiving block's warps: empty rows zeroed, then every row placed (place, as above), each
+// through the warp's bulk-copy stage when out.bulk.
+template <typename Place>
+__device__ void receive_rows(const PeerWindows& w, const Shape& s, const RecvArrays& r, const RecvOutputs& out,
+                             Layout layout, bool source_major, int block, int blocks, Place place) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warp = block * static_cast<int64_t>(kWarps) + threadIdx.x / 32;
+  const int64_t warps = static_cast<int64_t>(blocks) * kWarps;
+  if (out.bulk) init_bulk_stage(lane);
+  fill_empty_rows(s, r, out, layout, warp, warps, lane);
+  for_each_received_row(w, r, source_major, warp, warps, place);
   if (out.bulk) finish_bulk_copies(lane);
-  if constexpr (!kBroadcast) return;
-  // The last block to finish tells every source that its broadcast rows here are read (also in
-  // a failed call: the sources' next broadcasts wait for it).
-  if (!last_block(&cs->recv_blocks_done) || threadIdx.x >= 32) return;
+}
+
+// The last block of a dispatch's transfer to finish: the call's small outputs (a copy of the
+// handle's layout words, so that no output aliases what later calls on the handle read) and
+// its status, for the host.
+__device__ void end_dispatch(const CallEnd& end, const DeviceStatus* st) {
+  for (int64_t i = threadIdx.x; i < end.word_count; i += blockDim.x) end.words_out[i] = end.words[i];
+  if (threadIdx.x == 0) publish(st, end.host_status);
+}
+
+// SM engine: blocks take their roles in the order they start (arrival_order), the first
+// `senders` sending, so a receiver, which may wait for this rank's senders, runs only once every
+// sender has started.
+__global__ void __launch_bounds__(kThreads, 1) dispatch_transfer_kernel(PeerWindows w, WindowMap m, Shape s,
+                                                                       SendRows rows, int64_t tokens, SendPlan plan,
+                                                                       RecvArrays r, RecvOutputs out, Layout layout,
+                                                                       int senders, CallEnd end, CallState* cs,
+                                                                       uint64_t timeout_ns, DeviceStatus* st) {
+  const int role = arrival_order(&cs->transfer_arrivals);
+  const uint32_t epoch = call_epoch(cs);
+  const int lane = threadIdx.x % 32;
+  if (role < senders) {
+    if (!block_sees_failure(st)) send_chunks(w, m, s, rows, tokens, plan, epoch, role, senders);
+  } else {
+    const bool own_direct = own_rows_from_input(rows);
+    receive_rows(w, s, r, out, layout, false, role - senders, gridDim.x - senders, [&](int source, int64_t c, int64_t j) {
+      if (source == w.rank && own_direct) {
+        receive_own(m, s, r, out, layout, rows, plan, tokens, c, j, lane);
+        return true;
+      }
+      return receive_streamed(w, m, s, r, out, layout, source, c, j, epoch, timeout_ns, st, lane);
+    });
+  }
+  if (last_block(&cs->recv_blocks_done)) end_dispatch(end, st);
+}
+
+// Copy-engine receiver. Its last block also tells every source that its broadcast rows here are
+// read (also in a failed call: the sources' next broadcasts wait for it).
+__global__ void __launch_bounds__(kThreads, 1) dispatch_receive_kernel(PeerWindows w, WindowMap m, Shape s, RecvArrays r,
+                                                                      RecvOutputs out, Layout layout, SendRows own,
+                                                                      Placing mine, int phase, CallEnd end, CallState* cs,
+                                                                      uint64_t timeout_ns, DeviceStatus* st) {
+  const uint32_t epoch = call_epoch(cs);
+  const int slot = plan_slot(cs, phase);
+  const int lane = threadIdx.x % 32;
+  SourceSeen seen;
+  receive_rows(w, s, r, out, layout, true, blockIdx.x, gridDim.x, [&](int source, int64_t c, int64_t j) {
+    return receive_broadcast(w, m, s, r, out, layout, own, mine, source, slot, c, j, epoch, timeout_ns, st, seen, lane);
+  });
+  if (!last_block(&cs->recv_blocks_done)) return;
+  end_dispatch(end, st);
+  if (threadIdx.x >= 32) return;
   __threadfence_system();
   release_broadcast_rows(w, m, epoch, lane);
 }
 
+const size_t kBulkSmem = static_cast<size_t>(bulk_stage_smem(kWarps));
+
 }  // namespace
 
-void dispatch_send(const Ctx& ctx, int blocks, const SendRows& rows, int64_t tokens, const SendPlan& plan) {
-  if (tokens == 0) return;
-  dispatch_send_kernel<<<blocks, kSendThreads, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, rows, tokens, plan,
-                                                                 ctx.state, ctx.status);
+void dispatch_transfer(const Ctx& ctx, int senders, const SendRows& rows, int64_t tokens, const SendPlan& plan,
+                       const RecvArrays& r, const RecvOutputs& out, Layout layout, const CallEnd& end) {
+  RecvOutputs o = out;
+  o.bulk = true;
+  dispatch_transfer_kernel<<<ctx.blocks, kThreads, kBulkSmem, ctx.stream>>>(
+      ctx.peers, ctx.map, ctx.shape, rows, tokens, plan, r, o, layout, senders, end, ctx.state, ctx.timeout_ns,
+      ctx.status);
 }
 
-void dispatch_receive(const Ctx& ctx, int blocks, const RecvArrays& r, const RecvOutputs& out, Layout layout,
-                      const SendRows& own, const Placing& mine, int phase) {
-  auto* kernel = own.broadcast ? dispatch_receive_kernel<true> : dispatch_receive_kernel<false>;
-  const int threads = 32 * (own.broadcast ? kRecvWarps<true> : kRecvWarps<false>);
+void dispatch_receive(const Ctx& ctx, const RecvArrays& r, const RecvOutputs& out, Layout layout, const SendRows& own,
+                      const Placing& mine, int phase, const CallEnd& end) {
   RecvOutputs o = out;
-  o.bulk = own.broadcast;
-  const size_t smem = o.bulk ? static_cast<size_t>(bulk_stage_smem(kRecvWarps<true>)) : 0;
-  kernel<<<blocks, threads, smem, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, o, layout, own, mine, phase,
-                                                ctx.state, ctx.timeout_ns, ctx.status);
+  o.bulk = true;
+  dispatch_receive_kernel<<<ctx.blocks, kThreads, kBulkSmem, ctx.stream>>>(
+      ctx.peers, ctx.map, ctx.shape, r, o, layout, own, mine, phase, end, ctx.state, ctx.timeout_ns, ctx.status);
 }
 
 void preload_dispatch_kernels() {
-  preload(dispatch_send_kernel, dispatch_receive_kernel<false>, dispatch_receive_kernel<true>);
-  EPX_CUDA(cudaFuncSetAttribute(dispatch_receive_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                static_cast<int>(bulk_stage_smem(kRecvWarps<true>))));
+  preload(dispatch_transfer_kernel, dispatch_receive_kernel);
+  for (const void* kernel : {reinterpret_cast<const void*>(dispatch_transfer_kernel),
+                             reinterpret_cast<const void*>(dispatch_receive_kernel)})
+    EPX_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kBulkSmem)));
 }
 
 }  // namespace epx::detail::kernels

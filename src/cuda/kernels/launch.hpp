@@ -59,12 +59,14 @@ void preload_combine_kernels();
 void preload_combine_backward_kernels();
 void preload_broadcast_kernels();
 
-// Starts a call on the device: the call number advances, the status is cleared.
+// Starts a call on the device: the call number advances, the status is cleared. A call may also
+// begin in its first plan exchange (ExchangeJob::begins_call) or its rejection's post.
 void begin_call(const Ctx& ctx);
 // Posts this rank's plan (header + `count_len` int64 counts, or none) into every rank's plan slot
 // of this call's `phase` and signals it. The call number and the error fields of the header come
-// from the device (ctx.state, ctx.status).
-void post_plan(const Ctx& ctx, const PlanHeader& header, const int64_t* counts, int64_t count_len, int phase);
+// from the device (ctx.state, ctx.status). begins_call: the call begins here first.
+void post_plan(const Ctx& ctx, const PlanHeader& header, const int64_t* counts, int64_t count_len, int phase,
+               bool begins_call = false);
 // Advances the target of signal `kind` by `increment` and (when `wait`) waits for every rank's
 // counter to reach it.
 void wait_signals(const Ctx& ctx, int kind, uint64_t increment, bool wait = true);
@@ -122,8 +124,13 @@ struct SendRows {
   int64_t scales_stride = 0;
   WireFormat wire = WireFormat::bf16;
   float nvfp4_global_scale = 0.0f;
-  bool broadcast = false;  // dispatch: rows reach other ranks by copy engine, placing data by a small kernel (no sender)
 };
+
+// Whether a rank's own rows reach its outputs straight from x (their wire row is a plain copy of
+// the input: bf16, or fp8 given pre-quantized) rather than through its window.
+__host__ __device__ inline bool own_rows_from_input(const SendRows& rows) {
+  return rows.x_scales || rows.wire == WireFormat::bf16;
+}
 
 // Copy-engine dispatch, on stream `copies`: begin_broadcast waits until every rank has read this
 // rank's previous broadcast; then rows [0, tokens) of x go into every other rank's bcast_rows,
@@ -211,6 +218,7 @@ struct LayoutJob {
 // last exchange of a call) it ends by writing the status and the layout's sizes into report.to
 // (host-mapped). The call number and the error fields of the header come from the device.
 struct ExchangeJob {
+  bool begins_call = false;  // the call begins here (as begin_call's kernel would), before the exchange
   PlanHeader header;
   const int64_t* counts = nullptr;
   int64_t count_len = 0;
@@ -245,15 +253,13 @@ struct RouteJob {
 };
 void plan_dispatch(const Ctx& ctx, int64_t tokens, const RouteJob& route, const ExchangeJob& x);
 
-// The dispatch's transfer, split in two kernels that run at the same time on different
-// streams: the sender (ctx.stream, `blocks` blocks) moves rows into every destination's window
-// and flags each chunk; the receiver (its own stream) expands flagged chunks into the outputs.
+// The dispatch's transfer (dispatch.cu): this rank's routing and positions (the plan kernel's)
+// for its senders, and its receive layout and outputs for its receivers.
 struct SendPlan {
   const int32_t* slot_expert;
   const float* slot_weight;
   ChunkPositions pos;
 };
-void dispatch_send(const Ctx& ctx, int blocks, const SendRows& rows, int64_t tokens, const SendPlan& plan);
 
 struct RecvOutputs {
   char* x;          // [capacity, x_bytes]
@@ -264,13 +270,29 @@ struct RecvOutputs {
   float* weights;   // expert-major [capacity]
   int32_t* topk_idx;  // rank-major [capacity, K]
   float* topk_weights;
-  bool bulk = false;  // set by dispatch_receive: rows' codes go by bulk copy (bulk_copy.cuh)
+  bool bulk = false;  // set by the launchers: rows' codes go by bulk copy (bulk_copy.cuh)
 };
-// `own`: this rank's input rows, which the receiver places itself (no sender copies them). With
-// own.broadcast every row's place comes from its source's Placing (this rank's: `mine`) and the
-// plans of this call's `phase` give each source's token count.
-void dispatch_receive(const Ctx& ctx, int blocks, const RecvArrays& r, const RecvOutputs& out, Layout layout,
-                      const SendRows& own, const Placing& mine, int phase);
+// What the last block of a dispatch's transfer does for the call's end: the handle's layout
+// words (RecvArrays::info onward, word_count of them) copied to words_out, and the status
+// published to the host's mapped copy.
+struct CallEnd {
+  const int64_t* words = nullptr;
+  int64_t* words_out = nullptr;
+  int64_t word_count = 0;
+  DeviceStatus* host_status = nullptr;
+};
+// SM engine: the dispatch's transfer in one launch of ctx.blocks blocks, `senders` of them
+// sending (0: nothing to send, as at one rank when `rows` need no quantizing) and the others
+// receiving: each token once to every other rank holding one of its experts (and to this rank
+// when quantized), each received row into the outputs. `rows` are this rank's input rows, which
+// the receivers place themselves when they need no quantizing.
+void dispatch_transfer(const Ctx& ctx, int senders, const SendRows& rows, int64_t tokens, const SendPlan& plan,
+                       const RecvArrays& r, const RecvOutputs& out, Layout layout, const CallEnd& end);
+// Copy-engine dispatch's receiver (ctx.blocks blocks): every row's place comes from its source's
+// Placing (this rank's: `mine`) and the plans of this call's `phase` give each source's token
+// count; `own` are this rank's input rows.
+void dispatch_receive(const Ctx& ctx, const RecvArrays& r, const RecvOutputs& out, Layout layout, const SendRows& own,
+                      const Placing& mine, int phase, const CallEnd& end);
 
 // Combine and dispatch_backward in one kernel: `send_blocks` blocks return each received chunk
 // (partial sums of y in slot order; per-slot values from slot_values when not null: expert-major
@@ -294,6 +316,8 @@ struct CombineArgs {
   bool by_copy = false;
   const uint16_t* own_rows = nullptr;
   const float* own_slot_values = nullptr;
+  // Host-mapped: the kernel's last block publishes the call's status there (the call's end).
+  DeviceStatus* host_status = nullptr;
 };
 void combine(const Ctx& ctx, int send_blocks, const RecvArrays& r, Layout layout, int64_t tokens,
              const int32_t* send_pos, const int32_t* slot_expert, const CombineArgs& a);

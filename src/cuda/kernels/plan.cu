@@ -10,14 +10,21 @@ namespace epx::detail::kernels {
 
 namespace {
 
-// Thread 0: the call's number and a clean status.
-__global__ void begin_call_kernel(CallState* cs, DeviceStatus* st) {
-  cs->call += 1;
-  *st = DeviceStatus{};
+// Every thread of the call's first block: thread 0 advances the call's number and clears the
+// status, which the block's threads then see.
+__device__ void begin_call_block(CallState* cs, DeviceStatus* st) {
+  if (threadIdx.x == 0) {
+    cs->call += 1;
+    *st = DeviceStatus{};
+  }
+  __syncthreads();
 }
 
+__global__ void begin_call_kernel(CallState* cs, DeviceStatus* st) { begin_call_block(cs, st); }
+
 __global__ void post_plan_kernel(PeerWindows w, WindowMap m, PlanHeader header, const int64_t* counts,
-                                 int64_t count_len, int phase, const CallState* cs, DeviceStatus* st) {
+                                 int64_t count_len, int phase, bool begins_call, CallState* cs, DeviceStatus* st) {
+  if (begins_call) begin_call_block(cs, st);
   post_plan_block(w, m, header, counts, count_len, phase, cs, st);
 }
 
@@ -30,6 +37,7 @@ __global__ void wait_kernel(PeerWindows w, WindowMap m, int kind, uint64_t incre
 // for the host and for the GPU.
 __global__ void __launch_bounds__(kScanThreads) exchange_plan_kernel(PeerWindows w, WindowMap m, Shape s, ExchangeJob job,
                                                                     uint64_t timeout_ns, CallState* cs, DeviceStatus* st) {
+  if (job.begins_call) begin_call_block(cs, st);
   exchange_plan_block<kScanThreads>(w, m, s, job, timeout_ns, cs, st);
 }
 
@@ -59,9 +67,10 @@ __global__ void publish_status_kernel(const DeviceStatus* st, DeviceStatus* host
 
 void begin_call(const Ctx& ctx) { begin_call_kernel<<<1, 1, 0, ctx.stream>>>(ctx.state, ctx.status); }
 
-void post_plan(const Ctx& ctx, const PlanHeader& header, const int64_t* counts, int64_t count_len, int phase) {
+void post_plan(const Ctx& ctx, const PlanHeader& header, const int64_t* counts, int64_t count_len, int phase,
+               bool begins_call) {
   post_plan_kernel<<<1, 256, 0, ctx.stream>>>(ctx.peers, ctx.map, header, counts, counts ? count_len : 0, phase,
-                                              ctx.state, ctx.status);
+                                              begins_call, ctx.state, ctx.status);
 }
 
 void wait_signals(const Ctx& ctx, int kind, uint64_t increment, bool wait) {
