@@ -1,8 +1,8 @@
 // Cached dispatch on the CUDA backend: a dispatch's rows once more, in its handle's layout.
 // No routing, positions or layout plan: the handle calls' header-only plan exchange (every rank
-// agrees on the call and the handle's dispatch), then combine_backward's transfer: send_tokens
-// moves each token's row once to each rank at its dispatch stream position, expand_grad
-// (unweighted) copies it into each of its output rows and zeroes the empty ones. A quantized
+// agrees on the call and the handle's dispatch), then combine_backward's transfer kernel
+// (unweighted): each token's row once to each rank at its dispatch stream position, copied there
+// into each of its output rows, the empty ones zeroed. A quantized
 // wire's rows travel encoded at the start of 2H-byte rows and are split into recv_x /
 // recv_scales / recv_global_scale at the receiver. The bits are the dispatch's: the same
 // encoder, the same placement.
@@ -28,6 +28,7 @@ DispatchResult CudaBackend::cached_dispatch(const DispatchInput& in, const Handl
   });
   const kernels::Ctx x = ctx();
   const DeviceHandle& dh = device_of(*h);
+  const int senders = expand_senders(h->layout);
   const int64_t row_bytes = 2 * c.hidden, capacity = h->recv.capacity;
   const bool as_given = wire_.format == WireFormat::bf16;  // bf16 rows travel as they are
   Tensor encoded, expanded;  // a quantized wire's staging rows, 2H bytes each (freed stream-ordered)
@@ -39,17 +40,17 @@ DispatchResult CudaBackend::cached_dispatch(const DispatchInput& in, const Handl
     forward.x = encoded.data<char>();
     forward.x_stride_bytes = row_bytes;
   }
-  kernels::send_tokens(x, forward, h->tokens, dh.pos.send_pos);
-  wait(kSignalForward);
-
   DispatchResult out;
   OutputBlock outputs(*this, stream_);
   add_row_outputs(outputs, out, capacity);
   outputs.allocate();
   if (!as_given) expanded = device_tensor(DType::bf16, {capacity, c.hidden});
-  kernels::expand_grad(x, dh.recv, h->layout, false, nullptr, 0,
-                       as_given ? out.recv_x.data<uint16_t>() : expanded.data<uint16_t>());
-  wait(kSignalReverse);  // as combine_backward: every rank's signal targets advance alike
+  // bf16 rows end the call here (the kernel's last block publishes the status); encoded ones are
+  // split after it.
+  const kernels::Expansion e{h->layout, false, nullptr, 0,
+                             as_given ? out.recv_x.data<uint16_t>() : expanded.data<uint16_t>(), nullptr,
+                             as_given ? host_status_ : nullptr};
+  kernels::expand_transfer(x, senders, forward, h->tokens, dh.pos.send_pos, dh.slot_expert, dh.recv, e);
   if (!as_given) {
     auto ptr = [](const Tensor& t) { return t.defined() ? t.data<char>() : nullptr; };
     kernels::split_wire_rows(x, expanded.data<char>(), row_bytes, capacity,
@@ -59,7 +60,7 @@ DispatchResult CudaBackend::cached_dispatch(const DispatchInput& in, const Handl
   out.num_rows = h->recv.num_rows;
   out.overflow = h->recv.num_rows > capacity;
   out.handle = handle;
-  end_call(call, c.mode == CapacityMode::blocking && !plan_ok());  // as combine's: the transfer is queued
+  end_call(call, c.mode == CapacityMode::blocking && !plan_ok(), as_given);  // as combine's: the transfer is queued
   return out;
 }
 

@@ -340,6 +340,8 @@ int CudaBackend::send_blocks(bool dispatch, Layout layout) const {
   return std::clamp(send, 1, blocks_ - 1);
 }
 
+int CudaBackend::expand_senders(Layout layout) const { return ranks_ == 1 ? 0 : send_blocks(true, layout); }
+
 kernels::Ctx CudaBackend::ctx(cudaStream_t stream) const {
   const BufferConfig& c = config();
   kernels::Ctx x{window_->peers(), map_, {}, status_, call_state_, static_cast<uint64_t>(timeout_.count()) * 1000000ull,
@@ -557,11 +559,6 @@ void CudaBackend::exchange_plan(const Call& call, int64_t tokens, int64_t signat
   const kernels::ExchangeJob job = exchange_job(call, 0, tokens, signature, nullptr, 0);
   kernels::exchange_plan(ctx(), job);
   exchanged(job);
-}
-
-void CudaBackend::wait(int kind) {
-  const kernels::Ctx c = ctx();
-  kernels::wait_signals(c, kind, static_cast<uint64_t>(c.blocks));
 }
 
 std::function<void(void*)> CudaBackend::stream_deleter() const {
@@ -1133,23 +1130,19 @@ CombineBackwardResult CudaBackend::combine_backward(const CombineBackwardInput& 
   const HandleState* h = &start_handle_call(call, handle, opt.weighted, [&](const HandleState& state) {
     validate_combine_backward(in, state, c, opt, DeviceKind::cuda);
   });
-  const kernels::Ctx x = ctx();
   const DeviceHandle& dh = device_of(*h);
   kernels::SendRows rows;
   rows.x = static_cast<const char*>(in.grad_out.data);
   rows.x_stride_bytes = in.grad_out.strides[0] * 2;
-  kernels::send_tokens(x, rows, h->tokens, dh.pos.send_pos);
-  wait(kSignalForward);
   CombineBackwardResult out;
   out.grad_y = device_tensor(DType::bf16, {h->recv.capacity, c.hidden});
-  kernels::expand_grad(x, dh.recv, h->layout, opt.weighted, opt.weighted ? in.y.ptr<const uint16_t>() : nullptr,
-                       opt.weighted ? in.y.strides[0] : 0, out.grad_y.data<uint16_t>());
-  wait(kSignalReverse);
-  if (opt.weighted) {
-    out.grad_topk_weights = device_tensor(DType::f32, {h->tokens, c.topk});
-    kernels::gather_slot_values(x, h->tokens, dh.pos.send_pos, dh.slot_expert, out.grad_topk_weights.data<float>());
-  }
-  end_call(call, c.mode == CapacityMode::blocking && !plan_ok());  // as combine's
+  if (opt.weighted) out.grad_topk_weights = device_tensor(DType::f32, {h->tokens, c.topk});
+  const kernels::Expansion e{h->layout, opt.weighted, opt.weighted ? in.y.ptr<const uint16_t>() : nullptr,
+                             opt.weighted ? in.y.strides[0] : 0, out.grad_y.data<uint16_t>(),
+                             opt.weighted ? out.grad_topk_weights.data<float>() : nullptr, host_status_};
+  kernels::expand_transfer(ctx(), expand_senders(h->layout), rows, h->tokens, dh.pos.send_pos, dh.slot_expert,
+                           dh.recv, e);
+  end_call(call, c.mode == CapacityMode::blocking && !plan_ok(), true);  // as combine's
   return out;
 }
 

@@ -128,8 +128,6 @@ class CudaBackend final : public Backend {
                                        const std::function<void(const HandleState&)>& validate);
   bool start_copy_return(const HandleState& h, const TensorView& rows, const TensorView& slot_values,
                          kernels::CombineArgs& a, std::vector<Tensor>& staging);
-  // Waits for the forward / reverse transfer of this call.
-  void wait(int kind);
   // This rank's signal counters as read now, for a timeout's message.
   std::string signals_now() const;
   // Publishes the device status, then sync_and_raise.
@@ -190,6 +188,9 @@ class CudaBackend final : public Backend {
   int blocks_ = 0;       // the SM budget: blocks of the data-moving kernels
   // Of the blocks, those that send (the rest receive or reduce) in a dispatch or a combine.
   int send_blocks(bool dispatch, Layout layout) const;
+  // Of the blocks of combine_backward's and cached_dispatch's transfer, those that send (none at
+  // one rank: the expanders read this rank's rows from the input).
+  int expand_senders(Layout layout) const;
   bool poison_outputs_ = false;  // EPX_POISON_OUTPUTS: fill outputs with 0xa5 first (tests)
   int64_t local_experts_;
   WireRow wire_;

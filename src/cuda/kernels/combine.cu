@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PeerWindows w, Window
       reduce_tokens(w, m, s, tokens, send_pos, slot_expert, a, wide, epoch, timeout_ns, st, block - send_blocks,
                     static_cast<int>(gridDim.x) - send_blocks);
   }
-  if (last_block(&cs->combine_blocks_done) && threadIdx.x == 0) publish(st, a.host_status);
+  if (last_block(&cs->transfer_blocks_done) && threadIdx.x == 0) publish(st, a.host_status);
 }
 
 // Copy-engine return of the expert-major layout: every warp of the grid sums received rows'

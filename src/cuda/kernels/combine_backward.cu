@@ -1,6 +1,9 @@
-// combine_backward: grad_out rows go to the expert ranks (each token once per rank, like
-// dispatch), become grad_y rows there (times the slot weight when weighted), and the weight
-// gradients (lane-order dots of docs/semantics.md) come back to the sources.
+// combine_backward's (and cached_dispatch's) transfer, one kernel: rows of 2H bytes (grad_out,
+// or a cached dispatch's encoded wire rows) go to the expert ranks at each token's dispatch stream
+// position, a chunk at a time and flagged (each token once per rank, like dispatch), become grad_y
+// rows there (times the slot weight when weighted), and the weight gradients (lane-order dots of
+// docs/semantics.md) come back to the sources, flagged per chunk, where the same kernel gathers
+// them. A rank's own rows are read from the input by its expanders (no sender moves them).
 #include "cuda/cuda_check.hpp"
 #include "cuda/kernels/bulk_copy.cuh"
 #include "cuda/kernels/cp_async.cuh"
@@ -12,8 +15,9 @@ namespace epx::detail::kernels {
 
 namespace {
 
-constexpr int kWarps = 8;         // send_tokens
-constexpr int kExpandWarps = 16;  // expand_grad: more rows in flight per SM
+constexpr int kWarps = 16;              // a block's: 128 registers a thread, a bulk stage per warp
+constexpr int kSendWarps = kWarps - 1;  // a sender's copy warps; the last flags finished chunks
+constexpr int kThreads = kWarps * 32;
 constexpr int kChunk = 8;         // channels per lane step: 16 bytes of bf16
 constexpr int kDotUnroll = 4;     // 16-byte vectors per lane and row loaded at once
 constexpr int kRowGroup = 8;      // grad_y rows one read of grad_out is written to at once
@@ -32,25 +36,33 @@ __device__ void store_chunk(uint16_t* row, int64_t h, int64_t hidden, const floa
   for (int i = 0; i < kChunk && h + i < hidden; ++i) row[h + i] = float_to_bf16(v[i]);
 }
 
-// Warp per token: its grad_out row to every rank that holds one of its slots, then signal.
-__global__ void __launch_bounds__(kWarps * 32) send_tokens_kernel(PeerWindows w, WindowMap m, Shape s, SendRows rows,
-                                                                 int64_t tokens, const int32_t* send_pos, DeviceStatus* st) {
-  const int lane = threadIdx.x % 32;
-  const bool skip = failed(st);
-  const int64_t warp = blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32;
-  for (int64_t t = skip ? tokens : warp; t < tokens; t += static_cast<int64_t>(gridDim.x) * kWarps) {
-    char* dst[kMaxRanks];
-    int n = 0;
-    for (int d = 0; d < w.ranks; ++d) {
-      const int32_t pos = send_pos[t * w.ranks + d];
-      if (pos >= 0) dst[n++] = at_window<char>(w, d, m.fwd_payload + (w.rank * s.max_tokens + pos) * m.payload_stride);
+// Send block `block` of `blocks`, a chunk at a time: copy warps move each token's row to every
+// other rank that holds one of its slots, then the flag warp flags the chunk at each of them.
+__device__ void send_chunks(const PeerWindows& w, const WindowMap& m, const Shape& s, const SendRows& rows,
+                            int64_t tokens, const int32_t* send_pos, uint32_t epoch, int block, int blocks) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t chunks = (tokens + kChunkTokens - 1) / kChunkTokens;
+  for (int64_t c = block; c < chunks; c += blocks) {
+    if (warp < kSendWarps)
+      for (int64_t t = c * kChunkTokens + warp; t < min((c + 1) * kChunkTokens, tokens); t += kSendWarps) {
+        char* dst[kMaxRanks];
+        int n = 0;
+        for (int d = 0; d < w.ranks; ++d) {
+          const int32_t pos = send_pos[t * w.ranks + d];
+          if (d != w.rank && pos >= 0)
+            dst[n++] = at_window<char>(w, d, m.fwd_payload + (w.rank * s.max_tokens + pos) * m.payload_stride);
+        }
+        if (n > 0) copy_row<true>(rows.x + t * rows.x_stride_bytes, dst, n, 2 * s.hidden, lane);
+      }
+    __syncthreads();
+    if (warp == kSendWarps && lane == 0) {
+      __threadfence_system();  // the chunk's rows (all warps', seen through the barrier) before its flags
+      for (int d = 0; d < w.ranks; ++d)
+        if (d != w.rank)
+          set_flag(at_window<uint64_t>(w, d, m.fwd_chunk_flag) + w.rank * m.max_chunks + c, static_cast<uint64_t>(epoch) << 32);
     }
-    copy_row<true>(rows.x + t * rows.x_stride_bytes, dst, n, 2 * s.hidden, lane);
   }
-  block_done_signal(w, m, kSignalForward);
 }
-
-__device__ int64_t source_position(const RecvArrays& r, int64_t i) { return i - r.rank_offsets[r.src_rank[i]]; }
 
 // One 16-byte vector (8 channels) of g and of y: dot += g * y channel by channel in order (fma),
 // and the vector of bf16(w * g), rounded by the hardware (row_copy.cuh).
@@ -174,122 +186,169 @@ __device__ float scale_and_dot_staged(const uint16_t* g, unsigned todo, const ui
   return mine;
 }
 
-// Warp per received row i (grad_out of token src_token[i], forwarded once to this rank): its
-// grad_y rows, and (weighted, expert-major only) each local slot's weight gradient back to the
-// source. Rank-major: row i is grad_out as is. Expert-major unweighted: grad_out to every slot's
-// row, kRowGroup rows per read. Expert-major weighted: per slot, bf16(w * g) and the dot with y.
-// Rows that hold no token are zeroed here too.
-__global__ void __launch_bounds__(kExpandWarps * 32) expand_grad_kernel(PeerWindows w, WindowMap m, Shape s, RecvArrays r,
-                                                                       Layout layout, bool weighted, const uint16_t* y,
-                                                                       int64_t y_stride, uint16_t* grad_y,
-                                                                       DeviceStatus* st) {
-  const int lane = threadIdx.x % 32;
-  const int64_t warp = blockIdx.x * static_cast<int64_t>(kExpandWarps) + threadIdx.x / 32;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kExpandWarps;
-  const int64_t rows = failed(st) ? 0 : r.info[0], capacity = r.info[2];
-  const bool wide = s.hidden % 8 == 0 && aligned16(y) && y_stride % 8 == 0 && aligned16(grad_y);
-  for_each_empty_row(s, r, layout, warp, warps, [&](int64_t row) {
-    char* dst = reinterpret_cast<char*>(grad_y + row * s.hidden);
-    zero_row(&dst, 1, 2 * s.hidden, lane);
-  });
-  for (int64_t i = warp; i < rows; i += warps) {
-    const int src = r.src_rank[i];
-    const int64_t pos = source_position(r, i);  // this row's place in the stream from src
-    const uint16_t* g = at_window<const uint16_t>(w, w.rank, m.fwd_payload + (src * s.max_tokens + pos) * m.payload_stride);
-    float* slot_dst = at_window<float>(w, src, m.rev_slots + (w.rank * s.max_tokens + pos) * s.topk * 4);
-    if (layout == Layout::rank_major) {  // every local slot's row is i (and weighted is refused)
-      bool any = false;
-      for (int64_t k = lane; k < s.topk; k += 32) {
-        const int64_t row = r.slot_row[i * s.topk + k];
-        any |= row >= 0 && row < capacity;
-      }
-      if (__any_sync(0xffffffffu, any)) {
-        char* dst = reinterpret_cast<char*>(grad_y + i * s.hidden);
-        copy_row(reinterpret_cast<const char*>(g), &dst, 1, 2 * s.hidden, lane);
+// One warp, received row i (the row g of token src_token[i] from its source): its grad_y rows,
+// and (weighted, expert-major only) each local slot's weight gradient into the source's window
+// (slot_dst). Rank-major: row i is g as is. Expert-major unweighted: g to every slot's row,
+// kRowGroup rows per read. Expert-major weighted: per slot, bf16(w * g) and the dot with y.
+__device__ void expand_row(const Shape& s, const RecvArrays& r, const Expansion& e, bool wide, int64_t i,
+                           const uint16_t* g, float* slot_dst, int lane) {
+  const int64_t capacity = r.info[2];
+  if (e.layout == Layout::rank_major) {  // every local slot's row is i (and weighted is refused)
+    bool any = false;
+    for (int64_t k = lane; k < s.topk; k += 32) {
+      const int64_t row = r.slot_row[i * s.topk + k];
+      any |= row >= 0 && row < capacity;
+    }
+    if (__any_sync(0xffffffffu, any)) {
+      char* dst = reinterpret_cast<char*>(e.out + i * s.hidden);
+      copy_row(reinterpret_cast<const char*>(g), &dst, 1, 2 * s.hidden, lane);
+    }
+    return;
+  }
+  // The staged expansion needs 16-byte rows and vectors.
+  const bool staged = e.weighted && wide && aligned16(g);
+  for (int64_t k0 = 0; k0 < s.topk; k0 += 32) {
+    const int64_t k = k0 + lane;
+    const int64_t row = k < s.topk ? r.slot_row[i * s.topk + k] : -1;
+    uint32_t todo = __ballot_sync(0xffffffffu, row >= 0 && row < capacity);
+    if (!e.weighted) {
+      while (todo) {
+        char* dst[kRowGroup];
+        int n = 0;
+        for (; todo && n < kRowGroup; todo &= todo - 1)
+          dst[n++] = reinterpret_cast<char*>(e.out + __shfl_sync(0xffffffffu, row, __ffs(static_cast<int>(todo)) - 1) * s.hidden);
+        copy_row(reinterpret_cast<const char*>(g), dst, n, 2 * s.hidden, lane);
       }
       continue;
     }
-    // The staged expansion needs 16-byte rows and vectors (g's row: a window payload row).
-    const bool staged = weighted && wide && aligned16(g);
-    for (int64_t k0 = 0; k0 < s.topk; k0 += 32) {
-      const int64_t k = k0 + lane;
-      const int64_t row = k < s.topk ? r.slot_row[i * s.topk + k] : -1;
-      uint32_t todo = __ballot_sync(0xffffffffu, row >= 0 && row < capacity);
-      if (!weighted) {
-        while (todo) {
-          char* dst[kRowGroup];
-          int n = 0;
-          for (; todo && n < kRowGroup; todo &= todo - 1)
-            dst[n++] = reinterpret_cast<char*>(grad_y + __shfl_sync(0xffffffffu, row, __ffs(static_cast<int>(todo)) - 1) * s.hidden);
-          copy_row(reinterpret_cast<const char*>(g), dst, n, 2 * s.hidden, lane);
-        }
-        continue;
-      }
-      const float weight = k < s.topk ? r.slot_weight[i * s.topk + k] : 0.0f;
-      float mine = 0.0f;  // lane k's slot's dot
-      if (staged) {
-        const bool has_row = (todo >> lane) & 1u;
-        mine = scale_and_dot_staged(g, todo, has_row ? y + row * y_stride : nullptr,
-                                    has_row ? grad_y + row * s.hidden : nullptr, weight, s.hidden, lane);
-        todo = 0;
-      }
-      for (; todo; todo &= todo - 1) {
-        const int b = __ffs(static_cast<int>(todo)) - 1;
-        const int64_t row_b = __shfl_sync(0xffffffffu, row, b);
-        const float dot = scale_and_dot(g, y + row_b * y_stride, grad_y + row_b * s.hidden,
-                                        __shfl_sync(0xffffffffu, weight, b), s.hidden, lane);
-        if (lane == b) mine = dot;
-      }
-      if (k < s.topk) slot_dst[k] = mine;  // 0 for a slot without a row here
+    const float weight = k < s.topk ? r.slot_weight[i * s.topk + k] : 0.0f;
+    float mine = 0.0f;  // lane k's slot's dot
+    if (staged) {
+      const bool has_row = (todo >> lane) & 1u;
+      mine = scale_and_dot_staged(g, todo, has_row ? e.y + row * e.y_stride : nullptr,
+                                  has_row ? e.out + row * s.hidden : nullptr, weight, s.hidden, lane);
+      todo = 0;
     }
+    for (; todo; todo &= todo - 1) {
+      const int b = __ffs(static_cast<int>(todo)) - 1;
+      const int64_t row_b = __shfl_sync(0xffffffffu, row, b);
+      const float dot = scale_and_dot(g, e.y + row_b * e.y_stride, e.out + row_b * s.hidden,
+                                      __shfl_sync(0xffffffffu, weight, b), s.hidden, lane);
+      if (lane == b) mine = dot;
+    }
+    if (k < s.topk) slot_dst[k] = mine;  // 0 for a slot without a row here
   }
-  block_done_signal(w, m, kSignalReverse);
 }
 
-// Thread per (token, slot): the value the slot's expert rank returned, 0 for unused slots.
-__global__ void gather_slot_values_kernel(PeerWindows w, WindowMap m, Shape s, int64_t tokens, const int32_t* send_pos,
-                                          const int32_t* slot_expert, float* slot_out, const DeviceStatus* st) {
-  if (failed(st)) return;
-  const float* rev_slots = at_window<const float>(w, w.rank, m.rev_slots);
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < tokens * s.topk;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t t = i / s.topk, k = i % s.topk;
-    const int32_t e = slot_expert[i];
-    float v = 0.0f;
-    if (e >= 0) {
-      const int d = static_cast<int>(e / s.local_experts);
-      v = rev_slots[(d * s.max_tokens + send_pos[t * w.ranks + d]) * s.topk + k];
+// Expanding block `block` of `blocks`: the empty output rows zeroed, then a received chunk at a
+// time (chunk c of a source, in chunk order): once its source's sender flagged it (this rank's
+// own rows: read from `own`, no flag), each warp expands a row of it; weighted, the chunk's
+// weight gradients are then flagged back to the source. False: a wait failed.
+__device__ bool expand_chunks(const PeerWindows& w, const WindowMap& m, const Shape& s, const SendRows& own,
+                              const RecvArrays& r, const Expansion& e, uint32_t epoch, uint64_t timeout_ns,
+                              DeviceStatus* st, int block, int blocks) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const bool wide = s.hidden % 8 == 0 && (!e.y || (aligned16(e.y) && e.y_stride % 8 == 0)) && aligned16(e.out);
+  for_each_empty_row(s, r, e.layout, block * static_cast<int64_t>(kWarps) + warp, static_cast<int64_t>(blocks) * kWarps,
+                     [&](int64_t row) {
+                       char* dst = reinterpret_cast<char*>(e.out + row * s.hidden);
+                       zero_row(&dst, 1, 2 * s.hidden, lane);
+                     });
+  int64_t chunks = 0;
+  for (int p = 0; p < w.ranks; ++p) chunks = max(chunks, static_cast<int64_t>(r.chunks_from[p]));
+  __shared__ bool arrived;
+  for (int64_t item = block; item < chunks * w.ranks; item += blocks) {
+    const int64_t c = item / w.ranks;
+    const int source = static_cast<int>(item % w.ranks);
+    if (c >= r.chunks_from[source]) continue;
+    const int64_t at = source * m.max_chunks + c;
+    if (warp == 0) {  // one warp waits; the barrier gives its verdict to the block
+      const bool ok = source == w.rank || warp_wait_flags(at_window<uint64_t>(w, w.rank, m.fwd_chunk_flag) + at, 0, 1,
+                                                          source, epoch, timeout_ns, st, kSignalForward, lane);
+      if (lane == 0) arrived = ok;
     }
-    slot_out[i] = v;
+    __syncthreads();
+    if (!arrived) return false;
+    const ChunkRange range = r.chunk_range[at];
+    for (int64_t j = warp; j < range.count; j += kWarps) {
+      const int64_t pos = range.start + j, i = r.rank_offsets[source] + pos;
+      const uint16_t* g = source == w.rank
+                              ? reinterpret_cast<const uint16_t*>(own.x + r.src_token[i] * own.x_stride_bytes)
+                              : at_window<const uint16_t>(w, w.rank, m.fwd_payload + (source * s.max_tokens + pos) * m.payload_stride);
+      expand_row(s, r, e, wide, i, g, at_window<float>(w, source, m.rev_slots + (w.rank * s.max_tokens + pos) * s.topk * 4),
+                 lane);
+    }
+    if (!e.weighted) continue;
+    __syncthreads();  // every warp's weight gradients of the chunk, then its flag at the source
+    if (threadIdx.x == 0) {
+      __threadfence_system();
+      set_flag(at_window<uint32_t>(w, source, m.rev_chunk_flag) + w.rank * m.max_chunks + c, epoch);
+    }
   }
+  return true;
+}
+
+// Warp per token of this rank: each slot's weight gradient, once the chunk is back from every rank
+// the token went to (lane d waits for rank d); 0 for unused slots.
+__device__ void gather_slot_values(const PeerWindows& w, const WindowMap& m, const Shape& s, int64_t tokens,
+                                   const int32_t* send_pos, const int32_t* slot_expert, float* slot_out, uint32_t epoch,
+                                   uint64_t timeout_ns, DeviceStatus* st, int64_t warp, int64_t warps) {
+  const int lane = threadIdx.x % 32;
+  const float* rev_slots = at_window<const float>(w, w.rank, m.rev_slots);
+  for (int64_t t = warp; t < tokens; t += warps) {
+    const bool went = lane < w.ranks && send_pos[t * w.ranks + lane] >= 0;
+    uint32_t* flag = went ? at_window<uint32_t>(w, w.rank, m.rev_chunk_flag) + lane * m.max_chunks + t / kChunkTokens : nullptr;
+    if (!warp_wait_lane_flags(flag, lane, epoch, timeout_ns, st, kSignalReverse)) return;
+    for (int64_t k = lane; k < s.topk; k += 32) {
+      const int32_t e = slot_expert[t * s.topk + k];
+      float v = 0.0f;
+      if (e >= 0) {
+        const int d = static_cast<int>(e / s.local_experts);
+        v = rev_slots[(d * s.max_tokens + send_pos[t * w.ranks + d]) * s.topk + k];
+      }
+      slot_out[t * s.topk + k] = v;
+    }
+  }
+}
+
+// Roles by arrival (arrival_order): the first `senders` blocks send, the others expand and then
+// (weighted) gather. The last block to finish publishes the status (when e.host_status is set).
+__global__ void __launch_bounds__(kThreads, 1) expand_transfer_kernel(PeerWindows w, WindowMap m, Shape s,
+                                                                     SendRows rows, int64_t tokens,
+                                                                     const int32_t* send_pos, const int32_t* slot_expert,
+                                                                     RecvArrays r, Expansion e, int senders,
+                                                                     CallState* cs, uint64_t timeout_ns,
+                                                                     DeviceStatus* st) {
+  const int role = arrival_order(&cs->transfer_arrivals);
+  const uint32_t epoch = call_epoch(cs);
+  if (!block_sees_failure(st)) {
+    if (role < senders) {
+      send_chunks(w, m, s, rows, tokens, send_pos, epoch, role, senders);
+    } else {
+      const int block = role - senders, blocks = static_cast<int>(gridDim.x) - senders;
+      if (expand_chunks(w, m, s, rows, r, e, epoch, timeout_ns, st, block, blocks) && e.weighted)
+        gather_slot_values(w, m, s, tokens, send_pos, slot_expert, e.slot_out, epoch, timeout_ns, st,
+                           block * static_cast<int64_t>(kWarps) + threadIdx.x / 32, static_cast<int64_t>(blocks) * kWarps);
+    }
+  }
+  if (last_block(&cs->transfer_blocks_done) && threadIdx.x == 0 && e.host_status) publish(st, e.host_status);
 }
 
 }  // namespace
 
-void send_tokens(const Ctx& ctx, const SendRows& rows, int64_t tokens, const int32_t* send_pos) {
-  send_tokens_kernel<<<ctx.blocks, kWarps * 32, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, rows, tokens, send_pos,
-                                                                  ctx.status);
-}
-
-void expand_grad(const Ctx& ctx, const RecvArrays& r, Layout layout, bool weighted, const uint16_t* y, int64_t y_stride,
-                 uint16_t* grad_y) {
+void expand_transfer(const Ctx& ctx, int senders, const SendRows& rows, int64_t tokens, const int32_t* send_pos,
+                     const int32_t* slot_expert, const RecvArrays& r, const Expansion& e) {
   // The weighted expansion stages its rows in each warp's 14 KiB of shared memory.
-  const size_t smem = weighted ? static_cast<size_t>(bulk_stage_smem(kExpandWarps)) : 0;
-  expand_grad_kernel<<<ctx.blocks, kExpandWarps * 32, smem, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, layout,
-                                                                          weighted, y, y_stride, grad_y, ctx.status);
-}
-
-void gather_slot_values(const Ctx& ctx, int64_t tokens, const int32_t* send_pos, const int32_t* slot_expert,
-                        float* slot_out) {
-  if (tokens == 0) return;
-  gather_slot_values_kernel<<<ctx.blocks, 256, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, tokens, send_pos,
-                                                                slot_expert, slot_out, ctx.status);
+  const size_t smem = e.weighted ? static_cast<size_t>(bulk_stage_smem(kWarps)) : 0;
+  expand_transfer_kernel<<<ctx.blocks, kThreads, smem, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, rows, tokens,
+                                                                     send_pos, slot_expert, r, e, senders, ctx.state,
+                                                                     ctx.timeout_ns, ctx.status);
 }
 
 void preload_combine_backward_kernels() {
-  preload(send_tokens_kernel, expand_grad_kernel, gather_slot_values_kernel);
-  EPX_CUDA(cudaFuncSetAttribute(expand_grad_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                static_cast<int>(bulk_stage_smem(kExpandWarps))));
+  preload(expand_transfer_kernel);
+  EPX_CUDA(cudaFuncSetAttribute(expand_transfer_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                static_cast<int>(bulk_stage_smem(kWarps))));
 }
 
 }  // namespace epx::detail::kernels

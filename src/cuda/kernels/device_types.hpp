@@ -118,11 +118,12 @@ struct CallState {
   uint64_t call;                   // calls begun; the current call's epoch is this value (call index + 1)
   uint64_t targets[kSignalKinds];  // per signal kind
   uint32_t bcast_epoch;            // the epoch of this rank's last broadcast (copy-engine dispatch)
-  uint32_t recv_blocks_done;       // dispatch receive blocks finished in this call (the last resets it)
+  // Blocks of the call's transfer kernel (dispatch, combine, combine_backward: one a call) started
+  // (arrival_order) and finished (last_block); the last block of each resets its count.
+  uint32_t transfer_arrivals;
+  uint32_t transfer_blocks_done;
   uint32_t placing_blocks_done;    // copy-engine dispatch: placing blocks finished (the last resets it)
   uint32_t plan_blocks_done;       // dispatch plan kernel blocks finished (the last resets it)
-  uint32_t transfer_arrivals;      // dispatch transfer blocks started (arrival_order; the last resets it)
-  uint32_t combine_blocks_done;    // combine kernel blocks finished (the last resets it)
 };
 
 // Sizes every kernel needs.

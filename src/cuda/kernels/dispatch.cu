@@ -448,7 +448,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_transfer_kernel(PeerWind
       return receive_streamed(w, m, s, r, out, layout, source, c, j, epoch, timeout_ns, st, lane);
     });
   }
-  if (last_block(&cs->recv_blocks_done)) end_dispatch(end, st);
+  if (last_block(&cs->transfer_blocks_done)) end_dispatch(end, st);
 }
 
 // Copy-engine receiver. Its last block also tells every source that its broadcast rows here are
@@ -464,7 +464,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_receive_kernel(PeerWindo
   receive_rows(w, s, r, out, layout, true, blockIdx.x, gridDim.x, [&](int source, int64_t c, int64_t j) {
     return receive_broadcast(w, m, s, r, out, layout, own, mine, source, slot, c, j, epoch, timeout_ns, st, seen, lane);
   });
-  if (!last_block(&cs->recv_blocks_done)) return;
+  if (!last_block(&cs->transfer_blocks_done)) return;
   end_dispatch(end, st);
   if (threadIdx.x >= 32) return;
   __threadfence_system();

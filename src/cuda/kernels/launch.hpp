@@ -167,7 +167,7 @@ void release_broadcast(const Ctx& ctx);
 
 // Cached dispatch (cached_dispatch.cu). scan_x_finite: check_finite's scan of x alone, before
 // the call's plan exchange carries what it found to the peers. encode_to_rows: each token's wire
-// row at the start of its row of `staging` (rows `stride` bytes apart), for send_tokens to move.
+// row at the start of its row of `staging` (rows `stride` bytes apart), for expand_transfer to move.
 // split_wire_rows: rows of wire bytes into recv_x / recv_scales / recv_global_scale.
 struct WireSplit {
   char* x;
@@ -179,10 +179,6 @@ void scan_x_finite(const Ctx& ctx, const FiniteCheck& check, int64_t tokens);
 void encode_to_rows(const Ctx& ctx, const SendRows& rows, int64_t tokens, char* staging, int64_t stride);
 void split_wire_rows(const Ctx& ctx, const char* from, int64_t stride, int64_t rows, const WireSplit& to);
 void preload_cached_dispatch_kernels();
-
-// combine_backward's forward transfer: every bf16 row once to every rank holding one of its
-// slots (at its dispatch stream position send_pos), then signals kSignalForward.
-void send_tokens(const Ctx& ctx, const SendRows& rows, int64_t tokens, const int32_t* send_pos);
 
 // Receive side of dispatch, in the handle.
 struct RecvArrays {
@@ -348,14 +344,24 @@ struct ReturnRows {
 // they go. rank_offsets: the host's copy.
 std::vector<FlaggedPiece> return_pieces(const Ctx& ctx, const ReturnRows& rows, const std::vector<int64_t>& rank_offsets,
                                         const void* epoch);
-// Source side of combine_backward: per-slot values returned by the expert ranks into slot_out [T*K].
-void gather_slot_values(const Ctx& ctx, int64_t tokens, const int32_t* send_pos, const int32_t* slot_expert,
-                        float* slot_out);
-
-// combine_backward on the expert rank: grad_y rows from the forwarded grad_out; with weighted,
-// the weight gradients go back to the sources (reverse transfer of slot values only).
-void expand_grad(const Ctx& ctx, const RecvArrays& r, Layout layout, bool weighted, const uint16_t* y, int64_t y_stride,
-                 uint16_t* grad_y);
+// combine_backward's and cached_dispatch's transfer (combine_backward.cu) in one launch of
+// ctx.blocks blocks: the first `senders` to start (0 at one rank) move each token's row of `rows`
+// (2H bytes: grad_out, or a cached dispatch's encoded wire rows) once to every other rank holding
+// one of its slots, at its dispatch stream position send_pos, flagging each chunk; the others
+// expand every received row into its output rows (this rank's own straight from `rows`), zero
+// the empty ones and, weighted (expert-major), return each slot's weight gradient, then gather
+// this rank's tokens' gradients into slot_out [T, K].
+struct Expansion {
+  Layout layout;
+  bool weighted;
+  const uint16_t* y;  // weighted: combine's y rows, y_stride elements apart
+  int64_t y_stride;
+  uint16_t* out;      // [capacity, H]: grad_y, or a cached dispatch's rows
+  float* slot_out;    // weighted: [T, K]
+  DeviceStatus* host_status;  // host-mapped, or null: the last block publishes the call's status there
+};
+void expand_transfer(const Ctx& ctx, int senders, const SendRows& rows, int64_t tokens, const int32_t* send_pos,
+                     const int32_t* slot_expert, const RecvArrays& r, const Expansion& e);
 
 // Copies the device status to host-mapped memory (no atomics on host memory).
 void publish_status(const Ctx& ctx, DeviceStatus* host_status);
