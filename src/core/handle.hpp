@@ -62,6 +62,25 @@ struct HandleState {
   std::shared_ptr<const BackendPayload> device;  // a device backend's copy of the arrays above
 };
 
+// A dispatch's handle state as every backend starts it: who made it, in which call, its layout
+// and this rank's shape (tokens, and whether the dispatch was given router weights).
+inline std::shared_ptr<HandleState> new_handle_state(const void* owner, int64_t dispatch_call, Layout layout, int rank,
+                                                     int ranks, int64_t tokens, const BufferConfig& c,
+                                                     bool has_weights) {
+  auto h = std::make_shared<HandleState>();
+  h->owner = owner;
+  h->dispatch_call = dispatch_call;
+  h->layout = layout;
+  h->rank = rank;
+  h->ranks = ranks;
+  h->tokens = tokens;
+  h->topk = c.topk;
+  h->hidden = c.hidden;
+  h->has_weights = has_weights;
+  h->recv.layout = layout;
+  return h;
+}
+
 // Fills slot_row, expert_offsets, tokens_per_expert, num_rows and capacity of `r` from its
 // received rows (src_*, slot_expert and the shared_* fields already set). capacity_rows <= 0
 // means blocking (exact).

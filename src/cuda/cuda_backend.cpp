@@ -845,23 +845,6 @@ void CudaBackend::transfer(const DispatchRequest& rq, const DeviceHandle& dh, co
   host_steps_.mark("transfer launched");
 }
 
-std::shared_ptr<HandleState> CudaBackend::new_handle_state(const Call& call, const DispatchRequest& rq,
-                                                           Layout layout) const {
-  const BufferConfig& c = config();
-  auto h = std::make_shared<HandleState>();
-  h->owner = this;
-  h->dispatch_call = call.index;
-  h->layout = layout;
-  h->rank = rank_;
-  h->ranks = ranks_;
-  h->tokens = rq.tokens;
-  h->topk = c.topk;
-  h->hidden = c.hidden;
-  h->has_weights = rq.has_weights;
-  h->recv.layout = layout;
-  return h;
-}
-
 void CudaBackend::take_sizes(DispatchResult& out, HandleState& h) const {
   const PlanReport& r = *plan_report_;
   out.num_rows = r.info[1];
@@ -954,8 +937,9 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   DispatchResult out;
   const kernels::RecvOutputs outputs = allocate_outputs(out, *dh, opt.layout, capacity);
   transfer(rq, *dh, outputs, opt.layout, phase, out.recv_info);
-  return finish_dispatch(call, std::move(out), dh, new_handle_state(call, rq, opt.layout), opt.layout, capacity,
-                         sizes_read, host_call);
+  return finish_dispatch(call, std::move(out), dh,
+                         new_handle_state(this, call.index, opt.layout, rank_, ranks_, tokens, c, rq.has_weights),
+                         opt.layout, capacity, sizes_read, host_call);
 }
 
 // EPX_PROFILE: the call's device steps (its events' marks) and host steps, added to the means

@@ -94,7 +94,6 @@ class CudaBackend final : public Backend {
   // last block copies the layout words into `words` and publishes the call's status.
   void transfer(const DispatchRequest& rq, const DeviceHandle& dh, const kernels::RecvOutputs& outputs, Layout layout,
                 int phase, const Tensor& words);
-  std::shared_ptr<HandleState> new_handle_state(const Call& call, const DispatchRequest& rq, Layout layout) const;
   // Blocking mode's sizes, from the plan's report (the layout's info words, the dropped count, the
   // rank offsets the copy-engine combine cuts by), once plan_ok or a sync has waited for it.
   void take_sizes(DispatchResult& out, HandleState& h) const;

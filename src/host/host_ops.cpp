@@ -151,16 +151,7 @@ DispatchResult HostBackend::dispatch(const DispatchInput& in, const DispatchOpti
       dropped = drop_over_capacity(routing, counts, rank_, cap);
     }
 
-    auto h = std::make_shared<HandleState>();
-    h->owner = this;
-    h->dispatch_call = call.index;
-    h->layout = opt.layout;
-    h->rank = rank_;
-    h->ranks = ranks_;
-    h->tokens = routing.tokens;
-    h->topk = c.topk;
-    h->hidden = c.hidden;
-    h->has_weights = routing.has_weights;
+    auto h = new_handle_state(this, call.index, opt.layout, rank_, ranks_, routing.tokens, c, routing.has_weights);
     h->slot_expert = routing.expert;
     h->slot_weight = routing.weight;
     if (c.shared_expert) read_shared_gate(*h, in.shared_gate);
