@@ -612,7 +612,7 @@ Tensor CudaBackend::output_block(int64_t bytes, cudaStream_t stream) {
       }
   }
   // A cached block was released after its last use on the call stream, which this call's
-  // stream waits for (fork_), so reusing it on either stream is ordered after that use.
+  // stream waits for (set_stream's fork_), so reusing it is ordered after that use.
   const bool cached = p != nullptr;
   if (!p) {
     p = allocate(need, stream, !cacheable);

@@ -256,19 +256,24 @@ __device__ bool expand_chunks(const PeerWindows& w, const WindowMap& m, const Sh
                      });
   int64_t chunks = 0;
   for (int p = 0; p < w.ranks; ++p) chunks = max(chunks, static_cast<int64_t>(r.chunks_from[p]));
-  __shared__ bool arrived;
+  // One warp waits for a chunk's flag and the barrier gives its verdict to the block; verdicts
+  // alternate between two words, so warp 0 may write the next one (after its row of this chunk)
+  // while a slower warp still reads this one: the barrier between them is the next chunk's.
+  __shared__ bool arrived[2];
+  int turn = 0;
   for (int64_t item = block; item < chunks * w.ranks; item += blocks) {
     const int64_t c = item / w.ranks;
     const int source = static_cast<int>(item % w.ranks);
     if (c >= r.chunks_from[source]) continue;
     const int64_t at = source * m.max_chunks + c;
-    if (warp == 0) {  // one warp waits; the barrier gives its verdict to the block
+    if (warp == 0) {
       const bool ok = source == w.rank || warp_wait_flags(at_window<uint64_t>(w, w.rank, m.fwd_chunk_flag) + at, 0, 1,
                                                           source, epoch, timeout_ns, st, kSignalForward, lane);
-      if (lane == 0) arrived = ok;
+      if (lane == 0) arrived[turn] = ok;
     }
     __syncthreads();
-    if (!arrived) return false;
+    if (!arrived[turn]) return false;
+    turn ^= 1;
     const ChunkRange range = r.chunk_range[at];
     for (int64_t j = warp; j < range.count; j += kWarps) {
       const int64_t pos = range.start + j, i = r.rank_offsets[source] + pos;
@@ -313,6 +318,9 @@ __device__ void gather_slot_values(const PeerWindows& w, const WindowMap& m, con
 
 // Roles by arrival (arrival_order): the first `senders` blocks send, the others expand and then
 // (weighted) gather. The last block to finish publishes the status (when e.host_status is set).
+// A gathering block waits for every rank's expanders, this rank's later blocks included: like
+// every transfer kernel, this one needs all its blocks resident at once (the buffer's num_sms
+// rule, docs/cuda.md).
 __global__ void __launch_bounds__(kThreads, 1) expand_transfer_kernel(PeerWindows w, WindowMap m, Shape s,
                                                                      SendRows rows, int64_t tokens,
                                                                      const int32_t* send_pos, const int32_t* slot_expert,
