@@ -38,7 +38,7 @@ void validate_replica_tensor(const TensorView& table, const ReplicaShape& shape,
   }
   require(table.defined(), op, ": expert_replicas is missing; a buffer with num_physical_experts=", shape.physical,
           " needs the replica table [E=", shape.logical, ", M=", shape.width, "] i32 at every dispatch");
-  check_tensor(table, cat(op, ": expert_replicas"), cat("[E=", shape.logical, ", M=", shape.width, "]"), DType::i32,
+  check_tensor(table, cat(op, ": expert_replicas"), words("[E=", shape.logical, ", M=", shape.width, "]"), DType::i32,
                {shape.logical, shape.width}, device);
 }
 

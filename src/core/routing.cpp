@@ -58,13 +58,13 @@ void validate_config(const BufferConfig& c, int ranks) {
 void validate_dispatch_x(const DispatchInput& in, const BufferConfig& c, DeviceKind device) {
   require(in.x.defined(), "dispatch: x is missing; expected [T, ", c.hidden, "] bf16 (or fp8_e4m3 with wire fp8)");
   const int64_t tokens = in.x.ndim >= 1 ? in.x.shape[0] : 0;
-  const std::string spec = cat("[T, ", c.hidden, "] with T <= max_tokens_per_rank=", c.max_tokens_per_rank);
+  const auto spec = words("[T, ", c.hidden, "] with T <= max_tokens_per_rank=", c.max_tokens_per_rank);
   if (in.x.dtype == DType::fp8_e4m3) {
     require(c.wire == WireFormat::fp8, "dispatch: pre-quantized fp8 x needs a buffer with wire fp8, this buffer's wire is ",
             wire_name(c.wire));
     check_tensor(in.x, "dispatch: x", spec, DType::fp8_e4m3, {kAnyDim, c.hidden}, device);
     check_tensor(in.x_scales, "dispatch: x_scales",
-                 cat("[T, ", c.hidden / kFp8Block, "] (one fp32 scale per 128 channels)"), DType::f32,
+                 words("[T, ", c.hidden / kFp8Block, "] (one fp32 scale per 128 channels)"), DType::f32,
                  {tokens, c.hidden / kFp8Block}, device);
   } else {
     check_tensor(in.x, "dispatch: x", spec, DType::bf16, {kAnyDim, c.hidden}, device);

@@ -4,6 +4,7 @@
 #include <initializer_list>
 #include <string_view>
 
+#include "core/check.hpp"
 #include "epx/dtype.hpp"
 #include "epx/tensor.hpp"
 
@@ -13,12 +14,13 @@ constexpr int64_t kAnyDim = -1;
 
 // Throws invalid_argument unless t is defined, on `device`, of dtype `dtype`, with the
 // given shape (kAnyDim matches any extent) and a contiguous last dimension.
-// `what` names the operation and argument ("dispatch: x"), `spec` the expected shape in words.
-void check_tensor(const TensorView& t, std::string_view what, std::string_view spec, DType dtype,
+// `what` names the operation and argument ("dispatch: x"), `spec` the expected shape in words
+// (written only into a failure's message: pass words(...), not cat(...), on a call's path).
+void check_tensor(const TensorView& t, std::string_view what, const Lazy& spec, DType dtype,
                   std::initializer_list<int64_t> shape, DeviceKind device);
 
 // Same, for an argument whose dtype may be one of two.
-void check_tensor2(const TensorView& t, std::string_view what, std::string_view spec, DType a, DType b,
+void check_tensor2(const TensorView& t, std::string_view what, const Lazy& spec, DType a, DType b,
                    std::initializer_list<int64_t> shape, DeviceKind device);
 
 // Element (row, col) of a 2-D view, with strides.

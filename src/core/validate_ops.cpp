@@ -18,7 +18,8 @@ void validate_dispatch_options(const DispatchOptions& opt) {
 void validate_routing_tensors(const DispatchInput& in, const BufferConfig& c, int64_t tokens, DeviceKind device) {
   require(in.topk_idx.defined() != in.routing_map.defined(),
           "dispatch: give exactly one of topk_idx and routing_map (got ", in.topk_idx.defined() ? "both" : "neither", ")");
-  const std::string tk = cat("[T=", tokens, ", K=", c.topk, "]"), te = cat("[T=", tokens, ", E=", c.num_experts, "]");
+  const auto tk = words("[T=", tokens, ", K=", c.topk, "]");
+  const auto te = words("[T=", tokens, ", E=", c.num_experts, "]");
   if (in.topk_idx.defined()) {
     require(!in.probs.defined(), "dispatch: probs goes with routing_map; with topk_idx pass topk_weights");
     check_tensor2(in.topk_idx, "dispatch: topk_idx", tk, DType::i32, DType::i64, {tokens, c.topk}, device);
@@ -47,7 +48,7 @@ void validate_shared_expert(const DispatchInput& in, const BufferConfig& c, cons
   require(in.topk_idx.defined() ? in.topk_weights.defined() : in.probs.defined(),
           "dispatch: shared_gate needs router weights (topk_weights or probs): the gate is applied by the weighted "
           "combine only");
-  check_tensor(in.shared_gate, "dispatch: shared_gate", cat("[T=", tokens, "]"), DType::f32, {tokens}, device);
+  check_tensor(in.shared_gate, "dispatch: shared_gate", words("[T=", tokens, "]"), DType::f32, {tokens}, device);
 }
 
 namespace {
@@ -63,10 +64,10 @@ void require_weighted_ok(const char* op, const HandleState& h, bool weighted) {
 
 void validate_combine(const CombineInput& in, const HandleState& h, const BufferConfig& c, const CombineOptions& opt,
                       DeviceKind device) {
-  check_tensor(in.y, "combine: y", cat("[", h.recv.capacity, ", ", c.hidden, "] (the rows of the dispatch output)"),
+  check_tensor(in.y, "combine: y", words("[", h.recv.capacity, ", ", c.hidden, "] (the rows of the dispatch output)"),
                DType::bf16, {h.recv.capacity, c.hidden}, device);
   if (in.shared_out.defined())
-    check_tensor(in.shared_out, "combine: shared_out", cat("[", h.tokens, ", ", c.hidden, "]"), DType::bf16,
+    check_tensor(in.shared_out, "combine: shared_out", words("[", h.tokens, ", ", c.hidden, "]"), DType::bf16,
                  {h.tokens, c.hidden}, device);
   require_weighted_ok("combine", h, opt.weighted);
 }
@@ -74,15 +75,15 @@ void validate_combine(const CombineInput& in, const HandleState& h, const Buffer
 void validate_dispatch_backward(const DispatchBackwardInput& in, const HandleState& h, const BufferConfig& c,
                                 DeviceKind device) {
   const int64_t n = h.recv.capacity;
-  check_tensor(in.grad_recv_x, "dispatch_backward: grad_recv_x", cat("[", n, ", ", c.hidden, "]"), DType::bf16,
+  check_tensor(in.grad_recv_x, "dispatch_backward: grad_recv_x", words("[", n, ", ", c.hidden, "]"), DType::bf16,
                {n, c.hidden}, device);
   if (!in.grad_recv_weights.defined()) return;
   if (h.layout == Layout::expert_major)
-    check_tensor(in.grad_recv_weights, "dispatch_backward: grad_recv_weights", cat("[", n, "] (one per row)"),
+    check_tensor(in.grad_recv_weights, "dispatch_backward: grad_recv_weights", words("[", n, "] (one per row)"),
                  DType::f32, {n}, device);
   else
     check_tensor(in.grad_recv_weights, "dispatch_backward: grad_recv_weights",
-                 cat("[", n, ", ", c.topk, "] (as recv_topk_weights)"), DType::f32, {n, c.topk}, device);
+                 words("[", n, ", ", c.topk, "] (as recv_topk_weights)"), DType::f32, {n, c.topk}, device);
 }
 
 void validate_cached_dispatch(const DispatchInput& in, const HandleState& h, const BufferConfig& c,
@@ -99,11 +100,11 @@ void validate_cached_dispatch(const DispatchInput& in, const HandleState& h, con
 
 void validate_combine_backward(const CombineBackwardInput& in, const HandleState& h, const BufferConfig& c,
                                const CombineOptions& opt, DeviceKind device) {
-  check_tensor(in.grad_out, "combine_backward: grad_out", cat("[", h.tokens, ", ", c.hidden, "]"), DType::bf16,
+  check_tensor(in.grad_out, "combine_backward: grad_out", words("[", h.tokens, ", ", c.hidden, "]"), DType::bf16,
                {h.tokens, c.hidden}, device);
   require_weighted_ok("combine_backward", h, opt.weighted);
   if (opt.weighted)
-    check_tensor(in.y, "combine_backward: y", cat("[", h.recv.capacity, ", ", c.hidden, "] (the combine's input)"),
+    check_tensor(in.y, "combine_backward: y", words("[", h.recv.capacity, ", ", c.hidden, "] (the combine's input)"),
                  DType::bf16, {h.recv.capacity, c.hidden}, device);
 }
 

@@ -824,8 +824,8 @@ kernels::RecvOutputs CudaBackend::allocate_outputs(DispatchResult& out, const De
 }
 
 void CudaBackend::transfer(const DispatchRequest& rq, const DeviceHandle& dh, const kernels::RecvOutputs& outputs,
-                           Layout layout, int phase, const Tensor& words) {
-  const kernels::CallEnd end{dh.recv.info, words.data<int64_t>(), layout_words(dh, local_experts_), host_status_};
+                           Layout layout, int phase, const Tensor& layout_copy) {
+  const kernels::CallEnd end{dh.recv.info, layout_copy.data<int64_t>(), layout_words(dh, local_experts_), host_status_};
   timer_.mark(4, stream_);
   if (broadcast_) {
     const kernels::Placing mine{dh.slot_expert, dh.slot_weight, dh.pos.send_pos, dh.pos.slot_pos};

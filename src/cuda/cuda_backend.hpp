@@ -91,9 +91,9 @@ class CudaBackend final : public Backend {
   kernels::RecvOutputs allocate_outputs(DispatchResult& out, const DeviceHandle& dh, Layout layout, int64_t capacity);
   // The transfer: the SM engine's one kernel, or the copy-engine dispatch's placing kernel and
   // receiver (after its broadcast has begun; the call's stream then waits for its copies). Its
-  // last block copies the layout words into `words` and publishes the call's status.
+  // last block copies the layout words into `layout_copy` and publishes the call's status.
   void transfer(const DispatchRequest& rq, const DeviceHandle& dh, const kernels::RecvOutputs& outputs, Layout layout,
-                int phase, const Tensor& words);
+                int phase, const Tensor& layout_copy);
   // Blocking mode's sizes, from the plan's report (the layout's info words, the dropped count, the
   // rank offsets the copy-engine combine cuts by), once plan_ok or a sync has waited for it.
   void take_sizes(DispatchResult& out, HandleState& h) const;

@@ -160,7 +160,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     std::string error;
     try {
       take_rejection();
-      check_tensor(in.x, "ll_dispatch: x", cat("[T, ", c.hidden, "] with T <= max_tokens_per_rank=", c.max_tokens_per_rank),
+      check_tensor(in.x, "ll_dispatch: x", words("[T, ", c.hidden, "] with T <= max_tokens_per_rank=", c.max_tokens_per_rank),
                    DType::bf16, {kAnyDim, c.hidden}, DeviceKind::cuda);
       on_device(in.x, "ll_dispatch: x");
       const int64_t tokens = in.x.shape[0];
@@ -168,7 +168,7 @@ class CudaLowLatency final : public LowLatencyBackend {
               " tokens but the buffer was sized for max_tokens_per_rank=", c.max_tokens_per_rank);
       require(std::isfinite(in.nvfp4_global_scale) && in.nvfp4_global_scale >= 0.0f,
               "ll_dispatch: nvfp4_global_scale must be 0 (per token) or a positive finite number");
-      check_tensor2(in.topk_idx, "ll_dispatch: topk_idx", cat("[T=", tokens, ", K=", c.topk, "]"), DType::i32, DType::i64,
+      check_tensor2(in.topk_idx, "ll_dispatch: topk_idx", words("[T=", tokens, ", K=", c.topk, "]"), DType::i32, DType::i64,
                     {tokens, c.topk}, DeviceKind::cuda);
       on_device(in.topk_idx, "ll_dispatch: topk_idx");
       if (in.num_tokens.defined()) {
@@ -260,7 +260,7 @@ class CudaLowLatency final : public LowLatencyBackend {
       take_rejection();
       require(handle.valid(), "ll_combine: the handle is empty; pass the handle ll_dispatch returned");
       require(handle.state().owner == this, "ll_combine: the handle belongs to another buffer or rank");
-      check_tensor(in.y, "ll_combine: y", cat("[L=", local_, ", R*M=", slots_, ", H=", c.hidden, "]"), DType::bf16,
+      check_tensor(in.y, "ll_combine: y", words("[L=", local_, ", R*M=", slots_, ", H=", c.hidden, "]"), DType::bf16,
                    {local_, slots_, c.hidden}, DeviceKind::cuda);
       require(in.y.is_contiguous(), "ll_combine: y must be contiguous");
       require(c.combine_wire == WireFormat::bf16 || reinterpret_cast<uintptr_t>(in.y.data) % 16 == 0,

@@ -160,7 +160,7 @@ class HostLowLatency final : public LowLatencyBackend {
       require(handle.state().owner == this, "ll_combine: the handle belongs to another buffer or rank");
       h = &handle.state();
       check_tensor(in.y, "ll_combine: y",
-                   cat("[", c.shared_expert ? "1 + L=" : "L=", segments_, ", R*M=", slots_, ", H=", c.hidden, "]"),
+                   words("[", c.shared_expert ? "1 + L=" : "L=", segments_, ", R*M=", slots_, ", H=", c.hidden, "]"),
                    DType::bf16, {segments_, slots_, c.hidden}, DeviceKind::host);
       require(in.y.is_contiguous(), "ll_combine: y must be contiguous");
       check_combine_weights(in, *h, DeviceKind::host);
@@ -287,14 +287,14 @@ class HostLowLatency final : public LowLatencyBackend {
 
   void read_dispatch_input(const LowLatencyDispatchInput& in, LowLatencyHandleState& h) {
     const LowLatencyConfig& c = config();
-    check_tensor(in.x, "ll_dispatch: x", cat("[T, ", c.hidden, "] with T <= max_tokens_per_rank=", c.max_tokens_per_rank),
+    check_tensor(in.x, "ll_dispatch: x", words("[T, ", c.hidden, "] with T <= max_tokens_per_rank=", c.max_tokens_per_rank),
                  DType::bf16, {kAnyDim, c.hidden}, DeviceKind::host);
     h.tokens = in.x.shape[0];
     require(h.tokens <= c.max_tokens_per_rank, "ll_dispatch: x has ", h.tokens,
             " tokens but the buffer was sized for max_tokens_per_rank=", c.max_tokens_per_rank);
     require(std::isfinite(in.nvfp4_global_scale) && in.nvfp4_global_scale >= 0.0f,
             "ll_dispatch: nvfp4_global_scale must be 0 (per token) or a positive finite number");
-    check_tensor2(in.topk_idx, "ll_dispatch: topk_idx", cat("[T=", h.tokens, ", K=", c.topk, "]"), DType::i32, DType::i64,
+    check_tensor2(in.topk_idx, "ll_dispatch: topk_idx", words("[T=", h.tokens, ", K=", c.topk, "]"), DType::i32, DType::i64,
                   {h.tokens, c.topk}, DeviceKind::host);
     h.num_tokens = h.tokens;
     if (in.num_tokens.defined()) {
