@@ -350,14 +350,19 @@ kernels::Ctx CudaBackend::ctx(cudaStream_t stream) const {
   return x;
 }
 
+std::string CudaBackend::Call::name() const {
+  const std::string own = cat(call_kind_name(kind), " #", unsynced_before ? index + 1 : index);
+  return unsynced_before ? cat("the call before ", own, " (it ran without a host sync)") : own;
+}
+
 CudaBackend::Call CudaBackend::begin_call(CallKind kind) {
-  Call call{kind, calls_, cat(call_kind_name(kind), " #", calls_), kind == kDispatch || kind == kCachedDispatch};
-  if (broken_) fail(ErrorCode::peer_failed, call.name, " (rank ", rank_, "): the group already failed: ", broken_reason_);
+  Call call{kind, calls_, kind == kDispatch || kind == kCachedDispatch};
+  if (broken_) fail(ErrorCode::peer_failed, call.name(), " (rank ", rank_, "): the group already failed: ", broken_reason_);
   EPX_CUDA(cudaSetDevice(device_));
   // A blocking call reads the device on the host, which a CUDA graph capture cannot hold: refused
   // before the call counts, so the host's and the device's call numbers stay together.
   if (config().mode == CapacityMode::blocking && capturing(stream_))
-    fail(ErrorCode::invalid_argument, call.name, " (rank ", rank_, "): a blocking-mode call cannot be captured in a ",
+    fail(ErrorCode::invalid_argument, call.name(), " (rank ", rank_, "): a blocking-mode call cannot be captured in a ",
          "CUDA graph (it reads the device on the host); capture capacity-mode calls (BufferConfig::mode = "
          "CapacityMode::capacity)");
   check_earlier_calls(call);  // its timeout message tells the earlier call's host steps
@@ -375,18 +380,18 @@ void CudaBackend::check_earlier_calls(const Call& call) {
   if (!own_rejection_.empty()) {
     const std::string reason = std::move(own_rejection_);
     own_rejection_.clear();
-    fail(ErrorCode::peer_failed, "the call before ", call.name, " (rank ", rank_, ", it ran without a host sync): rank ",
+    fail(ErrorCode::peer_failed, "the call before ", call.name(), " (rank ", rank_, ", it ran without a host sync): rank ",
          rank_, " rejected its input, so the group stops: ", reason);
   }
   DeviceStatus st;
   std::memcpy(&st, host_status_, sizeof st);
   if (st.code == kStatusOk) return;
   std::memset(host_status_, 0, sizeof(DeviceStatus));
-  raise(st, Call{call.kind, call.index - 1, cat("the call before ", call.name, " (it ran without a host sync)"), true});
+  raise(st, Call{call.kind, call.index - 1, true, true});
 }
 
 void CudaBackend::raise(const DeviceStatus& st, const Call& call) {
-  const std::string who = cat(call.name, " (rank ", rank_, "): ");
+  const std::string who = cat(call.name(), " (rank ", rank_, "): ");
   switch (st.code) {
     case kStatusBadExpert:
     case kStatusRepeatedExpert:
@@ -418,7 +423,7 @@ void CudaBackend::raise(const DeviceStatus& st, const Call& call) {
     case kStatusTimeout: {
       static const char* steps[] = {"plan exchange", "transfer", "return transfer"};
       broken_ = true;
-      broken_reason_ = cat(call.name, " (", steps[st.a % 3], "): rank ", rank_, " waited ", timeout_.count(),
+      broken_reason_ = cat(call.name(), " (", steps[st.a % 3], "): rank ", rank_, " waited ", timeout_.count(),
                            " ms for rank(s) ", st.rank,
                            ", which never arrived (crashed, hung, or called collective operations in a different order; "
                            "its signal here read ", st.c, ", awaited ", st.b,
@@ -670,8 +675,8 @@ void CudaBackend::check_device_tensor(const TensorView& t, std::string_view what
 }
 
 const HandleState& CudaBackend::state_of(const Handle& h, const Call& call) const {
-  require(h.valid(), call.name, ": the handle is empty; pass the handle returned by dispatch");
-  require(h.state().owner == this, call.name,
+  require(h.valid(), call.name(), ": the handle is empty; pass the handle returned by dispatch");
+  require(h.state().owner == this, call.name(),
           ": the handle belongs to another buffer or rank; pass the handle this buffer's dispatch returned");
   return h.state();
 }

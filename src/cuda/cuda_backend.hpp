@@ -44,7 +44,6 @@ class CudaBackend final : public Backend {
   struct Call {
     CallKind kind;
     int64_t index;
-    std::string name;  // "dispatch #3"
     // Begun on the device by begin_call's kernel: a dispatch and a cached dispatch, whose first
     // kernels are many blocks or report into the status before the plan exchange (a scan of x).
     // The other calls on a handle begin in their plan exchange's single block (or their
@@ -53,6 +52,10 @@ class CudaBackend final : public Backend {
     // Where this call's plans are (kernels find them from the device's call number; the host
     // needs them only to read a peer's rejection message).
     int plan_slot(int phase) const { return static_cast<int>(index % 2) * 2 + phase; }
+    // The call as messages name it ("dispatch #3"), made only for a message. `unsynced_before`:
+    // it is the call before call index + 1, which ran without a host sync.
+    bool unsynced_before = false;
+    std::string name() const;
   };
 
   void choose_paths(const CudaGroupState& state);  // constructor: the engines and their streams
