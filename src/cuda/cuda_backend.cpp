@@ -787,7 +787,7 @@ int CudaBackend::plan(const Call& call, int64_t signature, const DispatchRequest
   const kernels::ExchangeJob last = exchange_job(call, phase, tokens, signature, dh.pos.totals, c.num_experts + ranks_,
                                                  nullptr, nullptr, &layout, drop ? dh.dropped : nullptr);
   kernels::plan_dispatch(x, tokens, job, last);
-  exchanged(last);
+  if (layout.layout == Layout::expert_major) exchanged(last);  // rank-major reads its sizes after its sync
   if (broadcast_) kernels::finalize_positions(x, tokens, dh.slot_expert, dh.pos);
   timer_.mark(1, stream_);
   host_steps_.mark("plan launched");
