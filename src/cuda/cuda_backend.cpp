@@ -356,7 +356,7 @@ std::string CudaBackend::Call::name() const {
 }
 
 CudaBackend::Call CudaBackend::begin_call(CallKind kind) {
-  Call call{kind, calls_, kind == kDispatch || kind == kCachedDispatch};
+  Call call{kind, calls_, kind == kCachedDispatch};
   if (broken_) fail(ErrorCode::peer_failed, call.name(), " (rank ", rank_, "): the group already failed: ", broken_reason_);
   EPX_CUDA(cudaSetDevice(device_));
   // A blocking call reads the device on the host, which a CUDA graph capture cannot hold: refused
@@ -372,6 +372,12 @@ CudaBackend::Call CudaBackend::begin_call(CallKind kind) {
   if (call.begun_on_device) kernels::begin_call(ctx());
   host_steps_.mark("call begun");
   return call;
+}
+
+void CudaBackend::begin_on_device(Call& call) {
+  if (call.begun_on_device) return;
+  kernels::begin_call(ctx());
+  call.begun_on_device = true;
 }
 
 // The host-mapped status is the previous call's (published at its end, cleared by this call's
@@ -521,10 +527,13 @@ void CudaBackend::reject(Op op, const std::string& reason) {
                 static_cast<int>(Op::dispatch_backward) == kDispatchBackward &&
                 static_cast<int>(Op::combine_backward) == kCombineBackward &&
                 static_cast<int>(Op::cached_dispatch) == kCachedDispatch);
-  const Call call = begin_call(static_cast<CallKind>(op));
+  Call call = begin_call(static_cast<CallKind>(op));
   // A dispatch with dropping has two plan exchanges; peers wait for both (dispatch()).
   const int phases = op == Op::dispatch && config().capacity_factor > 0.0 ? 2 : 1;
-  if (op == Op::dispatch && broadcast_) kernels::release_broadcast(ctx());  // as dispatch() does
+  if (op == Op::dispatch && broadcast_) {  // as dispatch() does
+    begin_on_device(call);
+    kernels::release_broadcast(ctx());
+  }
   reject(call, phases, reason, 0, signature_of({-1}));
 }
 
@@ -744,17 +753,25 @@ std::shared_ptr<DeviceHandle> CudaBackend::make_device_handle(int64_t tokens) {
   dh->memory = block.storage();
   Carver carve(block.data<char>());
   carve_handle(*dh, carve, tokens, c, ranks_, map_.max_chunks, split);
-  // The plan kernel writes every array of the sender's half before it reads it. The receive
-  // arrays (carved last, from recv.info to the end of recv.slot_row) are zeroed: a receiver that
-  // stops early in a failed call leaves zeros there, not an earlier dispatch's ranges and rows, for
-  // a later call on the handle (no chunk to return, no row to read). With the drop rule, its sums
-  // too (counts to dropped, carved just before them).
-  const int64_t rows = ranks_ * c.max_tokens_per_rank;
-  char* const from = c.capacity_factor > 0.0 ? reinterpret_cast<char*>(dh->counts) : reinterpret_cast<char*>(dh->recv.info);
-  char* const end = reinterpret_cast<char*>(dh->recv.slot_row + rows * c.topk);
-  EPX_CUDA(cudaMemsetAsync(from, 0, static_cast<size_t>(end - from), stream_));
   host_steps_.mark("handle allocated");
   return dh;
+}
+
+// The plan kernel writes every array of the sender's half before it reads it. The receive arrays
+// (carved last, from recv.info to the end of recv.slot_row) start zeroed: a receiver that stops
+// early in a failed call leaves zeros there, not an earlier dispatch's ranges and rows, for a later
+// call on the handle (no chunk to return, no row to read). With the drop rule, its sums too
+// (counts to dropped, carved just before them), which the routing adds to.
+CudaBackend::ZeroedParts CudaBackend::zeroed_parts(const DeviceHandle& dh) const {
+  const BufferConfig& c = config();
+  const int64_t rows = ranks_ * c.max_tokens_per_rank;
+  auto part = [](void* from, void* end) {
+    return kernels::ZeroBytes{static_cast<char*>(from), static_cast<char*>(end) - static_cast<char*>(from)};
+  };
+  ZeroedParts z;
+  z.receive = part(dh.recv.info, dh.recv.slot_row + rows * c.topk);
+  if (c.capacity_factor > 0.0) z.sums = part(dh.counts, dh.recv.info);
+  return z;
 }
 
 // The dispatch's plan: routing, positions and the plan exchange with the receiver's layout in one
@@ -768,6 +785,10 @@ int CudaBackend::plan(const Call& call, int64_t signature, const DispatchRequest
   timer_.mark(0, stream_);
   const kernels::Ctx x = ctx();
   kernels::RouteJob job;
+  const ZeroedParts zeroed = zeroed_parts(dh);
+  job.begins_call = !call.begun_on_device;  // the call's first launch (a drop rule's first run)
+  job.sums = zeroed.sums;
+  job.zeroed = zeroed.receive;
   job.in = rq.routing;
   job.finite = rq.finite;
   job.slot_expert = dh.slot_expert;
@@ -783,6 +804,8 @@ int CudaBackend::plan(const Call& call, int64_t signature, const DispatchRequest
                                                             dh.expert_prefix, dh.drop_capacity));
     kernels::drop_slots(x, tokens, dh.slot_expert, dh.slot_weight, dh.expert_prefix, dh.drop_capacity, dh.dropped);
     job.canonicalize = false;
+    job.begins_call = false;
+    job.sums = job.zeroed = kernels::ZeroBytes{};
   }
   const kernels::ExchangeJob last = exchange_job(call, phase, tokens, signature, dh.pos.totals, c.num_experts + ranks_,
                                                  nullptr, nullptr, &layout, drop ? dh.dropped : nullptr);
@@ -907,18 +930,24 @@ DispatchResult CudaBackend::finish_dispatch(const Call& call, DispatchResult out
 // before the plan and the others after it.
 DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOptions& opt) {
   const auto host_call = std::chrono::steady_clock::now();
-  const Call call = begin_call(kDispatch);
+  Call call = begin_call(kDispatch);
   const BufferConfig& c = config();
   const DispatchRequest rq = read_dispatch(in, opt);
   const int64_t tokens = rq.tokens;
   host_steps_.mark("validated");
   const int64_t signature = signature_of({static_cast<int64_t>(opt.layout), broadcast_ ? 1 : 0});
   if (!rq.error.empty()) {
-    if (broadcast_) kernels::release_broadcast(ctx());  // peers' next broadcasts wait for this rank's receiver
+    if (broadcast_) {  // peers' next broadcasts wait for this rank's receiver
+      begin_on_device(call);
+      kernels::release_broadcast(ctx());
+    }
     reject(call, c.capacity_factor > 0.0 ? 2 : 1, rq.error, tokens, signature);
   }
   BroadcastRows broadcast{};
-  if (broadcast_) broadcast = start_broadcast(rq.rows, tokens);  // the copy engines start on the rows now
+  if (broadcast_) {  // the copy engines start on the rows now, their flags carrying the call's number
+    begin_on_device(call);
+    broadcast = start_broadcast(rq.rows, tokens);
+  }
   const std::shared_ptr<DeviceHandle> dh = make_device_handle(tokens);
   const bool capacity_mode = c.mode == CapacityMode::capacity;
   const kernels::LayoutJob layout{dh->recv, opt.layout, c.expert_alignment, capacity_mode ? c.capacity_rows : 0, load_};

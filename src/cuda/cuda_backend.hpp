@@ -44,10 +44,10 @@ class CudaBackend final : public Backend {
   struct Call {
     CallKind kind;
     int64_t index;
-    // Begun on the device by begin_call's kernel: a dispatch and a cached dispatch, whose first
-    // kernels are many blocks or report into the status before the plan exchange (a scan of x).
-    // The other calls on a handle begin in their plan exchange's single block (or their
-    // rejection's post), their first launch.
+    // Begun on the device by begin_call's kernel: a cached dispatch, whose scan of x reports into
+    // the status before its plan exchange. A dispatch begins in its plan kernel's first block, the
+    // other calls on a handle in their plan exchange's single block (or their rejection's post):
+    // their first launch.
     bool begun_on_device;
     // Where this call's plans are (kernels find them from the device's call number; the host
     // needs them only to read a peer's rejection message).
@@ -60,6 +60,9 @@ class CudaBackend final : public Backend {
 
   void choose_paths(const CudaGroupState& state);  // constructor: the engines and their streams
   Call begin_call(CallKind kind);
+  // begin_call's kernel now, for a path whose first launch cannot begin the call itself (a
+  // rejected dispatch's broadcast release); nothing if the call has begun on the device.
+  void begin_on_device(Call& call);
   kernels::Ctx ctx(cudaStream_t stream = nullptr) const;  // on the call's stream unless given
   // dispatch()'s steps, in the order it takes them.
   // A dispatch's input as the kernels read it, or why it was refused (error).
@@ -82,9 +85,13 @@ class CudaBackend final : public Backend {
   BroadcastRows start_broadcast(const kernels::SendRows& rows, int64_t tokens);
   // Pieces [first, end) of the broadcast by copy calls on the copy stream; after the last, copies_done_.
   void enqueue_broadcast(const BroadcastRows& b, int64_t tokens, int64_t first, int64_t end);
-  // The handle's arrays, sized for `tokens`: the receive arrays and the drop rule's sums zeroed,
-  // the sender's half left for the plan kernel to write.
+  // The handle's arrays, sized for `tokens`, for the plan kernel to write (and zero: zeroed_parts).
   std::shared_ptr<DeviceHandle> make_device_handle(int64_t tokens);
+  // The parts of a new handle that start zeroed: the drop rule's sums and the receive arrays.
+  struct ZeroedParts {
+    kernels::ZeroBytes sums, receive;
+  };
+  ZeroedParts zeroed_parts(const DeviceHandle& dh) const;
   // The plan kernel(s): routing, the drop rule (with its own plan exchange), the positions and the
   // plan exchange with the receiver's layout. Returns the phase of the last exchange.
   int plan(const Call& call, int64_t signature, const DispatchRequest& rq, DeviceHandle& dh,

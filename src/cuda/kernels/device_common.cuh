@@ -162,6 +162,16 @@ __device__ inline bool block_sees_failure(const DeviceStatus* st) {
   return skip;
 }
 
+// Every thread of the call's first block: thread 0 advances the call's number and clears the
+// status (begin_call's work), which the block's threads then see.
+__device__ inline void begin_call_block(CallState* cs, DeviceStatus* st) {
+  if (threadIdx.x == 0) {
+    cs->call += 1;
+    *st = DeviceStatus{};
+  }
+  __syncthreads();
+}
+
 // Every thread of a block calls it once at its start: the block's place (0, 1, ...) in the order
 // the grid's blocks got here, which, unlike blockIdx, says which blocks run already. The last
 // block resets *count for the next launch.

@@ -124,6 +124,8 @@ struct CallState {
   uint32_t transfer_blocks_done;
   uint32_t placing_blocks_done;    // copy-engine dispatch: placing blocks finished (the last resets it)
   uint32_t plan_blocks_done;       // dispatch plan kernel blocks finished (the last resets it)
+  uint32_t plan_arrivals;          // dispatch plan kernel blocks started (arrival_order)
+  uint32_t plan_begun;             // 1 once the plan kernel's first block began the call (the last block resets it)
 };
 
 // Sizes every kernel needs.

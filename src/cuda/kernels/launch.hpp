@@ -235,9 +235,17 @@ void exchange_plan(const Ctx& ctx, const ExchangeJob& job);
 // per expert when not null, zeroed before; check_finite's scan of `finite` beside it) and counts
 // its chunks (positions); the last block to finish scans the blocks' counts and runs the
 // exchange. The drop rule's dispatch runs it twice: routing and the exchange of the counts, then
-// (after drop_slots) positions and the exchange with the layout. After begin_call (the call's
-// number and a clean status).
+// (after drop_slots) positions and the exchange with the layout. begins_call: the call begins in
+// the kernel's first block to start (the others wait for it), which also zeroes `sums` (the drop
+// rule's counts) before any block adds to them; every block zeroes its part of `zeroed` (the
+// handle's receive arrays) before the last block writes the layout.
+struct ZeroBytes {
+  char* from = nullptr;
+  int64_t bytes = 0;
+};
 struct RouteJob {
+  bool begins_call = false;
+  ZeroBytes sums, zeroed;
   RoutingInput in;
   FiniteCheck finite;
   int32_t* slot_expert = nullptr;

@@ -10,16 +10,6 @@ namespace epx::detail::kernels {
 
 namespace {
 
-// Every thread of the call's first block: thread 0 advances the call's number and clears the
-// status, which the block's threads then see.
-__device__ void begin_call_block(CallState* cs, DeviceStatus* st) {
-  if (threadIdx.x == 0) {
-    cs->call += 1;
-    *st = DeviceStatus{};
-  }
-  __syncthreads();
-}
-
 __global__ void begin_call_kernel(CallState* cs, DeviceStatus* st) { begin_call_block(cs, st); }
 
 __global__ void post_plan_kernel(PeerWindows w, WindowMap m, PlanHeader header, const int64_t* counts,

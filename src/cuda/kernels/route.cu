@@ -149,6 +149,41 @@ __device__ int64_t scan_column(const int32_t* values, int32_t* bases, int64_t wi
   return running;
 }
 
+// Zeroes bytes [from, from + bytes), the part of `parts` equal parts this caller's is `part`
+// (16-byte stores where aligned, the rest bytewise).
+__device__ void zero_part(const ZeroBytes& z, int64_t part, int64_t parts) {
+  const int64_t vectors = reinterpret_cast<uintptr_t>(z.from) % 16 == 0 ? z.bytes / 16 : 0;
+  const int64_t per = (vectors + parts - 1) / parts;
+  int4* v = reinterpret_cast<int4*>(z.from);
+  for (int64_t i = part * per + threadIdx.x; i < min(vectors, (part + 1) * per); i += blockDim.x) v[i] = int4{0, 0, 0, 0};
+  if (part == parts - 1)
+    for (int64_t i = vectors * 16 + threadIdx.x; i < z.bytes; i += blockDim.x) z.from[i] = 0;
+}
+
+// Work of the plan kernel's first block to start, before any other block goes on: the call's
+// begin (job.begins_call: before any block reads the call's number or reports into its status)
+// and the zeroing of the drop rule's sums (before any block adds to them). The other blocks wait
+// for it, a block that runs already, so none waits for a block without an SM.
+__device__ bool needs_first_block(const RouteJob& job) { return job.begins_call || job.sums.bytes > 0; }
+
+__device__ void first_block_first(const RouteJob& job, CallState* cs, DeviceStatus* st) {
+  const int order = arrival_order(&cs->plan_arrivals);
+  if (order == 0) {
+    zero_part(job.sums, 0, 1);
+    if (job.begins_call) begin_call_block(cs, st);
+    __syncthreads();  // the zeroing before the flag
+    if (threadIdx.x == 0) {
+      __threadfence();
+      atomicExch(&cs->plan_begun, 1u);
+    }
+  } else if (threadIdx.x == 0) {
+    while (atomicAdd(&cs->plan_begun, 0u) == 0u) {
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+
 // One block per SM at most (ptxas would otherwise keep registers for two and spill).
 __global__ void __launch_bounds__(kThreads, 1) plan_dispatch_kernel(PeerWindows w, WindowMap m, Shape s,
                                                                     int64_t tokens, RouteJob job, ExchangeJob x,
@@ -158,6 +193,8 @@ __global__ void __launch_bounds__(kThreads, 1) plan_dispatch_kernel(PeerWindows 
   const int lane = threadIdx.x % 32;
   const int64_t width = s.experts + s.ranks, chunks = (tokens + kChunkTokens - 1) / kChunkTokens;
   const int64_t first = blockIdx.x * p.chunks_per_block, end = min(chunks, first + p.chunks_per_block);
+  if (needs_first_block(job)) first_block_first(job, cs, st);
+  zero_part(job.zeroed, blockIdx.x, gridDim.x);  // fenced by last_block before the layout's writes
   for (int64_t c = first + threadIdx.x / 32; c < end; c += kWarps) {
     const int64_t t = c * kChunkTokens + lane;
     if (job.canonicalize && lane < kChunkTokens && t < tokens)
@@ -172,6 +209,7 @@ __global__ void __launch_bounds__(kThreads, 1) plan_dispatch_kernel(PeerWindows 
       p.block_base[blockIdx.x * width + col] =
           static_cast<int32_t>(scan_column(p.chunk_count, p.chunk_base, width, col, first, end));
   if (!last_block(&cs->plan_blocks_done)) return;
+  if (needs_first_block(job) && threadIdx.x == 0) cs->plan_begun = 0;  // every block is past its wait
   if (job.positions)  // the blocks' totals (in block_base) into their bases, and the rank's totals
     for (int64_t col = threadIdx.x; col < width; col += blockDim.x)
       p.totals[col] = scan_column(p.block_base, p.block_base, width, col, 0, gridDim.x);
