@@ -863,8 +863,9 @@ void CudaBackend::transfer(const DispatchRequest& rq, const DeviceHandle& dh, co
     kernels::dispatch_receive(ctx(), dh.recv, outputs, layout, rq.rows, mine, phase, end);
     EPX_CUDA(cudaStreamWaitEvent(stream_, copies_done_, 0));  // x is read until then
   } else {
-    // At one rank, rows that need no quantizing go from x to the outputs by the receivers alone.
-    const int senders = ranks_ == 1 && kernels::own_rows_from_input(rq.rows) ? 0 : send_blocks(true, layout);
+    // At one rank every row goes from x to the outputs by the receivers alone (encoded there).
+    const bool alone = ranks_ == 1 && !kernels::own_rows_sent(rq.rows, wire_.bytes());
+    const int senders = alone ? 0 : send_blocks(true, layout);
     kernels::dispatch_transfer(ctx(), senders, rq.rows, rq.tokens,
                                kernels::SendPlan{dh.slot_expert, dh.slot_weight, dh.pos}, dh.recv, outputs, layout,
                                end);

@@ -31,18 +31,23 @@ __device__ int64_t stream_slot(const Shape& s, int source, int64_t pos) {
   return source * s.max_tokens + pos;
 }
 
-// Whether the sender moves rows to rank d. Own tokens skip the window when their wire row is a
-// plain copy of the input (own_rows_from_input): the receiver copies them from x, placing them by
-// this rank's plan. Quantized on send (fp8, nvfp4), they still go through the window: a quantizer
-// in the receive loop would need registers the bulk copies' loop keeps.
-__device__ bool sends_to(const PeerWindows& w, const SendRows& rows, int d) {
-  return d != w.rank || !own_rows_from_input(rows);
+// How this rank's own rows reach its outputs: copied from x by the receivers (their wire row is
+// x's, own_rows_from_input), encoded by the receivers into their warp's stage first (a quantized
+// wire row that fits one), or else through the window like every other rank's.
+enum class OwnRows { copied, encoded, sent };
+__host__ __device__ OwnRows own_rows(const SendRows& rows, int64_t wire_row_bytes) {
+  if (own_rows_from_input(rows)) return OwnRows::copied;
+  return wire_row_bytes <= kBulkStageBytes ? OwnRows::encoded : OwnRows::sent;
 }
+__device__ int64_t wire_row_bytes(const RecvOutputs& out) { return out.x_bytes + out.scale_bytes + out.global_bytes; }
+
+// Whether the sender moves rows to rank d (this rank's own only when OwnRows::sent).
+__device__ bool sends_to(const PeerWindows& w, OwnRows own, int d) { return d != w.rank || own == OwnRows::sent; }
 
 // One warp: token t of chunk c to every rank the sender serves that holds one of its slots, with
 // the row's placing data.
 __device__ void send_token(const PeerWindows& w, const WindowMap& m, const Shape& s, const SendRows& rows,
-                           const SendPlan& plan, int64_t c, int64_t t, int lane) {
+                           OwnRows own, const SendPlan& plan, int64_t c, int64_t t, int lane) {
   const ChunkPositions& p = plan.pos;
   const int64_t width = s.experts + s.ranks;
   const ChunkBases base = chunk_bases(p, width, c);
@@ -51,7 +56,7 @@ __device__ void send_token(const PeerWindows& w, const WindowMap& m, const Shape
   int to[kMaxRanks];
   int n = 0;
   for (int d = 0; d < s.ranks; ++d) {
-    if (!sends_to(w, rows, d)) continue;  // the receiver places it and owns its send_pos entry
+    if (!sends_to(w, own, d)) continue;  // the receiver places it and owns its send_pos entry
     const int32_t in_chunk = p.send_pos[t * s.ranks + d];
     if (in_chunk < 0) continue;
     const int64_t pos = base[s.experts + d] + in_chunk;
@@ -82,19 +87,19 @@ __device__ void send_token(const PeerWindows& w, const WindowMap& m, const Shape
 // flag warp then publishes the chunk's rows to each destination while the copy warps go on with
 // the next chunk.
 __device__ void send_chunks(const PeerWindows& w, const WindowMap& m, const Shape& s, const SendRows& rows,
-                            int64_t tokens, const SendPlan& plan, uint32_t epoch, int block, int blocks) {
+                            OwnRows own, int64_t tokens, const SendPlan& plan, uint32_t epoch, int block, int blocks) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t chunks = (tokens + kChunkTokens - 1) / kChunkTokens, width = s.experts + s.ranks;
   for (int64_t c = block; c < chunks; c += blocks) {
     if (warp < kSendWarps)
       for (int64_t t = c * kChunkTokens + warp; t < min((c + 1) * kChunkTokens, tokens); t += kSendWarps)
-        send_token(w, m, s, rows, plan, c, t, lane);
+        send_token(w, m, s, rows, own, plan, c, t, lane);
     __syncthreads();
     if (warp == kSendWarps && lane == 0) {
       __threadfence_system();  // the chunk's rows (all warps', seen through the barrier) before its flags
       const ChunkBases base = chunk_bases(plan.pos, width, c);
       for (int d = 0; d < s.ranks; ++d) {
-        if (!sends_to(w, rows, d)) continue;
+        if (!sends_to(w, own, d)) continue;
         const uint64_t range = static_cast<uint64_t>(base[s.experts + d]) << kRangeCountBits |
                                static_cast<uint64_t>(plan.pos.chunk_count[c * width + s.experts + d]);
         set_flag(at_window<uint64_t>(w, d, m.fwd_chunk_flag) + w.rank * m.max_chunks + c,
@@ -298,9 +303,12 @@ __device__ bool receive_streamed(const PeerWindows& w, const WindowMap& m, const
   return true;
 }
 
-// SM engine, one warp: token j of this rank's own chunk c, straight from x and the plan when no
-// sender moves it (own_rows_from_input). Like a sender, the warp turns the token's place in the
-// chunk into its stream position in send_pos (combine reads it), and records the chunk's range.
+// SM engine, one warp: token j of this rank's own chunk c, straight from x and the plan (no
+// sender moves it): copied (kEncode false: its wire row is x's, own_rows_from_input), or encoded
+// by the warp into its bulk-copy stage first (the sender's encoder: the same bits) and copied
+// from there with register copies. Like a sender, the warp turns the token's place in the chunk
+// into its stream position in send_pos (combine reads it), and records the chunk's range.
+template <bool kEncode>
 __device__ void receive_own(const WindowMap& m, const Shape& s, const RecvArrays& r, const RecvOutputs& out,
                             Layout layout, const SendRows& own, const SendPlan& plan, int64_t tokens, int64_t c,
                             int64_t j, int lane) {
@@ -319,7 +327,33 @@ __device__ void receive_own(const WindowMap& m, const Shape& s, const RecvArrays
   __syncwarp();  // every lane read send_pos before lane 0 overwrites it
   if (lane == 0) *send_pos = static_cast<int32_t>(pos);
   const RowSlots slots{plan.slot_expert, plan.slot_weight, p.slot_pos, t * s.topk, s.rank, base};
-  receive_row(s, r, out, layout, &own, nullptr, static_cast<int32_t>(t), slots, s.rank, pos, lane);
+  if constexpr (!kEncode) {
+    receive_row(s, r, out, layout, &own, nullptr, static_cast<int32_t>(t), slots, s.rank, pos, lane);
+  } else {
+    char* stage = warp_bulk_stage().buf;
+    encode_wire_row(own, t, s.hidden, &stage, 1, lane);
+    __syncwarp();  // every lane's part of the row, for every lane's copy
+    RecvOutputs from_stage = out;
+    from_stage.bulk = false;  // a bulk copy reads global memory, not the stage
+    receive_row(s, r, from_stage, layout, nullptr, stage, static_cast<int32_t>(t), slots, s.rank, pos, lane);
+    __syncwarp();  // the copies read the stage before the next row's encoding writes it
+  }
+}
+
+// A receiving block's warps, before any bulk copy uses their stages: every one of this rank's
+// own tokens when its wire row is encoded here (receive_own<true>), then a proxy fence, so the
+// stages' later bulk writes follow these generic accesses. In a loop of its own, apart from the
+// receive loop's, so the encoder's registers do not add to that loop's.
+__device__ void encode_own_rows(const WindowMap& m, const Shape& s, const RecvArrays& r, const RecvOutputs& out,
+                                Layout layout, const SendRows& own, const SendPlan& plan, int64_t tokens, int block,
+                                int blocks) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warp = block * static_cast<int64_t>(kWarps) + threadIdx.x / 32, warps = static_cast<int64_t>(blocks) * kWarps;
+  const int64_t chunks = (tokens + kChunkTokens - 1) / kChunkTokens;
+  for (int64_t u = warp; u < chunks * kChunkTokens; u += warps)
+    receive_own<true>(m, s, r, out, layout, own, plan, tokens, u / kChunkTokens, u % kChunkTokens, lane);
+  cuda::ptx::fence_proxy_async(cuda::ptx::space_shared);
+  __syncwarp();
 }
 
 // What one warp of the copy-engine receiver has already waited for and read of the source it
@@ -436,13 +470,15 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_transfer_kernel(PeerWind
   const int role = arrival_order(&cs->transfer_arrivals);
   const uint32_t epoch = call_epoch(cs);
   const int lane = threadIdx.x % 32;
+  const OwnRows own = own_rows(rows, wire_row_bytes(out));
   if (role < senders) {
-    if (!block_sees_failure(st)) send_chunks(w, m, s, rows, tokens, plan, epoch, role, senders);
+    if (!block_sees_failure(st)) send_chunks(w, m, s, rows, own, tokens, plan, epoch, role, senders);
   } else {
-    const bool own_direct = own_rows_from_input(rows);
-    receive_rows(w, s, r, out, layout, false, role - senders, gridDim.x - senders, [&](int source, int64_t c, int64_t j) {
-      if (source == w.rank && own_direct) {
-        receive_own(m, s, r, out, layout, rows, plan, tokens, c, j, lane);
+    const int block = role - senders, blocks = static_cast<int>(gridDim.x) - senders;
+    if (own == OwnRows::encoded) encode_own_rows(m, s, r, out, layout, rows, plan, tokens, block, blocks);
+    receive_rows(w, s, r, out, layout, false, block, blocks, [&](int source, int64_t c, int64_t j) {
+      if (source == w.rank && own != OwnRows::sent) {  // placed already when encoded here
+        if (own == OwnRows::copied) receive_own<false>(m, s, r, out, layout, rows, plan, tokens, c, j, lane);
         return true;
       }
       return receive_streamed(w, m, s, r, out, layout, source, c, j, epoch, timeout_ns, st, lane);
@@ -474,6 +510,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_receive_kernel(PeerWindo
 const size_t kBulkSmem = static_cast<size_t>(bulk_stage_smem(kWarps));
 
 }  // namespace
+
+bool own_rows_sent(const SendRows& rows, int64_t wire_row_bytes) {
+  return own_rows(rows, wire_row_bytes) == OwnRows::sent;
+}
 
 void dispatch_transfer(const Ctx& ctx, int senders, const SendRows& rows, int64_t tokens, const SendPlan& plan,
                        const RecvArrays& r, const RecvOutputs& out, Layout layout, const CallEnd& end) {

@@ -290,6 +290,9 @@ struct CallEnd {
 // receiving: each token once to every other rank holding one of its experts (and to this rank
 // when quantized), each received row into the outputs. `rows` are this rank's input rows, which
 // the receivers place themselves when they need no quantizing.
+// Whether this rank's own rows go through its window (a quantized wire row too long for a warp's
+// stage), not from x to the outputs by the receivers: then a dispatch at one rank needs senders.
+bool own_rows_sent(const SendRows& rows, int64_t wire_row_bytes);
 void dispatch_transfer(const Ctx& ctx, int senders, const SendRows& rows, int64_t tokens, const SendPlan& plan,
                        const RecvArrays& r, const RecvOutputs& out, Layout layout, const CallEnd& end);
 // Copy-engine dispatch's receiver (ctx.blocks blocks): every row's place comes from its source's
