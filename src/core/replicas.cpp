@@ -42,6 +42,21 @@ void validate_replica_tensor(const TensorView& table, const ReplicaShape& shape,
                {shape.logical, shape.width}, device);
 }
 
+std::string replica_out_of_range(const char* op, int64_t e, int64_t j, int64_t value, int64_t physical) {
+  return cat(op, ": expert_replicas[", e, "][", j, "] = ", value,
+             " is out of range; physical expert ids must be in [0, ", physical, ") or -1 for an unused entry");
+}
+
+std::string replica_repeated(const char* op, int64_t e, int64_t j, int64_t value, int64_t e0, int64_t j0) {
+  return cat(op, ": expert_replicas[", e, "][", j, "] = ", value, " repeats expert_replicas[", e0, "][", j0,
+             "]; a physical expert serves one logical expert, once");
+}
+
+std::string replica_empty_row(const char* op, int64_t e, int64_t width) {
+  return cat(op, ": expert_replicas[", e, "] has no entry (all ", width,
+             " are -1); every logical expert needs at least one physical expert");
+}
+
 ReplicaChoice read_replica_choice(const TensorView& table, const ReplicaShape& shape, int rank, int ranks,
                                   const char* op) {
   const int64_t per_rank = shape.physical / ranks;
@@ -53,17 +68,16 @@ ReplicaChoice read_replica_choice(const TensorView& table, const ReplicaShape& s
     for (int64_t j = 0; j < shape.width; ++j) {
       const int32_t p = at<int32_t>(table, e, j);
       if (p == -1) continue;
-      require(p >= 0 && p < shape.physical, op, ": expert_replicas[", e, "][", j, "] = ", p,
-              " is out of range; physical expert ids must be in [0, ", shape.physical, ") or -1 for an unused entry");
+      if (p < 0 || p >= shape.physical)
+        fail(ErrorCode::invalid_argument, replica_out_of_range(op, e, j, p, shape.physical));
       const int64_t before = seen_at[p];
-      require(before < 0, op, ": expert_replicas[", e, "][", j, "] = ", p, " repeats expert_replicas[",
-              before / shape.width, "][", before % shape.width, "]; a physical expert serves one logical expert, once");
+      if (before >= 0)
+        fail(ErrorCode::invalid_argument, replica_repeated(op, e, j, p, before / shape.width, before % shape.width));
       seen_at[p] = e * shape.width + j;
       all.push_back(p);
       if (p / per_rank == rank) choice.candidates[e].push_back(p);
     }
-    require(!all.empty(), op, ": expert_replicas[", e, "] has no entry (all ", shape.width,
-            " are -1); every logical expert needs at least one physical expert");
+    if (all.empty()) fail(ErrorCode::invalid_argument, replica_empty_row(op, e, shape.width));
     if (choice.candidates[e].empty()) choice.candidates[e] = all;
   }
   return choice;

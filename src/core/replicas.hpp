@@ -51,6 +51,12 @@ struct ReplicaChoice {
   }
 };
 
+// The words of a bad table's first violation (every backend's, so that a device check says the same):
+// entry [e][j] out of range, entry [e][j] repeating [e0][j0], row e without an entry.
+std::string replica_out_of_range(const char* op, int64_t e, int64_t j, int64_t value, int64_t physical);
+std::string replica_repeated(const char* op, int64_t e, int64_t j, int64_t value, int64_t e0, int64_t j0);
+std::string replica_empty_row(const char* op, int64_t e, int64_t width);
+
 // Reads a host table and checks its values (each row one entry at least, ids in [0, P) or -1,
 // no physical id twice in the table); throws invalid_argument naming expert_replicas[e][j].
 ReplicaChoice read_replica_choice(const TensorView& table, const ReplicaShape& shape, int rank, int ranks,

@@ -21,6 +21,7 @@
 #include "cuda/cuda_check.hpp"
 #include "cuda/device_handle.hpp"
 #include "cuda/dispatch_input.hpp"
+#include "cuda/replica_errors.hpp"
 #include "cuda/stream_switch.hpp"
 #include "epx/codec.hpp"
 
@@ -55,7 +56,7 @@ bool use_copy_combine(int ranks) {
   return engine == Engine::copy || (engine == Engine::automatic && ranks <= 2);
 }
 
-WindowMap make_window_map(const BufferConfig& c, int ranks, const WireRow& wire, bool broadcast) {
+WindowMap make_window_map(const BufferConfig& c, int64_t experts, int ranks, const WireRow& wire, bool broadcast) {
   WindowMap m{};
   const int64_t rows = ranks * c.max_tokens_per_rank;
   int64_t at = 0;
@@ -65,7 +66,7 @@ WindowMap make_window_map(const BufferConfig& c, int ranks, const WireRow& wire,
     return here;
   };
   m.signals = take(8 * kSignalKinds * ranks);
-  m.plan_stride = round16(static_cast<int64_t>(sizeof(PlanHeader)) + 8 * (c.num_experts + ranks));
+  m.plan_stride = round16(static_cast<int64_t>(sizeof(PlanHeader)) + 8 * (experts + ranks));
   m.plans = take(2 * 2 * ranks * m.plan_stride);
   m.max_chunks = (c.max_tokens_per_rank + kChunkTokens - 1) / kChunkTokens;
   m.fwd_chunk_flag = take(8 * ranks * m.max_chunks);
@@ -114,10 +115,11 @@ class Carver {
   int64_t used_ = 0;
 };
 
-void carve_handle(DeviceHandle& h, Carver& c, int64_t tokens, const BufferConfig& cfg, int ranks, int64_t max_chunks,
-                  const kernels::PlanSplit& split) {
-  const int64_t k = cfg.topk, rows = ranks * cfg.max_tokens_per_rank, l_count = cfg.num_experts / ranks;
-  const int64_t chunks = (tokens + kChunkTokens - 1) / kChunkTokens, width = cfg.num_experts + ranks;
+// `experts`: the physical ones (P with EPLB), whose counts the plan keeps.
+void carve_handle(DeviceHandle& h, Carver& c, int64_t tokens, const BufferConfig& cfg, int64_t experts, int ranks,
+                  int64_t max_chunks, const kernels::PlanSplit& split) {
+  const int64_t k = cfg.topk, rows = ranks * cfg.max_tokens_per_rank, l_count = experts / ranks;
+  const int64_t chunks = (tokens + kChunkTokens - 1) / kChunkTokens, width = experts + ranks;
   h.slot_expert = c.take<int32_t>(tokens * k);
   h.slot_weight = c.take<float>(tokens * k);
   h.pos.chunk_count = c.take<int32_t>(chunks * width);
@@ -127,8 +129,8 @@ void carve_handle(DeviceHandle& h, Carver& c, int64_t tokens, const BufferConfig
   h.pos.totals = c.take<int64_t>(width);
   h.pos.send_pos = c.take<int32_t>(tokens * ranks);
   h.pos.slot_pos = c.take<int32_t>(tokens * k);
-  h.counts = c.take<int64_t>(cfg.num_experts);
-  h.expert_prefix = c.take<int64_t>(cfg.num_experts);
+  h.counts = c.take<int64_t>(experts);
+  h.expert_prefix = c.take<int64_t>(experts);
   h.drop_capacity = c.take<int64_t>(1);
   h.dropped = c.take<int64_t>(1);
   h.recv.info = c.take<int64_t>(4);
@@ -190,7 +192,10 @@ std::string input_error(int32_t code, int64_t a, int64_t b, int64_t c, const Buf
                cfg.num_experts, ") or -1 for an unused slot");
   if (code == kStatusRepeatedExpert)
     return cat("dispatch: token ", a, " selects expert ", c, " twice (first in slot ", b, "); each expert at most once per token");
-  return cat("error code ", code);
+  const ReplicaShape shape{cfg.num_experts, physical_experts(cfg.num_experts, cfg.num_physical_experts),
+                           resolved_max_replicas(cfg.num_experts, cfg.num_physical_experts, cfg.max_replicas)};
+  const std::string table = replica_error("dispatch", code, a, b, c, shape);
+  return table.empty() ? cat("error code ", code) : table;
 }
 
 }  // namespace
@@ -216,7 +221,9 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
     : Backend(group, config),
       rank_(group.rank()),
       ranks_(group.size()),
-      local_experts_(config.num_experts / group.size()),
+      replicas_(replica_shape(config.num_experts, config.num_physical_experts, config.max_replicas, group.size(),
+                              "buffer")),
+      local_experts_(replicas_.physical / group.size()),
       wire_(wire_row(config.wire, config.hidden)) {
   // This backend's own checks of the config and the environment, then the creation's agreement
   // (core/creation.hpp): a rank refusing fails every rank at once, before anything collective.
@@ -225,8 +232,9 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
     state = dynamic_cast<CudaGroupState*>(group.state().get());
     require(state != nullptr, "buffer: group is not a CUDA group");
     refuse_low_precision_combine(config.combine_wire, "buffer");
-    refuse_redundant_experts(config.num_physical_experts, "buffer");
     require(ranks_ <= kMaxRanks, "buffer: the CUDA backend supports at most ", kMaxRanks, " ranks, got ", ranks_);
+    require(replicas_.logical * replicas_.width < (int64_t{1} << 31), "buffer: the CUDA backend supports replica ",
+            "tables of fewer than 2^31 entries (num_experts x max_replicas), got ", replicas_.logical * replicas_.width);
     refuse_shared_expert(config.shared_expert, "buffer");
     require(config.max_tokens_per_rank < (int64_t{1} << (32 - kRangeCountBits)),
             "buffer: the CUDA backend supports max_tokens_per_rank < 2^27, got ", config.max_tokens_per_rank);
@@ -243,7 +251,7 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
             "] (0 = the measured split; at least one of the ", blocks_, " blocks receives), got ", config.send_blocks);
     timeout_ = resolve_timeout(config.timeout_ms);  // EPX_TIMEOUT_MS may be bad on one rank's host
     choose_paths(*state);
-    map_ = make_window_map(config, ranks_, wire_, broadcast_);
+    map_ = make_window_map(config, replicas_.physical, ranks_, wire_, broadcast_);
   });
   // Everything that may synchronize the device comes before the collective window allocation:
   // once a rank returns from it, peers may already wait inside a call, and on a GPU shared by
@@ -255,6 +263,7 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   EPX_CUDA(cudaMalloc(&scratch_, sizeof(int64_t)));
   EPX_CUDA(cudaMalloc(&load_, static_cast<size_t>(local_experts_) * sizeof(int64_t)));
   EPX_CUDA(cudaMemset(load_, 0, static_cast<size_t>(local_experts_) * sizeof(int64_t)));
+  if (replicas_.enabled()) EPX_CUDA(cudaMalloc(&replica_seen_, static_cast<size_t>(replicas_.physical) * sizeof(int32_t)));
   EPX_CUDA(cudaMemset(status_, 0, sizeof(DeviceStatus)));
   EPX_CUDA(cudaHostAlloc(&host_status_, sizeof(DeviceStatus), cudaHostAllocMapped));
   std::memset(host_status_, 0, sizeof(DeviceStatus));
@@ -320,6 +329,7 @@ CudaBackend::~CudaBackend() {
   cudaFree(call_state_);
   cudaFree(scratch_);
   cudaFree(load_);
+  cudaFree(replica_seen_);
   cudaFreeHost(host_status_);
   cudaFreeHost(plan_report_);
   cudaEventDestroy(fork_);
@@ -346,7 +356,7 @@ kernels::Ctx CudaBackend::ctx(cudaStream_t stream) const {
   const BufferConfig& c = config();
   kernels::Ctx x{window_->peers(), map_, {}, status_, call_state_, static_cast<uint64_t>(timeout_.count()) * 1000000ull,
                  blocks_, stream ? stream : stream_};
-  x.shape = {rank_, ranks_, c.hidden, c.topk, c.num_experts, local_experts_, c.max_tokens_per_rank};
+  x.shape = {rank_, ranks_, c.hidden, c.topk, replicas_.physical, local_experts_, c.max_tokens_per_rank};
   return x;
 }
 
@@ -402,6 +412,9 @@ void CudaBackend::raise(const DeviceStatus& st, const Call& call) {
     case kStatusBadExpert:
     case kStatusRepeatedExpert:
     case kStatusNonFinite:
+    case kStatusReplicaOutOfRange:
+    case kStatusReplicaRepeated:
+    case kStatusReplicaEmptyRow:
       throw Error(ErrorCode::invalid_argument, input_error(st.code, st.a, st.b, st.c, config()));
     case kStatusPeerRejected: {
       std::string reason;
@@ -412,7 +425,8 @@ void CudaBackend::raise(const DeviceStatus& st, const Call& call) {
         char text[sizeof(PlanHeader::message)] = {};
         EPX_CUDA(cudaMemcpy(text, msg, sizeof text - 1, cudaMemcpyDeviceToHost));
         reason = text;
-      } else if (st.a == kStatusTimeout || st.a == kStatusPeerRejected || st.a == kStatusCallMismatch) {
+      } else if (st.a == kStatusTimeout || st.a == kStatusPeerRejected || st.a == kStatusCallMismatch ||
+                 st.a == kStatusReplicaMismatch) {
         // The peer failed for a reason of the group's, not of its input: its own error says which.
         fail(ErrorCode::peer_failed, who, "rank ", st.rank,
              st.a == kStatusTimeout ? " gave up waiting for another rank" : " stopped after another rank failed",
@@ -426,6 +440,9 @@ void CudaBackend::raise(const DeviceStatus& st, const Call& call) {
       fail(ErrorCode::config_mismatch, who, "rank ", st.rank, " is in '", call_kind_name(static_cast<int32_t>(st.a)), " #",
            st.b, "' or uses other options; every rank must make the same collective calls in the same order, with "
            "the same options and handles of the same dispatch");
+    case kStatusReplicaMismatch:
+      fail(ErrorCode::config_mismatch, who, "rank ", st.rank, " passes another expert_replicas table (their hashes "
+           "differ); every rank must pass the same replica table at every dispatch");
     case kStatusTimeout: {
       static const char* steps[] = {"plan exchange", "transfer", "return transfer"};
       broken_ = true;
@@ -700,9 +717,13 @@ CudaBackend::DispatchRequest CudaBackend::read_dispatch(const DispatchInput& in,
     rq.tokens = in.x.shape[0];
     validate_routing_tensors(in, c, rq.tokens, DeviceKind::cuda);
     validate_shared_expert(in, c, opt, rq.tokens, DeviceKind::cuda);  // refuses a shared_gate (no shared expert here)
-    validate_replica_tensor(in.expert_replicas, no_replicas(c.num_experts), "dispatch",
-                            DeviceKind::cuda);  // refuses a table (no EPLB here)
+    validate_replica_tensor(in.expert_replicas, replicas_, "dispatch", DeviceKind::cuda);
+    check_device_tensor(in.expert_replicas, "dispatch: expert_replicas");
+    if (replicas_.enabled())  // its values are checked by the plan kernel
+      rq.replicas = {in.expert_replicas.ptr<const int32_t>(), replica_seen_, replicas_.logical, replicas_.width,
+                     replicas_.physical, in.expert_replicas.strides[0]};
     rq.routing = routing_input(in);
+    rq.routing.experts = c.num_experts;
     rq.has_weights = in.topk_idx.defined() ? in.topk_weights.defined() : in.probs.defined();
     rq.rows = send_rows(in, c.wire, opt.nvfp4_global_scale);
     if (c.check_finite) rq.finite = finite_check(in, c.hidden);
@@ -748,11 +769,11 @@ std::shared_ptr<DeviceHandle> CudaBackend::make_device_handle(int64_t tokens) {
   auto dh = std::make_shared<DeviceHandle>();
   const kernels::PlanSplit split = kernels::plan_split(blocks_, tokens);
   Carver measure(nullptr);
-  carve_handle(*dh, measure, tokens, c, ranks_, map_.max_chunks, split);
+  carve_handle(*dh, measure, tokens, c, replicas_.physical, ranks_, map_.max_chunks, split);
   const Tensor block = output_block(measure.used(), stream_);  // cached like the outputs
   dh->memory = block.storage();
   Carver carve(block.data<char>());
-  carve_handle(*dh, carve, tokens, c, ranks_, map_.max_chunks, split);
+  carve_handle(*dh, carve, tokens, c, replicas_.physical, ranks_, map_.max_chunks, split);
   host_steps_.mark("handle allocated");
   return dh;
 }
@@ -778,8 +799,9 @@ CudaBackend::ZeroedParts CudaBackend::zeroed_parts(const DeviceHandle& dh) const
 // launch (kernels::plan_dispatch). With the drop rule, the routing and the exchange of its counts
 // come first, then drop_slots, then the positions and the last exchange. A copy-engine dispatch
 // then makes its positions final (the SM senders do it as they send).
+// EPLB: the routing also maps each slot to its replica and writes it to `chosen` (topk_physical).
 int CudaBackend::plan(const Call& call, int64_t signature, const DispatchRequest& rq, DeviceHandle& dh,
-                      const kernels::LayoutJob& layout) {
+                      const kernels::LayoutJob& layout, int32_t* chosen) {
   const BufferConfig& c = config();
   const int64_t tokens = rq.tokens;
   timer_.mark(0, stream_);
@@ -791,6 +813,8 @@ int CudaBackend::plan(const Call& call, int64_t signature, const DispatchRequest
   job.zeroed = zeroed.receive;
   job.in = rq.routing;
   job.finite = rq.finite;
+  job.replicas = rq.replicas;
+  job.chosen = chosen;
   job.slot_expert = dh.slot_expert;
   job.slot_weight = dh.slot_weight;
   job.pos = dh.pos;
@@ -800,14 +824,17 @@ int CudaBackend::plan(const Call& call, int64_t signature, const DispatchRequest
     kernels::RouteJob routing = job;
     routing.counts = dh.counts;
     routing.positions = false;
-    kernels::plan_dispatch(x, tokens, routing, exchange_job(call, phase++, tokens, signature, dh.counts, c.num_experts,
-                                                            dh.expert_prefix, dh.drop_capacity));
+    kernels::plan_dispatch(x, tokens, routing,
+                           exchange_job(call, phase++, tokens, signature, dh.counts, replicas_.physical,
+                                        dh.expert_prefix, dh.drop_capacity));
     kernels::drop_slots(x, tokens, dh.slot_expert, dh.slot_weight, dh.expert_prefix, dh.drop_capacity, dh.dropped);
     job.canonicalize = false;
     job.begins_call = false;
+    job.replicas = {};
+    job.chosen = nullptr;
     job.sums = job.zeroed = kernels::ZeroBytes{};
   }
-  const kernels::ExchangeJob last = exchange_job(call, phase, tokens, signature, dh.pos.totals, c.num_experts + ranks_,
+  const kernels::ExchangeJob last = exchange_job(call, phase, tokens, signature, dh.pos.totals, replicas_.physical + ranks_,
                                                  nullptr, nullptr, &layout, drop ? dh.dropped : nullptr);
   kernels::plan_dispatch(x, tokens, job, last);
   if (layout.layout == Layout::expert_major) exchanged(last);  // rank-major reads its sizes after its sync
@@ -952,7 +979,14 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   const std::shared_ptr<DeviceHandle> dh = make_device_handle(tokens);
   const bool capacity_mode = c.mode == CapacityMode::capacity;
   const kernels::LayoutJob layout{dh->recv, opt.layout, c.expert_alignment, capacity_mode ? c.capacity_rows : 0, load_};
-  const int phase = plan(call, signature, rq, *dh, layout);
+  DispatchResult out;
+  if (replicas_.enabled()) {  // EPLB: the replicas chosen, which the plan kernel writes
+    OutputBlock chosen(*this, stream_);
+    chosen.add(&out.topk_physical, DType::i32, {tokens, c.topk});
+    chosen.allocate();
+  }
+  const int phase =
+      plan(call, signature, rq, *dh, layout, out.topk_physical.defined() ? out.topk_physical.data<int32_t>() : nullptr);
   if (broadcast_) {
     enqueue_broadcast(broadcast, tokens, 2, kMaxPieces);
     host_steps_.mark("broadcast's other pieces enqueued");
@@ -969,7 +1003,6 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     capacity = plan_report_->info[2];
     host_steps_.mark("sizes read");
   }
-  DispatchResult out;
   const kernels::RecvOutputs outputs = allocate_outputs(out, *dh, opt.layout, capacity);
   transfer(rq, *dh, outputs, opt.layout, phase, out.recv_info);
   return finish_dispatch(call, std::move(out), dh,

@@ -10,6 +10,7 @@
 
 #include "core/backend.hpp"
 #include "core/handle.hpp"
+#include "core/replicas.hpp"
 #include "core/wire.hpp"
 #include "cuda/cuda_group.hpp"
 #include "cuda/host_steps.hpp"
@@ -72,6 +73,7 @@ class CudaBackend final : public Backend {
     kernels::RoutingInput routing;
     kernels::SendRows rows;
     kernels::FiniteCheck finite;  // check_finite: scanned beside the routing check
+    ReplicaTable replicas;  // EPLB: the call's table (checked and hashed by the plan kernel)
     bool has_weights = false;
   };
   DispatchRequest read_dispatch(const DispatchInput& in, const DispatchOptions& opt) const;
@@ -95,7 +97,7 @@ class CudaBackend final : public Backend {
   // The plan kernel(s): routing, the drop rule (with its own plan exchange), the positions and the
   // plan exchange with the receiver's layout. Returns the phase of the last exchange.
   int plan(const Call& call, int64_t signature, const DispatchRequest& rq, DeviceHandle& dh,
-           const kernels::LayoutJob& layout);
+           const kernels::LayoutJob& layout, int32_t* chosen);
   // The outputs, one allocation on the call's stream (the transfer writes every row, padding and
   // empty rows too), and their pointers as the transfer kernels take them.
   kernels::RecvOutputs allocate_outputs(DispatchResult& out, const DeviceHandle& dh, Layout layout, int64_t capacity);
@@ -201,7 +203,8 @@ class CudaBackend final : public Backend {
   // one rank: the expanders read this rank's rows from the input).
   int expand_senders(Layout layout) const;
   bool poison_outputs_ = false;  // EPX_POISON_OUTPUTS: fill outputs with 0xa5 first (tests)
-  int64_t local_experts_;
+  ReplicaShape replicas_;   // EPLB's E, P and W (P = E without it)
+  int64_t local_experts_;   // L = P / R, the physical experts of each rank
   WireRow wire_;
   std::chrono::milliseconds timeout_{60000};  // every wait on a peer (set in the constructor)
   WindowMap map_{};
@@ -212,6 +215,7 @@ class CudaBackend final : public Backend {
   PlanReport* plan_report_ = nullptr;    // host-mapped: blocking mode's plan status and sizes (plan_ok)
   int64_t* scratch_ = nullptr;           // device: the drop capacity calls other than dispatch ignore
   int64_t* load_ = nullptr;              // device [L]: expert_load's counters (the layout kernel adds to them)
+  int32_t* replica_seen_ = nullptr;      // device [P] with EPLB: the table check's scratch (ReplicaTable::seen)
   // The stream of every call: the buffer's own non-blocking stream (kept alive by every tensor
   // allocated on it, so outputs may outlive the buffer) or one the caller set.
   std::shared_ptr<CUstream_st> owned_stream_;

@@ -34,14 +34,6 @@ inline void refuse_low_precision_combine(WireFormat combine_wire, const char* wh
          "low-precision combine); use combine_wire bf16");
 }
 
-// As refuse_low_precision_combine, for redundant experts (EPLB): the CUDA backends route by
-// logical expert only for now (docs/semantics.md, "Redundant experts (EPLB)").
-inline void refuse_redundant_experts(int64_t num_physical_experts, const char* what) {
-  if (num_physical_experts > 0)
-    fail(ErrorCode::unsupported, what, ": the CUDA backend does not have redundant experts (EPLB) yet "
-         "(num_physical_experts=", num_physical_experts, "); only the CPU backend has them");
-}
-
 // The fused shared expert (BufferConfig / LowLatencyConfig::shared_expert): the CPU backend's only.
 inline void refuse_shared_expert(bool shared_expert, const char* what) {
   if (shared_expert)  // a valid config (the CPU backend serves it): unsupported, not invalid

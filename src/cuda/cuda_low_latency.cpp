@@ -21,6 +21,7 @@
 #include "cuda/cuda_group.hpp"
 #include "cuda/kernels/launch.hpp"
 #include "cuda/kernels/ll_launch.hpp"
+#include "cuda/replica_errors.hpp"
 #include "cuda/stream_switch.hpp"
 #include "cuda/phase_timer.hpp"
 #include "epx/codec.hpp"
@@ -42,11 +43,10 @@ class CudaLowLatency final : public LowLatencyBackend {
       resolve_timeout(c.timeout_ms);  // EPX_TIMEOUT_MS may be bad on one rank's host: refused by every rank
       state = dynamic_cast<CudaGroupState*>(group.state().get());
       require(state != nullptr, "low-latency buffer: group is not a CUDA group");
-      refuse_redundant_experts(c.num_physical_experts, "low-latency buffer");
       refuse_shared_expert(c.shared_expert, "low-latency buffer");
       require(ranks_ <= kMaxRanks, "low-latency buffer: at most ", kMaxRanks, " ranks, got ", ranks_);
-      require(c.num_experts <= kMaxLlExperts, "low-latency buffer: at most ", kMaxLlExperts, " experts, got ",
-              c.num_experts);
+      require(replicas_.physical <= kMaxLlExperts, "low-latency buffer: at most ", kMaxLlExperts,
+              replicas_.enabled() ? " physical experts (num_physical_experts)" : " experts", ", got ", replicas_.physical);
       device_ = state->device(rank_);
       EPX_CUDA(cudaSetDevice(device_));
       int sms = 0;
@@ -82,6 +82,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     map_.weights_in = take(4 * 2 * ranks_);
     map_.route_weights = take(4 * 2 * ranks_ * m * c.topk);
     map_.weights_from = take(4 * 2 * ranks_);
+    map_.table_hash = take(8 * 2 * ranks_);
     map_.total = at;
 
     // This rank's arrays: both sets in one allocation, zeroed (outputs start empty).
@@ -100,6 +101,8 @@ class CudaLowLatency final : public LowLatencyBackend {
     EPX_CUDA(cudaMemset(done_, 0, 2 * sizeof(uint32_t)));
     EPX_CUDA(cudaMalloc(&load_, static_cast<size_t>(local_) * sizeof(int64_t)));
     EPX_CUDA(cudaMemset(load_, 0, static_cast<size_t>(local_) * sizeof(int64_t)));
+    if (replicas_.enabled())  // the table check's scratch (ReplicaTable::seen)
+      EPX_CUDA(cudaMalloc(&replica_seen_, static_cast<size_t>(replicas_.physical) * sizeof(int32_t)));
     if (stamped) {
       EPX_CUDA(cudaMalloc(&stamps_, stamp_bytes()));
       EPX_CUDA(cudaMemset(stamps_, 0, stamp_bytes()));
@@ -127,6 +130,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     cudaFree(status_);
     cudaFree(done_);
     cudaFree(load_);
+    cudaFree(replica_seen_);
     cudaFreeHost(host_status_);
     cudaFreeHost(host_started_);
     cudaStreamDestroy(own_stream_);
@@ -176,12 +180,16 @@ class CudaLowLatency final : public LowLatencyBackend {
         on_device(in.num_tokens, "ll_dispatch: num_tokens");
       }
       check_dispatch_weights(in, tokens, DeviceKind::cuda);
-      validate_replica_tensor(in.expert_replicas, replicas_, "ll_dispatch", DeviceKind::cuda);  // refused: no EPLB here
+      validate_replica_tensor(in.expert_replicas, replicas_, "ll_dispatch", DeviceKind::cuda);
+      if (in.expert_replicas.defined()) on_device(in.expert_replicas, "ll_dispatch: expert_replicas");
       if (in.topk_weights.defined()) on_device(in.topk_weights, "ll_dispatch: topk_weights");
       route = {in.topk_idx.data, in.topk_idx.dtype == DType::i64, in.topk_idx.strides[0],
                in.num_tokens.defined() ? in.num_tokens.ptr<const int32_t>() : nullptr, tokens,
                in.topk_weights.defined() ? in.topk_weights.ptr<const float>() : nullptr,
-               in.topk_weights.defined() ? in.topk_weights.strides[0] : 0};
+               in.topk_weights.defined() ? in.topk_weights.strides[0] : 0, c.num_experts, {}};
+      if (replicas_.enabled())  // its values are checked by the send half's block 0
+        route.replicas = {in.expert_replicas.ptr<const int32_t>(), replica_seen_, replicas_.logical, replicas_.width,
+                          replicas_.physical, in.expert_replicas.strides[0]};
       rows = {in.x.ptr<const uint16_t>(), in.x.strides[0], in.nvfp4_global_scale, c.check_finite};
     } catch (const Error& e) {
       error = e.what();
@@ -227,6 +235,8 @@ class CudaLowLatency final : public LowLatencyBackend {
     out.recv_count = view(s.recv_count, DType::i32, {local_});
     out.recv_src = view(s.recv_src, DType::i32, {local_, slots_, 2});
     out.recv_layout = view(s.recv_layout, DType::i32, {local_, ranks_, 2});
+    // EPLB: the send half's routing of this set, in physical ids (-1 unused or past num_tokens).
+    if (replicas_.enabled()) out.topk_physical = view(s.slot_expert, DType::i32, {pending_route_.tokens, c.topk});
     auto h = std::make_shared<LowLatencyHandleState>();
     h->owner = this;
     h->tokens = pending_route_.tokens;
@@ -362,7 +372,7 @@ class CudaLowLatency final : public LowLatencyBackend {
   ll::Ctx ctx(ll::Kind kind) const {
     const int64_t call = (kind == ll::kDispatch ? dispatch_calls_ : combine_calls_) - 1;
     const LowLatencyConfig& c = config();
-    return ll::Ctx{window_->peers(), map_, c.hidden, c.topk, c.num_experts, local_, c.max_tokens_per_rank, c.wire,
+    return ll::Ctx{window_->peers(), map_, c.hidden, c.topk, replicas_.physical, local_, c.max_tokens_per_rank, c.wire,
                    wire_.x_bytes, wire_.scale_bytes, wire_.global_bytes, status_, host_status_, host_started_, done_,
                    static_cast<uint64_t>(timeout_.count()) * 1000000ull, blocks_, stream_, stamps_, call, load_,
                    c.combine_wire};
@@ -450,6 +460,13 @@ class CudaLowLatency final : public LowLatencyBackend {
              " is out of range; expert ids must be in [0, ", config().num_experts, ") or -1");
       case kStatusRepeatedExpert:
         fail(ErrorCode::invalid_argument, who, "token ", st.a, " selects expert ", st.c, " twice");
+      case kStatusReplicaOutOfRange:
+      case kStatusReplicaRepeated:
+      case kStatusReplicaEmptyRow:
+        fail(ErrorCode::invalid_argument, who, replica_error("ll_dispatch", st.code, st.a, st.b, st.c, replicas_));
+      case kStatusReplicaMismatch:
+        fail(ErrorCode::config_mismatch, who, "rank ", st.rank, " passes another expert_replicas table (their hashes "
+             "differ); every rank must pass the same replica table at every ll_dispatch");
       case kStatusBadTokenCount:
         fail(ErrorCode::invalid_argument, who, "num_tokens = ", st.a, " must be in [0, T=", st.b, "]");
       case kStatusNonFinite:  // c: the value's fp32 bits
@@ -520,6 +537,7 @@ class CudaLowLatency final : public LowLatencyBackend {
   uint64_t* host_started_ = nullptr;  // ll::Ctx::host_started
   uint32_t* done_ = nullptr;
   int64_t* load_ = nullptr;     // [L] expert_load's counters (ll::Ctx::load)
+  int32_t* replica_seen_ = nullptr;  // [P] with EPLB: the table check's scratch
   uint64_t* stamps_ = nullptr;  // EPX_PROFILE=ll (ll::Ctx::stamps)
   cudaStream_t own_stream_ = nullptr;
   cudaEvent_t stream_switch_ = nullptr;  // set_stream's order between the old and the new stream

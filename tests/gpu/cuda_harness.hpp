@@ -45,7 +45,8 @@ inline DispatchResult to_host(const DispatchResult& d) {
   DispatchResult h = d;
   h.handle = Handle();  // device state stays with the caller's copy
   for (Tensor* t : {&h.recv_x, &h.recv_scales, &h.recv_global_scale, &h.recv_src, &h.recv_weights, &h.recv_topk_idx,
-                    &h.recv_topk_weights, &h.expert_offsets, &h.tokens_per_expert, &h.rank_offsets, &h.recv_info})
+                    &h.recv_topk_weights, &h.expert_offsets, &h.tokens_per_expert, &h.rank_offsets, &h.recv_info,
+                    &h.topk_physical})
     *t = epx::to_host(*t);
   if (h.num_rows < 0) {  // capacity mode: the sizes stay on the device; read them as a user would
     h.num_rows = h.recv_info.data<int64_t>()[1];
@@ -58,12 +59,14 @@ inline DispatchResult to_host(const DispatchResult& d) {
 // padding (or the capacity in capacity mode).
 inline int64_t rows_bound(const verify::Problem& p) {
   if (p.cfg.mode == CapacityMode::capacity) return p.cfg.capacity_rows;
-  const int64_t l_count = p.cfg.num_experts / p.ranks;
+  const int64_t l_count =  // the physical experts of a rank (EPLB: P / R)
+      (p.cfg.num_physical_experts > 0 ? p.cfg.num_physical_experts : p.cfg.num_experts) / p.ranks;
   return p.ranks * p.cfg.max_tokens_per_rank * std::min(p.cfg.topk, l_count) + l_count * p.cfg.expert_alignment;
 }
 
 // The CUDA twin of run_problem: same inputs, same calls, results on the host. group(r): rank r's
-// group (of a CudaWorld, or joined by cuda_group_init_rank).
+// group (of a CudaWorld, or joined by cuda_group_init_rank). An EPLB problem (p.replicas) passes
+// its table at the dispatch.
 inline std::vector<RankRun> run_problem_cuda(const std::function<Group(int)>& group, const verify::Problem& p,
                                              const RunOptions& o) {
   std::vector<RankRun> runs(p.ranks);
@@ -90,7 +93,7 @@ inline std::vector<RankRun> run_problem_cuda(const std::function<Group(int)>& gr
     DeviceArray x(in.x), x8(in.x_fp8), xs(in.x_scales), idx(in.idx), w(in.weights);
     DeviceArray y(run.y), shared(run.shared), gx(run.grad_recv_x), gwr(run.grad_recv_weights), go(run.grad_out);
     const verify::RankInput& again = fresh.inputs[r];
-    DeviceArray cx(again.x), cx8(again.x_fp8), cxs(again.x_scales);
+    DeviceArray cx(again.x), cx8(again.x_fp8), cxs(again.x_scales), table(p.replicas);
     Buffer buffer(g, p.cfg);
     DispatchInput din;
     if (p.prequantized) {
@@ -101,6 +104,9 @@ inline std::vector<RankRun> run_problem_cuda(const std::function<Group(int)>& gr
     }
     din.topk_idx = device_view(idx, DType::i32, {tokens, k_count}, dev);
     if (in.has_weights) din.topk_weights = device_view(w, DType::f32, {tokens, k_count}, dev);
+    if (!p.replicas.empty())
+      din.expert_replicas = device_view(table, DType::i32,
+                                        {p.cfg.num_experts, static_cast<int64_t>(p.replicas.size()) / p.cfg.num_experts}, dev);
     DispatchResult d = buffer.dispatch(din, o.dispatch);
     buffer.synchronize();
     run.dispatched = to_host(d);

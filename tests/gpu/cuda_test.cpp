@@ -373,37 +373,6 @@ TEST(CudaErrors, TheLowPrecisionCombineWireIsRefusedByTheHighThroughputBufferOnE
   }
 }
 
-// Redundant experts (EPLB) are the CPU backend's for now: both CUDA backends refuse
-// num_physical_experts > 0 at creation on every rank with unsupported (inside the agreement), and
-// the group goes on.
-TEST(CudaErrors, RedundantExpertsAreRefusedAsUnsupportedOnEveryRank) {
-  auto cfg = small_config(256, 32, 16, 4);
-  cfg.timeout_ms = 20000;
-  const auto p = two_ranks(cfg);
-  std::vector<std::string> errors(2), ll_errors(2), after(2);
-  std::vector<ErrorCode> codes(2), ll_codes(2);
-  on_shared_gpu(p, [&](int r, const Group& g, const DeviceArray&, const DeviceArray&) {
-    BufferConfig c = cfg;
-    c.num_physical_experts = 24;
-    codes[r] = code_of([&] { Buffer b(g, c); }, &errors[r]);
-    LowLatencyConfig l{cfg.hidden, cfg.max_tokens_per_rank, cfg.num_experts, cfg.topk, WireFormat::bf16, 20000};
-    l.num_physical_experts = 24;
-    ll_codes[r] = code_of([&] { LowLatencyBuffer b(g, l); }, &ll_errors[r]);
-    try {
-      Buffer b(g, cfg);  // without EPLB: the next buffers pair up as before
-    } catch (const Error& e) {
-      after[r] = e.what();
-    }
-  });
-  for (int r = 0; r < 2; ++r) {
-    EXPECT_EQ(codes[r], ErrorCode::unsupported) << "rank " << r << ": " << errors[r];
-    EXPECT_THAT(errors[r], testing::HasSubstr("buffer: the CUDA backend does not have redundant experts (EPLB) yet"));
-    EXPECT_EQ(ll_codes[r], ErrorCode::unsupported) << "rank " << r << ": " << ll_errors[r];
-    EXPECT_THAT(ll_errors[r], testing::HasSubstr("low-latency buffer: the CUDA backend does not have redundant experts"));
-    EXPECT_EQ(after[r], "") << "rank " << r;
-  }
-}
-
 // The high-throughput buffer's load counters (Buffer::expert_load): each local expert's (token,
 // slot) pairs of every dispatch, added on the device (graph-safe), in both layouts; a cached
 // dispatch and a call a rank refused add nothing; reset_expert_load zeroes them, stream-ordered.

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "cuda_harness.hpp"
+#include "verify/replicas.hpp"
 
 namespace epx::test {
 namespace {
@@ -25,20 +26,32 @@ struct LlGpuCase {
   int64_t hidden, tokens, experts, topk;
   WireFormat wire;
   WireFormat combine_wire = WireFormat::bf16;  // what ll_combine's partials cross back in
+  int64_t physical = 0, width = 0;             // EPLB: P physical experts (0: off), W table columns (0: P - E + 1)
 };
+
+int64_t table_width(const LlGpuCase& c) { return c.physical == 0 ? 0 : c.width > 0 ? c.width : c.physical - c.experts + 1; }
 
 std::string ll_case_name(const testing::TestParamInfo<LlGpuCase>& info) {
   const LlGpuCase& c = info.param;
   return std::string(c.shared ? "shared" : "nccl") + "_R" + std::to_string(c.ranks) + "_H" + std::to_string(c.hidden) +
          "_T" + std::to_string(c.tokens) + "_E" + std::to_string(c.experts) + "_K" + std::to_string(c.topk) + "_" +
          std::string(wire_name(c.wire)) +
-         (c.combine_wire == WireFormat::bf16 ? "" : "_combine_" + std::string(wire_name(c.combine_wire)));
+         (c.combine_wire == WireFormat::bf16 ? "" : "_combine_" + std::string(wire_name(c.combine_wire))) +
+         (c.physical > 0 ? "_P" + std::to_string(c.physical) + "_W" + std::to_string(c.width) : "");
 }
 
 LowLatencyConfig ll_config(const LlGpuCase& c) {
   LowLatencyConfig cfg{c.hidden, c.tokens, c.experts, c.topk, c.wire, 20000};
   cfg.combine_wire = c.combine_wire;
+  cfg.num_physical_experts = c.physical;
+  cfg.max_replicas = c.width;
   return cfg;
+}
+
+// EPLB: the table of one round (each round its own: a rebalance between calls).
+std::vector<int32_t> ll_table(const LlGpuCase& c, uint64_t seed) {
+  const int64_t width = c.width > 0 ? c.width : c.physical - c.experts + 1;
+  return c.physical > 0 ? verify::random_replicas(c.experts, c.physical, width, seed) : std::vector<int32_t>{};
 }
 
 verify::Problem ll_problem(const LlGpuCase& c, uint64_t seed) {
@@ -63,31 +76,40 @@ LowLatencyDispatchResult host_copy(const LowLatencyDispatchResult& d) {
   LowLatencyDispatchResult h;
   for (auto [to, from] : {std::pair{&h.recv_x, &d.recv_x}, std::pair{&h.recv_scales, &d.recv_scales},
                           std::pair{&h.recv_global_scale, &d.recv_global_scale}, std::pair{&h.recv_count, &d.recv_count},
-                          std::pair{&h.recv_src, &d.recv_src}, std::pair{&h.recv_layout, &d.recv_layout}})
+                          std::pair{&h.recv_src, &d.recv_src}, std::pair{&h.recv_layout, &d.recv_layout},
+                          std::pair{&h.topk_physical, &d.topk_physical}})
     *to = epx::to_host(*from);
   return h;
 }
 
 // One round's device inputs of one rank, made before the buffer (allocations may synchronize).
 struct RoundInputs {
-  DeviceArray x, idx, weights, count, y;
+  DeviceArray x, idx, weights, count, y, table;
 };
 
 class CudaLowLatency : public testing::TestWithParam<LlGpuCase> {};
 
 // Four rounds on one buffer (sets alternate), each with its own token counts and data; dispatch
 // and combine in split form. The combine's weights go with ll_dispatch on half the (round, rank)
-// pairs, with ll_combine on the others, so the ranks of one call mix the two.
+// pairs, with ll_combine on the others, so the ranks of one call mix the two. EPLB: each round
+// its own replica table, the results those of the plain problem of P experts in the rule's
+// routing, and topk_physical the rule's choice.
 TEST_P(CudaLowLatency, RoundsMatchTheReference) {
   const LlGpuCase& c = GetParam();
   if (!c.shared && gpus() < c.ranks) GTEST_SKIP() << "needs " << c.ranks << " GPUs";
   const int rounds = 4;
-  const int64_t slots = c.ranks * c.tokens, l_count = c.experts / c.ranks;
-  std::vector<verify::Problem> problems;
+  const int64_t slots = c.ranks * c.tokens, l_count = (c.physical > 0 ? c.physical : c.experts) / c.ranks;
+  std::vector<verify::Problem> problems, references;
   std::vector<std::vector<int64_t>> counts(rounds, std::vector<int64_t>(c.ranks));
   std::vector<std::vector<std::vector<uint16_t>>> ys(rounds, std::vector<std::vector<uint16_t>>(c.ranks));
   for (int i = 0; i < rounds; ++i) {
     problems.push_back(ll_problem(c, 50 + i));
+    if (c.physical > 0) {
+      problems.back().cfg.num_physical_experts = c.physical;
+      problems.back().cfg.max_replicas = c.width;
+      problems.back().replicas = ll_table(c, 11 + i);
+    }
+    references.push_back(c.physical > 0 ? verify::physical_problem(problems.back()) : problems.back());
     for (int r = 0; r < c.ranks; ++r) {
       counts[i][r] = (c.tokens * (i + r + 1)) / (rounds + c.ranks) % (c.tokens + 1);
       ys[i][r] = verify::random_bf16(l_count * slots * c.hidden, 700 + 10 * i + r);
@@ -108,6 +130,7 @@ TEST_P(CudaLowLatency, RoundsMatchTheReference) {
       in[i].weights = DeviceArray(p.weights);
       in[i].count = DeviceArray(std::vector<int32_t>{static_cast<int32_t>(counts[i][r])});
       in[i].y = DeviceArray(ys[i][r]);
+      in[i].table = DeviceArray(problems[i].replicas);
     }
     LowLatencyBuffer b(g, ll_config(c));
     for (int i = 0; i < rounds; ++i) {
@@ -115,6 +138,7 @@ TEST_P(CudaLowLatency, RoundsMatchTheReference) {
       d.x = device_view(in[i].x, DType::bf16, {c.tokens, c.hidden}, dev);
       d.topk_idx = device_view(in[i].idx, DType::i32, {c.tokens, c.topk}, dev);
       d.num_tokens = device_view(in[i].count, DType::i32, {1}, dev);
+      if (c.physical > 0) d.expert_replicas = device_view(in[i].table, DType::i32, {c.experts, table_width(c)}, dev);
       const bool weights_at_dispatch = (i + r) % 2 == 1;
       const TensorView weights = device_view(in[i].weights, DType::f32, {c.tokens, c.topk}, dev);
       if (weights_at_dispatch) d.topk_weights = weights;
@@ -136,7 +160,17 @@ TEST_P(CudaLowLatency, RoundsMatchTheReference) {
   for (int r = 0; r < c.ranks; ++r)
     if (!errors[r].empty()) failed += "rank " + std::to_string(r) + ": " + errors[r] + "\n";
   ASSERT_EQ(failed, "");
-  expect_ll_rounds_match(problems, counts, ys, got, outs);
+  expect_ll_rounds_match(references, counts, ys, got, outs);
+  if (c.physical == 0) return;
+  for (int i = 0; i < rounds; ++i)
+    for (int r = 0; r < c.ranks; ++r) {
+      const Tensor& chosen = got[i][r].topk_physical;
+      ASSERT_EQ(chosen.numel(), c.tokens * c.topk) << "round " << i << " rank " << r;
+      for (int64_t s = 0; s < chosen.numel(); ++s) {  // the rule's choice; -1 at or past num_tokens
+        const int32_t want = s / c.topk < counts[i][r] ? references[i].inputs[r].idx[s] : -1;
+        ASSERT_EQ(chosen.data<int32_t>()[s], want) << "round " << i << " rank " << r << " slot " << s;
+      }
+    }
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaLowLatency,
@@ -149,7 +183,11 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaLowLatency,
                                          LlGpuCase{true, 8, 256, 16, 72, 8, WireFormat::bf16},
                                          LlGpuCase{false, 1, 7168, 128, 288, 8, WireFormat::fp8, WireFormat::fp8},
                                          LlGpuCase{true, 2, 1024, 32, 16, 4, WireFormat::bf16, WireFormat::fp8_ue8m0},
-                                         LlGpuCase{true, 4, 2176, 24, 36, 8, WireFormat::nvfp4, WireFormat::fp8}),
+                                         LlGpuCase{true, 4, 2176, 24, 36, 8, WireFormat::nvfp4, WireFormat::fp8},
+                                         // EPLB
+                                         LlGpuCase{false, 1, 1024, 32, 24, 8, WireFormat::fp8, WireFormat::bf16, 40, 0},
+                                         LlGpuCase{true, 2, 512, 24, 30, 6, WireFormat::bf16, WireFormat::bf16, 36, 3},
+                                         LlGpuCase{true, 4, 768, 16, 30, 8, WireFormat::nvfp4, WireFormat::fp8, 32, 0}),
                          ll_case_name);
 
 // Decode inside a CUDA graph: dispatch -> a stand-in expert (y = recv_x) -> combine, captured once
@@ -349,6 +387,60 @@ TEST(CudaLowLatencyErrors, ABadIdOnTheDeviceFailsEveryRankAndTheBufferGoesOn) {
   EXPECT_THAT(raised[0], testing::HasSubstr("rank 1 rejected its input"));
   EXPECT_EQ(after[0], "");
   EXPECT_EQ(after[1], "");
+}
+
+// EPLB: a bad replica table on rank 1 (found by its send half's block 0) and tables that differ
+// between ranks (found by the receive halves) fail the call; as for a bad id, the next call raises
+// it on every rank and the call after that works.
+TEST(CudaLowLatencyErrors, ABadOrDifferingReplicaTableFailsEveryRankAndTheBufferGoesOn) {
+  const LlGpuCase c{true, 2, 256, 16, 5, 2, WireFormat::bf16, WireFormat::bf16, 10, 2};
+  const verify::Problem p = ll_problem(c, 33);
+  const std::vector<int32_t> good = {0, 5, 1, -1, 2, -1, 3, -1, 4, -1};
+  const std::pair<std::vector<int32_t>, const char*> cases[] = {
+      {{0, 5, 1, -1, 2, -1, 3, 10, 4, -1}, "ll_dispatch: expert_replicas[3][1] = 10 is out of range"},
+      {{0, 5, 1, -1, 2, -1, 3, 1, 4, -1}, "ll_dispatch: expert_replicas[3][1] = 1 repeats expert_replicas[1][0]"},
+      {{0, 5, 1, -1, -1, -1, 3, -1, 4, -1}, "ll_dispatch: expert_replicas[2] has no entry (all 2 are -1)"},
+      {{5, 0, 1, -1, 2, -1, 3, -1, 4, -1}, "passes another expert_replicas table"},  // valid, another order
+  };
+  for (const auto& [table, words] : cases) {
+    std::vector<std::string> raised(c.ranks), after(c.ranks);
+    std::vector<ErrorCode> codes(c.ranks, ErrorCode::internal);
+    std::vector<DeviceArray> tables;  // freed after the buffers (docs/cuda.md)
+    tables.emplace_back(good);
+    tables.emplace_back(table);
+    const auto errors = on_ranks(c, p, 20000, [&](int r, LowLatencyBuffer& b, const DeviceArray& x, const DeviceArray& idx) {
+      LowLatencyDispatchInput in = ll_input(c, x, idx);
+      in.expert_replicas = device_view(tables[r], DType::i32, {c.experts, c.width}, 0);
+      b.dispatch(in);
+      b.synchronize();
+      in.expert_replicas = device_view(tables[0], DType::i32, {c.experts, c.width}, 0);
+      codes[r] = code_of([&] { b.dispatch(in); }, &raised[r]);
+      try {  // the third call works, which the fourth would raise otherwise
+        b.dispatch(in);
+        b.synchronize();
+        b.dispatch(in);
+        b.synchronize();
+      } catch (const Error& e) {
+        after[r] = e.what();
+      }
+    });
+    const bool mismatch = words[0] == 'p';
+    for (int r = 0; r < c.ranks; ++r) {
+      EXPECT_EQ(errors[r], "") << words;
+      EXPECT_EQ(after[r], "") << words << ", rank " << r;
+    }
+    if (mismatch) {
+      for (int r = 0; r < c.ranks; ++r) {
+        EXPECT_EQ(codes[r], ErrorCode::config_mismatch) << "rank " << r << ": " << raised[r];
+        EXPECT_THAT(raised[r], testing::HasSubstr(words)) << "rank " << r;
+      }
+      continue;
+    }
+    EXPECT_EQ(codes[1], ErrorCode::invalid_argument) << words << ": " << raised[1];
+    EXPECT_THAT(raised[1], testing::HasSubstr(words));
+    EXPECT_EQ(codes[0], ErrorCode::peer_failed) << words << ": " << raised[0];
+    EXPECT_THAT(raised[0], testing::HasSubstr("rank 1 rejected its input"));
+  }
 }
 
 // A front end's own refusal (LowLatencyBuffer::reject), for dispatch and for combine: the refusing

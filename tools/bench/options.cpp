@@ -35,8 +35,8 @@ const char* kUsage = R"(epx-bench: dispatch and combine of one MoE layer over N 
                           CPU backend only for now; records say "shared_expert": true)
   --replicas N            redundant experts (EPLB): N physical replicas of each logical expert,
                           P = N * experts, replica j of expert e = physical expert j * E + e
-                          (BufferConfig::num_physical_experts; CPU backend only for now; records
-                          say "replicas": N; verified against the plain problem of P experts)
+                          (BufferConfig::num_physical_experts; records say "replicas": N; verified
+                          against the plain problem of P experts)
   --shared-gpu            CUDA: all ranks on GPU 0 over the tests' shared-GPU transport (records say
                           "transport": "shared-gpu"; a test transport's times, real host steps)
   --ll-eager              time low-latency calls one by one with events (host launch included)
@@ -194,8 +194,7 @@ Options parse_options(int argc, char** argv) {
   for (Layout l : o.layouts)
     if (o.shared_expert && l == Layout::rank_major) usage_error("--shared-expert needs --layout expert_major");
   if (o.replicas < 0) usage_error("--replicas must be >= 1 (0: none)");
-  if (o.replicas > 0 && o.backend != "host")
-    usage_error("--replicas needs --backend host: the CUDA backend does not have redundant experts yet");
+
   const bool ops_given = !o.ops.empty();
   if (o.ops.empty()) {
     o.ops = {"dispatch", "combine", "dispatch_backward", "combine_backward"};

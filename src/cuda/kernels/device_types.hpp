@@ -22,6 +22,11 @@ enum StatusCode : int32_t {
   kStatusBadTokenCount = 7,    // low-latency num_tokens: a = its value, b = T
   kStatusNonFinite = 8,        // check_finite: a = token, b = channel (x_scales: block), c = tensor << 32 | the
                                // value's fp32 bits (tensor 0: x, 1: x_scales)
+  // expert_replicas (EPLB); an entry is named by its index e * W + j in the [E, W] table
+  kStatusReplicaOutOfRange = 9,   // a = entry, b = value
+  kStatusReplicaRepeated = 10,    // a = entry, b = value, c = the earlier entry with that value
+  kStatusReplicaEmptyRow = 11,    // a = row (logical expert)
+  kStatusReplicaMismatch = 12,    // rank = peer whose table differs (its hash)
 };
 
 // Written by kernels into host-mapped memory; the first error wins.
@@ -50,7 +55,7 @@ struct PlanHeader {
   int64_t tokens;
   int64_t signature;  // hash of the options that must agree
   int64_t detail[3];  // error details
-  int64_t pad;
+  int64_t replica_hash;  // a dispatch with EPLB: a hash of this rank's replica table (0 otherwise)
   char message[256];  // a host-side rejection, in words
 };
 
@@ -126,6 +131,16 @@ struct CallState {
   uint32_t plan_blocks_done;       // dispatch plan kernel blocks finished (the last resets it)
   uint32_t plan_arrivals;          // dispatch plan kernel blocks started (arrival_order)
   uint32_t plan_begun;             // 1 once the plan kernel's first block began the call (the last block resets it)
+  uint64_t replica_hash;           // EPLB: the hash of this call's replica table (the plan's first block)
+};
+
+// Redundant experts (EPLB): one dispatch's replica table [logical, width] i32 (a null table: off),
+// on the device, and P words of scratch for its check (kernels/replicas.cuh).
+struct ReplicaTable {
+  const int32_t* table = nullptr;
+  int32_t* seen = nullptr;
+  int64_t logical = 0, width = 0, physical = 0;
+  int64_t stride = 0;  // between rows, in entries (>= width)
 };
 
 // Sizes every kernel needs.

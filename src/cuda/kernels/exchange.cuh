@@ -67,6 +67,8 @@ __device__ inline void check_plans_block(const PeerWindows& w, const WindowMap& 
       const PlanHeader* h = reinterpret_cast<const PlanHeader*>(plan(p));
       if (h->call_kind != mine.call_kind || h->call_index != mine.call_index || h->signature != mine.signature)
         report(st, kStatusCallMismatch, p, h->call_kind, h->call_index, h->signature);
+      else if (h->replica_hash != mine.replica_hash)
+        report(st, kStatusReplicaMismatch, p);
       total_tokens += h->tokens;
     }
     *drop_capacity = capacity_factor > 0.0
@@ -101,15 +103,18 @@ __device__ inline void write_report(const ReportJob& job, int ranks, const RecvA
   __threadfence_system();
 }
 
-// The whole exchange of job.phase (every thread of a kThreads block calls it).
+// The whole exchange of job.phase (every thread of a kThreads block calls it). replica_hash: a
+// dispatch with EPLB, its table's hash (written by another block, before this one's last_block).
 template <int kThreads>
 __device__ inline void exchange_plan_block(const PeerWindows& w, const WindowMap& m, const Shape& s,
                                            const ExchangeJob& job, uint64_t timeout_ns, CallState* cs,
-                                           DeviceStatus* st) {
-  post_plan_block(w, m, job.header, job.counts, job.count_len, job.phase, cs, st);
+                                           DeviceStatus* st, const uint64_t* replica_hash = nullptr) {
+  PlanHeader header = job.header;
+  if (replica_hash) header.replica_hash = static_cast<int64_t>(*reinterpret_cast<const volatile uint64_t*>(replica_hash));
+  post_plan_block(w, m, header, job.counts, job.count_len, job.phase, cs, st);
   advance_and_wait(w, m, kSignalPlan, 1, true, timeout_ns, cs, st);
   __syncthreads();  // thread 0 saw every rank's signal (acquire): the block reads their plans
-  check_plans_block(w, m, s, job.header, job.phase, job.with_counts, job.capacity_factor, job.expert_prefix,
+  check_plans_block(w, m, s, header, job.phase, job.with_counts, job.capacity_factor, job.expert_prefix,
                     job.drop_capacity, cs, st);
   if (job.with_layout) {
     __syncthreads();  // thread 0's verdict (a mismatch or a peer's rejection fails the call) for every thread

@@ -31,6 +31,7 @@ struct RoutingInput {
   int64_t map_stride = 0;
   const float* probs = nullptr;  // [T, E] or null
   int64_t probs_stride = 0;
+  int64_t experts = 0;  // E, the router's experts (ids in [0, E), map columns); with EPLB fewer than Shape::experts
 };
 
 // BufferConfig::check_finite: arrays the routing kernel scans for a NaN or an infinity, the one it
@@ -254,6 +255,10 @@ struct RouteJob {
   bool canonicalize = true;
   bool positions = true;
   ChunkPositions pos{};
+  // EPLB (canonicalize only): each slot's logical expert is mapped to the replica chosen, which
+  // goes into slot_expert and into `chosen` ([T, K], DispatchResult::topk_physical).
+  ReplicaTable replicas;
+  int32_t* chosen = nullptr;
 };
 void plan_dispatch(const Ctx& ctx, int64_t tokens, const RouteJob& route, const ExchangeJob& x);
 

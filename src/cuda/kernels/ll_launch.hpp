@@ -30,6 +30,7 @@ struct Map {
   int64_t weights_in;      // uint32 [2 sets][R]: 1 once source s's weights are here; reset by the receiver
   int64_t route_weights;   // f32 [2 sets][R][M][K]: the weights a source gave its dispatch (beside routes)
   int64_t weights_from;    // int32 [2 sets][R]: 1 when source s's dispatch of the set sent its weights
+  int64_t table_hash;      // uint64 [2 sets][R]: EPLB, the hash of source s's replica table (before its arrival)
   int64_t total;
 };
 
@@ -93,6 +94,8 @@ struct Route {
   int64_t tokens;             // T
   const float* weights;       // [T, K] the combine's weights, given at dispatch, or null
   int64_t weight_stride;
+  int64_t experts;            // E, the router's: ids in [0, E) (fewer than Ctx::experts with EPLB)
+  ReplicaTable replicas;      // EPLB: each slot goes to the replica chosen (kernels/replicas.cuh)
 };
 
 struct Rows {

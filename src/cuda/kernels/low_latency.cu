@@ -11,6 +11,7 @@
 // combine's sums, docs/low-latency.md).
 #include "cuda/kernels/finite_scan.cuh"
 #include "cuda/kernels/ll_launch.hpp"
+#include "cuda/kernels/replicas.cuh"
 #include "cuda/kernels/row_copy.cuh"
 
 namespace epx::detail::ll {
@@ -46,7 +47,8 @@ __device__ int64_t token_count(const Ctx& c, const Route& r, bool reporter) {
 
 // Token t's checked expert ids, lane i holding slots i (lo) and i + 32 (hi) (K <= 64): -1 for an
 // unused slot, a token at or past the count, an id out of range or a repeat of an earlier slot's
-// (the first slot of a repeated expert keeps it). The reporter warp reports the bad ones.
+// (the first slot of a repeated expert keeps it). The reporter warp reports the bad ones. With
+// EPLB the router's ids are checked, then each becomes the physical expert chosen for it.
 struct Checked {
   int32_t lo, hi;
 };
@@ -59,7 +61,7 @@ __device__ Checked checked_route(const Ctx& c, const Route& r, int64_t n, int64_
   for (int h = 0; h < 2; ++h) {
     const int k = lane + 32 * h;
     out[h] = static_cast<int32_t>(id[h]);
-    if (id[h] < -1 || id[h] >= c.experts) {
+    if (id[h] < -1 || id[h] >= r.experts) {
       if (reporter) report(c.status, kStatusBadExpert, c.peers.rank, t, k, id[h]);
       out[h] = -1;
     }
@@ -72,6 +74,9 @@ __device__ Checked checked_route(const Ctx& c, const Route& r, int64_t n, int64_
         out[h] = -1;
       }
   }
+  if (r.replicas.table)
+    for (int h = 0; h < 2; ++h)
+      if (out[h] >= 0) out[h] = chosen_replica(r.replicas, out[h], t, c.peers.rank, c.local);
   return {out[0], out[1]};
 }
 
@@ -128,8 +133,12 @@ __device__ void block_arrived(const Ctx& c, Kind kind, int set, int64_t arriving
 // source that found an error (or was rejected by its host) stops the call. The block's other
 // threads wait at the barrier: one poller per source and block, not per warp (2112 warps polling
 // one word queue behind each other at its L2 slice, and the atomics they wait for with them).
-// Returns the same in every thread of the block.
+// A peer's rejection is reported only when this rank's own word is clear: a rank whose own input
+// was bad names its own error (its word was raised before it counted itself in), whichever
+// source came in first. Returns the same in every thread of the block.
 __device__ bool wait_sources(const Ctx& c, Kind kind, int set) {
+  __shared__ uint32_t codes[kMaxRanks];
+  __shared__ uint64_t wait_start;
   int ok = 1;
   const int source = static_cast<int>(threadIdx.x);
   if (source < c.peers.ranks) {
@@ -150,13 +159,19 @@ __device__ bool wait_sources(const Ctx& c, Kind kind, int set) {
         break;
       }
     }
-    const uint32_t code = ok ? *reinterpret_cast<volatile uint32_t*>(word_of<uint32_t>(c, c.map.errors, c.peers.rank, kind, set, source)) : 0;
-    if (code != 0) {
-      if (source != c.peers.rank) report(c.status, kStatusPeerRejected, source, code, 0, 0, static_cast<int64_t>(start));
-      ok = 0;
-    }
+    codes[source] = ok ? *reinterpret_cast<volatile uint32_t*>(word_of<uint32_t>(c, c.map.errors, c.peers.rank, kind, set, source)) : 0;
+    if (source == 0) wait_start = start;
   }
-  return __syncthreads_and(ok) != 0;
+  __syncthreads();
+  bool rejected = false;
+  for (int p = 0; p < c.peers.ranks; ++p) rejected |= codes[p] != 0;
+  if (threadIdx.x == 0 && codes[c.peers.rank] == 0)
+    for (int p = 0; p < c.peers.ranks; ++p)
+      if (codes[p] != 0) {  // the lowest rejecting peer
+        report(c.status, kStatusPeerRejected, p, codes[p], 0, 0, static_cast<int64_t>(wait_start));
+        break;
+      }
+  return __syncthreads_and(ok && !rejected) != 0;
 }
 
 // Receiver's end of a call: every source's arrival and error words of this (kind, set) back to
@@ -188,6 +203,33 @@ __device__ void send_routing(const Ctx& c, int set, const Route& route, int64_t 
   int32_t* counts = at_window<int32_t>(c.peers, d, c.map.counts) + (static_cast<int64_t>(set) * ranks + rank) * c.local * chunks;
   if (lo_here) atomicAdd(counts + (e.lo % c.local) * chunks + t / kChunk, 1);
   if (hi_here) atomicAdd(counts + (e.hi % c.local) * chunks + t / kChunk, 1);
+}
+
+// EPLB, block 0 of the send half (after its rows, before its arrival): the replica table checked
+// (a violation goes out with the arrival, as a bad id does) and its hash to every rank, whose
+// receive half compares the sources' hashes (tables_agree).
+__device__ void check_and_send_table(const Ctx& c, int set, const ReplicaTable& table) {
+  __shared__ uint64_t hash;
+  check_replica_table_block(table, c.peers.rank, &hash, c.status);
+  __syncthreads();  // thread 0's hash
+  if (threadIdx.x < c.peers.ranks)
+    at_window<uint64_t>(c.peers, threadIdx.x, c.map.table_hash)[set * c.peers.ranks + c.peers.rank] = hash;
+}
+
+// EPLB, the receive half (every thread; after wait_sources, whose pollers acquired every
+// source's words): every source's table hash is this rank's, else the call fails here (its rows
+// are not packed), naming the lowest source that differs. The same in every thread of the block.
+__device__ bool tables_agree(const Ctx& c, int set) {
+  int same = 1;
+  if (threadIdx.x == 0) {
+    const volatile uint64_t* h = at_window<uint64_t>(c.peers, c.peers.rank, c.map.table_hash) + set * c.peers.ranks;
+    for (int p = 0; p < c.peers.ranks && same; ++p)
+      if (h[p] != h[c.peers.rank]) {
+        report(c.status, kStatusReplicaMismatch, p);
+        same = 0;
+      }
+  }
+  return __syncthreads_and(same) != 0;
 }
 
 // Send phase. Warp per (token, destination rank, span of the row: up to kWireSpans of them while
@@ -253,6 +295,7 @@ __device__ void dispatch_send(const Ctx& c, int set, const Route& route, const R
   if (rows.check_finite && blockIdx.x < arriving)
     scan_finite(kernels::FiniteScan{reinterpret_cast<const char*>(rows.x), rows.x_stride * 2, c.hidden, 2, 0}, n,
                 blockIdx.x, arriving, rank, c.status);
+  if (blockIdx.x == 0 && route.replicas.table) check_and_send_table(c, set, route.replicas);
   stamp(c, kDispatch, kOwnWrites);
   block_arrived(c, kDispatch, set, arriving);
   stamp(c, kDispatch, kCountedIn);
@@ -410,10 +453,11 @@ __device__ void write_layout(const Ctx& c, const Set& s, const Arrived& a, int h
 // Block 0 writes the layout first; the grid's last block zeroes the counts, publishes the status,
 // resets this set's flags and flips the half of prev_count the next dispatch on the set reads (a
 // short tail: the call ends with it).
-__device__ void dispatch_recv(const Ctx& c, int set, const Set& s) {
+__device__ void dispatch_recv(const Ctx& c, int set, const Set& s, bool tables) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int half = *s.count_half;
-  const bool ok = wait_sources(c, kDispatch, set);  // the same in the whole block: the rounds meet at barriers
+  bool ok = wait_sources(c, kDispatch, set);  // the same in the whole block: the rounds meet at barriers
+  if (ok && tables) ok = tables_agree(c, set);
   stamp(c, kDispatch, kSourcesIn);
   const Arrived a = arrived(c, set);
   if (blockIdx.x == 0) write_layout(c, s, a, half, ok);
@@ -460,7 +504,7 @@ __global__ void __launch_bounds__(kWarps * 32) dispatch_kernel(Ctx c, int phases
   stamp(c, kDispatch, kStart);
   note_start(c, kDispatch, set, phases);
   if (phases & kSendPhase) dispatch_send(c, set, route, rows, s);
-  if (phases & kRecvPhase) dispatch_recv(c, set, s);
+  if (phases & kRecvPhase) dispatch_recv(c, set, s, route.replicas.table != nullptr);
 }
 
 // Weighted combine, block 0 of the send half: this rank's tokens' weights (t < its count) to

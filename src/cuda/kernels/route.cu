@@ -10,6 +10,7 @@
 #include "cuda/kernels/exchange.cuh"
 #include "cuda/kernels/finite_scan.cuh"
 #include "cuda/kernels/launch.hpp"
+#include "cuda/kernels/replicas.cuh"
 
 namespace epx::detail::kernels {
 
@@ -26,24 +27,22 @@ __device__ int64_t read_index(const RoutingInput& in, int64_t t, int64_t k) {
                   : static_cast<const int32_t*>(in.topk_idx)[t * in.idx_stride + k];
 }
 
-// Slot k of token t (id checked) into e[k], w[k]; false for an id out of range (reported).
+// Slot k of token t (id checked against the router's experts) into e[k], w[k]; false for an id
+// out of range (reported).
 __device__ bool canonical_slot(const Shape& s, const RoutingInput& in, int64_t t, int64_t k, int64_t id, float weight,
                                int32_t* e, float* w, DeviceStatus* st) {
-  const bool valid = id >= -1 && id < s.experts;
+  const bool valid = id >= -1 && id < in.experts;
   if (!valid) report(st, kStatusBadExpert, s.rank, t, k, id);
   e[k] = valid ? static_cast<int32_t>(id) : -1;
   w[k] = !valid || id < 0 ? 0.0f : in.topk_weights ? weight : 1.0f;
   return valid;
 }
 
-// Token t's routing, read, checked and (counts not null) counted per expert. topk_idx: slots in
-// groups of 8 whose ids and weights are loaded before any is stored (no dependent round per
-// slot), and repeats found in registers within a group (earlier groups read back, K > 8 only).
-__device__ void canonicalize_token(const Shape& s, const RoutingInput& in, int64_t t, int32_t* slot_expert,
-                                   float* slot_weight, int64_t* counts, DeviceStatus* st) {
+// Token t's routing, read and checked, in the router's (logical) ids. topk_idx: slots in groups
+// of 8 whose ids and weights are loaded before any is stored (no dependent round per slot), and
+// repeats found in registers within a group (earlier groups read back, K > 8 only).
+__device__ void read_token(const Shape& s, const RoutingInput& in, int64_t t, int32_t* e, float* w, DeviceStatus* st) {
   constexpr int kGroup = 8;
-  int32_t* e = slot_expert + t * s.topk;
-  float* w = slot_weight + t * s.topk;
   if (in.topk_idx) {
     for (int64_t k0 = 0; k0 < s.topk; k0 += kGroup) {
       int64_t id[kGroup];
@@ -65,13 +64,12 @@ __device__ void canonicalize_token(const Shape& s, const RoutingInput& in, int64
 #pragma unroll
         for (int j = 0; j < i; ++j)
           if (!repeat && id[j] == id[i]) repeat = true, report(st, kStatusRepeatedExpert, s.rank, t, k0 + j, id[i]);
-        if (counts) atomicAdd(reinterpret_cast<unsigned long long*>(&counts[id[i]]), 1ull);
       }
     }
     return;
   }
   int64_t k = 0;
-  for (int64_t x = 0; x < s.experts; ++x) {
+  for (int64_t x = 0; x < in.experts; ++x) {
     if (!in.routing_map[t * in.map_stride + x]) continue;
     if (k == s.topk) {  // more experts than slots: reported as slot K
       report(st, kStatusBadExpert, s.rank, t, s.topk, x);
@@ -82,9 +80,26 @@ __device__ void canonicalize_token(const Shape& s, const RoutingInput& in, int64
     ++k;
   }
   for (; k < s.topk; ++k) e[k] = -1, w[k] = 0.0f;
-  if (counts)  // a map names each expert once: no repeats
-    for (int64_t j = 0; j < s.topk; ++j)
-      if (e[j] >= 0) atomicAdd(reinterpret_cast<unsigned long long*>(&counts[e[j]]), 1ull);
+}
+
+// Token t's routing into slot_expert and slot_weight: read and checked, then (EPLB) each slot's
+// logical expert mapped to its replica, also written to `chosen`, and (counts not null) counted
+// per (physical) expert.
+__device__ void canonicalize_token(const Shape& s, const RouteJob& job, int64_t t, DeviceStatus* st) {
+  int32_t* e = job.slot_expert + t * s.topk;
+  float* w = job.slot_weight + t * s.topk;
+  read_token(s, job.in, t, e, w, st);
+  if (!job.replicas.table && !job.counts) return;
+  for (int64_t k = 0; k < s.topk; ++k) {
+    int32_t x = e[k];
+    if (job.replicas.table) {
+      if (x >= 0) x = chosen_replica(job.replicas, x, t, s.rank, s.local_experts);
+      if (x < 0) w[k] = 0.0f;  // only a bad table leaves no replica (the call fails)
+      e[k] = x;
+      job.chosen[t * s.topk + k] = x;
+    }
+    if (job.counts && x >= 0) atomicAdd(reinterpret_cast<unsigned long long*>(&job.counts[x]), 1ull);
+  }
 }
 
 // One warp, chunk c: its counts (its row of chunk_count, zeroed first) and each token's and
@@ -161,17 +176,21 @@ __device__ void zero_part(const ZeroBytes& z, int64_t part, int64_t parts) {
 }
 
 // Work of the plan kernel's first block to start, before any other block goes on: the call's
-// begin (job.begins_call: before any block reads the call's number or reports into its status)
-// and the zeroing of the drop rule's sums (before any block adds to them). The other blocks wait
-// for it, a block that runs already, so none waits for a block without an SM.
-__device__ bool needs_first_block(const RouteJob& job) { return job.begins_call || job.sums.bytes > 0; }
+// begin (job.begins_call: before any block reads the call's number or reports into its status),
+// the zeroing of the drop rule's sums (before any block adds to them) and the replica table's
+// check (before any block routes by it). The other blocks wait for it, a block that runs
+// already, so none waits for a block without an SM.
+__device__ bool needs_first_block(const RouteJob& job) {
+  return job.begins_call || job.sums.bytes > 0 || job.replicas.table != nullptr;
+}
 
-__device__ void first_block_first(const RouteJob& job, CallState* cs, DeviceStatus* st) {
+__device__ void first_block_first(const Shape& s, const RouteJob& job, CallState* cs, DeviceStatus* st) {
   const int order = arrival_order(&cs->plan_arrivals);
   if (order == 0) {
     zero_part(job.sums, 0, 1);
     if (job.begins_call) begin_call_block(cs, st);
-    __syncthreads();  // the zeroing before the flag
+    if (job.replicas.table) check_replica_table_block(job.replicas, s.rank, &cs->replica_hash, st);
+    __syncthreads();  // the zeroing and the check before the flag
     if (threadIdx.x == 0) {
       __threadfence();
       atomicExch(&cs->plan_begun, 1u);
@@ -193,12 +212,12 @@ __global__ void __launch_bounds__(kThreads, 1) plan_dispatch_kernel(PeerWindows 
   const int lane = threadIdx.x % 32;
   const int64_t width = s.experts + s.ranks, chunks = (tokens + kChunkTokens - 1) / kChunkTokens;
   const int64_t first = blockIdx.x * p.chunks_per_block, end = min(chunks, first + p.chunks_per_block);
-  if (needs_first_block(job)) first_block_first(job, cs, st);
+  if (needs_first_block(job)) first_block_first(s, job, cs, st);
   zero_part(job.zeroed, blockIdx.x, gridDim.x);  // fenced by last_block before the layout's writes
   for (int64_t c = first + threadIdx.x / 32; c < end; c += kWarps) {
     const int64_t t = c * kChunkTokens + lane;
     if (job.canonicalize && lane < kChunkTokens && t < tokens)
-      canonicalize_token(s, job.in, t, job.slot_expert, job.slot_weight, job.counts, st);
+      canonicalize_token(s, job, t, st);
     __syncwarp();  // the chunk's slots, written by its lanes, before they are counted
     if (job.positions) count_chunk(s, tokens, job.slot_expert, p, c, lane);
   }
@@ -214,7 +233,8 @@ __global__ void __launch_bounds__(kThreads, 1) plan_dispatch_kernel(PeerWindows 
     for (int64_t col = threadIdx.x; col < width; col += blockDim.x)
       p.totals[col] = scan_column(p.block_base, p.block_base, width, col, 0, gridDim.x);
   __syncthreads();  // the totals for the whole block
-  exchange_plan_block<kThreads>(w, m, s, x, timeout_ns, cs, st);
+  // EPLB: the table's hash (the first block's) goes with the plan, so tables that differ fail every rank.
+  exchange_plan_block<kThreads>(w, m, s, x, timeout_ns, cs, st, job.replicas.table ? &cs->replica_hash : nullptr);
 }
 
 // Blocks of per_block consecutive chunks that cover `tokens` tokens (one at least: the exchange).
