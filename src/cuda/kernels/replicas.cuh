@@ -27,7 +27,7 @@ __device__ inline uint64_t entry_hash(int64_t entry, int32_t value) {
   return z ^ (z >> 31);
 }
 
-// One block (every thread): checks the table (each row an entry at least, entries -1 or in
+// One block (every thread; a whole number of warps): checks the table (each row an entry at least, entries -1 or in
 // [0, P), no physical id twice), reports the first violation in row-major order, and writes the
 // table's hash into *hash for the plan exchange, which compares it across ranks. t.seen: P words
 // of scratch, the first entry naming each id.
@@ -39,11 +39,14 @@ __device__ inline void check_replica_table_block(const ReplicaTable& t, int32_t 
   if (threadIdx.x == 0) sum = 0, first_bad = LLONG_MAX;
   for (int64_t p = threadIdx.x; p < t.physical; p += blockDim.x) t.seen[p] = INT32_MAX;
   __syncthreads();
+  uint64_t mine = 0;  // this thread's entries' hashes, then its warp's: one shared add per warp
   for (int64_t i = threadIdx.x; i < entries; i += blockDim.x) {
     const int32_t v = entry_of(t, i / t.width, i % t.width);
-    atomicAdd(&sum, entry_hash(i, v));
+    mine += entry_hash(i, v);
     if (v >= 0 && v < t.physical) atomicMin(&t.seen[v], static_cast<int32_t>(i));
   }
+  for (int offset = 16; offset > 0; offset /= 2) mine += __shfl_xor_sync(0xffffffffu, mine, offset);
+  if (threadIdx.x % 32 == 0) atomicAdd(&sum, static_cast<unsigned long long>(mine));
   __syncthreads();
   for (int64_t i = threadIdx.x; i < entries; i += blockDim.x) {
     const int32_t v = entry_of(t, i / t.width, i % t.width);
