@@ -26,7 +26,7 @@ def full_run(group, p, r, config, layout="expert_major", stream=None):
     try:
         with torch.cuda.stream(stream) if stream is not None else _nothing():
             x, idx, w = (t.to(device) for t in (p.x[r], p.idx[r], p.w[r]))
-            d = b.dispatch(x, idx, w, layout=layout)
+            d = b.dispatch(x, idx, w, layout=layout, expert_replicas=replica_table(config, device))
             rows = d.recv_x.shape[0]
             y = random_bf16((rows, p.hidden), 100 + r).to(device)
             shared = random_bf16((p.tokens[r], p.hidden), 200 + r).to(device)
@@ -44,6 +44,15 @@ def full_run(group, p, r, config, layout="expert_major", stream=None):
     finally:
         b.close()
     return out
+
+
+def replica_table(config, device):
+    """EPLB configs: replica j of logical expert e is physical expert j * E + e (None without EPLB)."""
+    physical, experts = config.get("num_physical_experts", 0), config["num_experts"]
+    if not physical:
+        return None
+    columns = [torch.arange(experts, dtype=torch.int32) + j * experts for j in range(physical // experts)]
+    return torch.stack(columns, dim=1).contiguous().to(device)
 
 
 class _nothing:
@@ -82,6 +91,10 @@ CONFIGS = [
     ("rank_major", dict(hidden=H, max_tokens_per_rank=T, num_experts=E, topk=K)),
     ("expert_major", dict(hidden=H, max_tokens_per_rank=T, num_experts=E, topk=K, wire="fp8", capacity_rows=256)),
     ("expert_major", dict(hidden=H, max_tokens_per_rank=T, num_experts=E, topk=K, capacity_factor=0.7)),
+    ("expert_major", dict(hidden=H, max_tokens_per_rank=T, num_experts=E, topk=K, num_physical_experts=2 * E,
+                          max_replicas=2)),
+    ("rank_major", dict(hidden=H, max_tokens_per_rank=T, num_experts=E, topk=K, num_physical_experts=2 * E,
+                        max_replicas=2, wire="fp8")),
 ]
 
 

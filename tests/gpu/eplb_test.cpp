@@ -210,5 +210,112 @@ TEST(CudaEplbErrors, TablesThatDifferBetweenRanksFailEveryRank) {
   }
 }
 
+// routing_map + probs with EPLB: the map becomes top-k slots (experts ascending), then each slot
+// its replica, as on the CPU backend: the dispatch equals the plain problem of P experts in the
+// sorted form's routing by the rule.
+TEST(CudaEplb, ADenseRoutingMapRoutesAsItsTopkForm) {
+  constexpr int64_t kHidden = 512, kTokens = 64, kExperts = 16, kPhysical = 24, kWidth = 3, kTopk = 4;
+  verify::ProblemSpec spec;
+  spec.cfg = small_config(kHidden, kTokens, kExperts, kTopk);
+  spec.ranks = 2;
+  spec.unused_slot_fraction = 0.25;
+  const verify::Problem p = verify::make_problem(spec);
+  const verify::DenseRouting dense = verify::dense_routing(p);
+  verify::Problem sorted = dense.sorted;
+  sorted.cfg.num_physical_experts = kPhysical;
+  sorted.cfg.max_replicas = kWidth;
+  sorted.replicas = verify::random_replicas(kExperts, kPhysical, kWidth, 5);
+  const verify::Problem plain = verify::physical_problem(sorted);
+  std::vector<DispatchResult> got(2);
+  const CudaWorld world = CudaWorld::shared_gpu(2, 0);
+  const std::vector<std::string> errors = verify::run_threads(2, [&](int r) {
+    cudaSetDevice(0);
+    const int64_t tokens = p.inputs[r].tokens;
+    DeviceArray x(p.inputs[r].x), map(dense.maps[r]), prob(dense.probs[r]), table(sorted.replicas);
+    Buffer b(world.group(r), sorted.cfg);
+    DispatchInput in;
+    in.x = device_view(x, DType::bf16, {tokens, kHidden}, 0);
+    in.routing_map = device_view(map, DType::boolean, {tokens, kExperts}, 0);
+    in.probs = device_view(prob, DType::f32, {tokens, kExperts}, 0);
+    in.expert_replicas = device_view(table, DType::i32, {kExperts, kWidth}, 0);
+    DispatchResult d = b.dispatch(in);
+    b.synchronize();
+    got[r] = to_host(d);
+  });
+  const auto kept = verify::kept_routing(plain);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(errors[r], "") << "rank " << r;
+    EXPECT_EQ(verify::check_dispatch(plain, kept, r, Layout::expert_major, 0.0f, got[r]), "") << "rank " << r;
+    const Tensor& chosen = got[r].topk_physical;
+    ASSERT_EQ(chosen.numel(), static_cast<int64_t>(plain.inputs[r].idx.size())) << "rank " << r;
+    EXPECT_TRUE(std::equal(plain.inputs[r].idx.begin(), plain.inputs[r].idx.end(), chosen.data<int32_t>()))
+        << "topk_physical, rank " << r;
+  }
+}
+
+// The table is read at every call, also in a CUDA graph: a capacity-mode dispatch captured once
+// at EP1 and replayed with the table rewritten in place between replays routes each replay by
+// the table it finds (topk_physical and tokens_per_expert, kept by copies inside the graph).
+TEST(CudaEplbGraphs, AReplayRoutesByTheTableItFinds) {
+  constexpr int64_t kTokens = 48, kHidden = 256, kExperts = 8, kPhysical = 16, kWidth = 3, kTopk = 4;
+  BufferConfig cfg = small_config(kHidden, kTokens, kExperts, kTopk);
+  cfg.mode = CapacityMode::capacity;
+  cfg.capacity_rows = kTokens * kTopk;  // never overflows
+  cfg.num_physical_experts = kPhysical;
+  cfg.max_replicas = kWidth;
+  verify::ProblemSpec spec;
+  spec.cfg = small_config(kHidden, kTokens, kExperts, kTopk);
+  spec.ranks = 1;
+  const verify::Problem p = verify::make_problem(spec);
+  std::vector<std::vector<int32_t>> tables;
+  for (uint64_t i = 0; i < 3; ++i) tables.push_back(verify::random_replicas(kExperts, kPhysical, kWidth, 40 + i));
+  DeviceArray x(p.inputs[0].x), idx(p.inputs[0].idx), table(tables[0]);
+  DeviceArray chosen_copy{std::vector<int32_t>(kTokens * kTopk)}, counts_copy{std::vector<int64_t>(kPhysical)};
+  cudaStream_t stream = nullptr;
+  cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  std::vector<std::vector<int32_t>> chosen(tables.size(), std::vector<int32_t>(kTokens * kTopk));
+  std::vector<std::vector<int64_t>> counts(tables.size(), std::vector<int64_t>(kPhysical));
+  {
+    const CudaWorld world(std::vector<int>{0});
+    Buffer b(world.group(0), cfg);
+    b.set_stream(stream);
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    {
+      DispatchInput in;
+      in.x = device_view(x, DType::bf16, {kTokens, kHidden}, 0);
+      in.topk_idx = device_view(idx, DType::i32, {kTokens, kTopk}, 0);
+      in.expert_replicas = device_view(table, DType::i32, {kExperts, kWidth}, 0);
+      DispatchResult d = b.dispatch(in);
+      cudaMemcpyAsync(chosen_copy.get(), d.topk_physical.data<void>(), kTokens * kTopk * 4, cudaMemcpyDeviceToDevice, stream);
+      cudaMemcpyAsync(counts_copy.get(), d.tokens_per_expert.data<void>(), kPhysical * 8, cudaMemcpyDeviceToDevice, stream);
+    }
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    cudaGraphDestroy(graph);
+    for (size_t i = 0; i < tables.size(); ++i) {
+      cudaMemcpyAsync(table.get(), tables[i].data(), tables[i].size() * 4, cudaMemcpyHostToDevice, stream);
+      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+      cudaMemcpyAsync(chosen[i].data(), chosen_copy.get(), kTokens * kTopk * 4, cudaMemcpyDeviceToHost, stream);
+      cudaMemcpyAsync(counts[i].data(), counts_copy.get(), kPhysical * 8, cudaMemcpyDeviceToHost, stream);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    }
+    cudaGraphExecDestroy(exec);
+    b.synchronize();
+  }
+  cudaStreamDestroy(stream);
+  for (size_t i = 0; i < tables.size(); ++i) {
+    std::vector<int64_t> want_counts(kPhysical, 0);
+    for (int64_t s = 0; s < kTokens * kTopk; ++s) {
+      const int32_t want = verify::chosen_replica(tables[i], kWidth, kPhysical, p.inputs[0].idx[s], 0, s / kTopk);
+      ASSERT_EQ(chosen[i][s], want) << "replay " << i << " slot " << s;
+      if (want >= 0) ++want_counts[want];
+    }
+    EXPECT_EQ(counts[i], want_counts) << "replay " << i;
+  }
+  EXPECT_NE(chosen[0], chosen[1]) << "the tables route alike: the test shows nothing";
+}
+
 }  // namespace
 }  // namespace epx::test
