@@ -53,8 +53,8 @@ struct BufferConfig {
   // What crosses back in combine: each (token, rank) partial as bf16 (default), or that bf16
   // row quantized as the fp8 dispatch wire quantizes x (fp8, fp8_ue8m0; needs hidden % 128 == 0),
   // dequantized and summed in fp32 at the source. nvfp4 is refused. dispatch_backward stays bf16.
-  // The CPU backend's; on CUDA the low-latency buffer's (the high-throughput buffer refuses it
-  // for now). docs/semantics.md, "Combine wire".
+  // Both backends, both modes (the CUDA high-throughput buffer returns it with its SM engine
+  // only). docs/semantics.md, "Combine wire".
   WireFormat combine_wire = WireFormat::bf16;
   // Redundant experts (EPLB): > 0 gives the group this many physical experts P (P >= num_experts,
   // a multiple of the group size); rank r holds physical experts [r*P/R, (r+1)*P/R), and each

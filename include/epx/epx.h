@@ -76,7 +76,7 @@ typedef struct {
   int32_t check_finite; /* nonzero: dispatch refuses x holding a NaN or an infinity (BufferConfig::check_finite) */
   int64_t send_blocks; /* CUDA: of the num_sms blocks, those that send; 0 = the default split (BufferConfig::send_blocks) */
   int32_t shared_expert; /* nonzero: the fused shared expert (BufferConfig::shared_expert; CPU backend only) */
-  int32_t combine_wire; /* what combine's partials cross back as: 0 bf16 (default), 1 fp8, 2 fp8_ue8m0 (BufferConfig::combine_wire; CPU backend only for now) */
+  int32_t combine_wire; /* what combine's partials cross back as: 0 bf16 (default), 1 fp8, 2 fp8_ue8m0 (BufferConfig::combine_wire) */
   int64_t num_physical_experts; /* redundant experts (EPLB): P physical experts, 0 = off (BufferConfig::num_physical_experts) */
   int64_t max_replicas; /* columns M of expert_replicas, 0 = P - E + 1 (BufferConfig::max_replicas) */
 } epx_buffer_config;

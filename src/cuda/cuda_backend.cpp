@@ -231,7 +231,6 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   agree_after_checks(group, "buffer", describe(config), config.timeout_ms, [&] {
     state = dynamic_cast<CudaGroupState*>(group.state().get());
     require(state != nullptr, "buffer: group is not a CUDA group");
-    refuse_low_precision_combine(config.combine_wire, "buffer");
     require(ranks_ <= kMaxRanks, "buffer: the CUDA backend supports at most ", kMaxRanks, " ranks, got ", ranks_);
     require(replicas_.logical * replicas_.width < (int64_t{1} << 31), "buffer: the CUDA backend supports replica ",
             "tables of fewer than 2^31 entries (num_experts x max_replicas), got ", replicas_.logical * replicas_.width);
@@ -1057,12 +1056,19 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
   timer_.mark(0, stream_);
   // The engine is part of the signature: ranks with different EPX_COMBINE_ENGINE would wait for
   // each other's rows on different flags, so the plan check stops them first.
-  const int64_t options = (opt.weighted ? 1 : 0) + (copy_combine_ ? 2 : 0);
+  // The copies return bf16 rows only: an fp8 combine wire takes the SM engine (dispatch_backward keeps the copies).
+  const bool copy_return = copy_combine_ && c.combine_wire == WireFormat::bf16;
+  const bool waits = copy_return && copies_wait_for_plan();
+  const int64_t options = (opt.weighted ? 1 : 0) + (copy_return ? 2 : 0);
   CombineResult out;
   std::vector<Tensor> staging;
   const HandleState* h = &start_handle_call(call, handle, options, [&](const HandleState& state) {
     validate_combine(in, state, c, opt, DeviceKind::cuda);
     check_device_tensor(in.y, "combine: y");
+    require(c.combine_wire == WireFormat::bf16 || in.y.shape[0] == 0 ||
+                (reinterpret_cast<uintptr_t>(in.y.data) % 16 == 0 && in.y.strides[0] % 8 == 0),
+            "combine: y must be 16-byte aligned, its rows too, with combine_wire ", wire_name(c.combine_wire),
+            " (its partials are quantized from 16-byte loads)");
   });
   timer_.mark(1, stream_);
   const DeviceHandle& dh = device_of(*h);
@@ -1071,10 +1077,11 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
   kernels::CombineArgs a{in.y.ptr<const uint16_t>(), in.y.strides[0], opt.weighted, nullptr, 0,
                          in.shared_out.defined() ? in.shared_out.ptr<const uint16_t>() : nullptr,
                          in.shared_out.defined() ? in.shared_out.strides[0] : 0, out.out.data<uint16_t>(), nullptr};
-  const bool plan_failed = copies_wait_for_plan() && !plan_ok();
-  const bool by_copy = !plan_failed && start_copy_return(*h, in.y, TensorView{}, a, staging);
+  const bool plan_failed = waits && !plan_ok();
+  const bool by_copy = copy_return && !plan_failed && start_copy_return(*h, in.y, TensorView{}, a, staging);
   timer_.mark(2, stream_);
   a.host_status = host_status_;  // the kernel's last block ends the call
+  a.wire = c.combine_wire;
   kernels::combine(ctx(), by_copy ? 0 : send_blocks(false, h->layout), dh.recv, h->layout, h->tokens, dh.pos.send_pos,
                    dh.slot_expert, a);
   timer_.mark(3, stream_);
@@ -1091,7 +1098,7 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
   timer_.add("combine: kernel", 2, 3);
   timer_.add("combine: all", 0, 3);
   // The transfer is queued: the GPU goes on while the host reads the plan.
-  end_call(call, plan_failed || (c.mode == CapacityMode::blocking && !copies_wait_for_plan() && !plan_ok()), true);
+  end_call(call, plan_failed || (c.mode == CapacityMode::blocking && !waits && !plan_ok()), true);
   return out;
 }
 

@@ -24,16 +24,6 @@
 
 namespace epx::detail {
 
-// A check the CUDA high-throughput buffer makes before the creation's agreement (so every rank
-// fails at once): its combine kernels move bf16 partials only; the fp8 combine wire is the CPU
-// backend's and the CUDA low-latency buffer's for now (docs/semantics.md, "Combine wire").
-inline void refuse_low_precision_combine(WireFormat combine_wire, const char* what) {
-  if (combine_wire != WireFormat::bf16)
-    fail(ErrorCode::unsupported, what, ": combine_wire ", wire_name(combine_wire),
-         " is not supported by the CUDA backend yet (the CPU backend and the CUDA low-latency buffer have the "
-         "low-precision combine); use combine_wire bf16");
-}
-
 // The fused shared expert (BufferConfig / LowLatencyConfig::shared_expert): the CPU backend's only.
 inline void refuse_shared_expert(bool shared_expert, const char* what) {
   if (shared_expert)  // a valid config (the CPU backend serves it): unsupported, not invalid

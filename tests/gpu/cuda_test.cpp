@@ -38,6 +38,7 @@ struct GpuCase {
   double capacity_factor = 0.0;
   bool prequantized = false;  // x given as fp8 codes + scales
   int64_t sms = 0;            // num_sms; 0: 16 over NCCL, 4 on the shared GPU (every rank's blocks fit at once)
+  WireFormat combine_wire = WireFormat::bf16;  // what combine's partials cross back as
 };
 
 std::string gpu_case_name(const testing::TestParamInfo<GpuCase>& info) {
@@ -48,7 +49,8 @@ std::string gpu_case_name(const testing::TestParamInfo<GpuCase>& info) {
          "_A" + std::to_string(c.alignment) + (c.routing == verify::Routing::skewed ? "_skewed" : "") +
          (c.unused > 0 ? "_holes" : "") + (c.mode == CapacityMode::capacity ? "_capacity" : "") +
          (c.capacity_factor > 0 ? "_drop" : "") + (c.prequantized ? "_prequantized" : "") +
-         (c.sms > 0 ? "_sms" + std::to_string(c.sms) : "");
+         (c.sms > 0 ? "_sms" + std::to_string(c.sms) : "") +
+         (c.combine_wire == WireFormat::bf16 ? "" : "_combine_" + std::string(wire_name(c.combine_wire)));
 }
 
 void PrintTo(const GpuCase& c, std::ostream* os) { *os << gpu_case_name(testing::TestParamInfo<GpuCase>(c, 0)); }
@@ -64,6 +66,7 @@ TEST_P(CudaVsReference, BitForBit) {
   spec.cfg.capacity_factor = c.capacity_factor;
   if (c.mode == CapacityMode::capacity) spec.cfg.capacity_rows = c.tokens * c.topk / 2 + 8;  // overflows sometimes
   spec.cfg.num_sms = c.sms > 0 ? c.sms : c.transport == Transport::nccl ? 16 : 4;
+  spec.cfg.combine_wire = c.combine_wire;
   spec.prequantized = c.prequantized;
   spec.ranks = c.ranks;
   for (int r = 0; r < c.ranks; ++r) spec.tokens.push_back(r == 1 ? 0 : c.tokens - (5 * r) % (c.tokens + 1));
@@ -125,7 +128,16 @@ INSTANTIATE_TEST_SUITE_P(
         // Rank-major bf16: four broadcast pieces, the last one short; rows of 2008 bytes, not 16-byte
         // multiples (the receiver's register loop)
         GpuCase{S, 2, 2048, 300, 32, 8, W::bf16, L::rank_major, 1, U, 0.0},
-        GpuCase{S, 4, 1004, 130, 64, 4, W::bf16, L::rank_major, 1, K, 0.0, CapacityMode::blocking, 0.3}),
+        GpuCase{S, 4, 1004, 130, 64, 4, W::bf16, L::rank_major, 1, K, 0.0, CapacityMode::blocking, 0.3},
+        // The fp8 combine wire (the SM engine returns it, whatever EPX_COMBINE_ENGINE says)
+        GpuCase{N, 1, 1024, 128, 32, 8, W::bf16, L::expert_major, 16, U, 0.1, CapacityMode::blocking, 0.0, false, 0, W::fp8},
+        GpuCase{N, 1, 2048, 200, 16, 4, W::fp8, L::rank_major, 1, K, 0.0, CapacityMode::blocking, 0.0, false, 0,
+                W::fp8_ue8m0},
+        GpuCase{S, 2, 1024, 96, 32, 8, W::bf16, L::expert_major, 8, K, 0.1, CapacityMode::capacity, 0.0, false, 0, W::fp8},
+        GpuCase{S, 2, 1024, 96, 16, 4, W::fp8, L::rank_major, 1, U, 0.0, CapacityMode::capacity, 0.0, false, 0, W::fp8},
+        GpuCase{S, 4, 512, 64, 32, 6, W::bf16, L::rank_major, 1, U, 0.2, CapacityMode::blocking, 0.5, false, 0,
+                W::fp8_ue8m0},
+        GpuCase{S, 3, 768, 40, 9, 3, W::nvfp4, L::expert_major, 4, U, 0.0, CapacityMode::blocking, 0.0, false, 0, W::fp8}),
     gpu_case_name);
 
 // The multi-process API (nccl_unique_id, cuda_group_init_rank: one rank per process in a job), here
@@ -333,43 +345,6 @@ TEST(CudaErrors, SharedExpertIsRefusedAsUnsupportedOnEveryRank) {
     EXPECT_THAT(errors[r], testing::HasSubstr("the CUDA backend does not have the fused shared expert yet"));
     EXPECT_EQ(ll_codes[r], ErrorCode::unsupported) << ll_errors[r];
     EXPECT_THAT(ll_errors[r], testing::HasSubstr("low-latency buffer: the CUDA backend does not have the fused shared"));
-  }
-}
-
-// The low-precision combine wire: the CUDA high-throughput buffer refuses it at creation on every
-// rank with unsupported (its own check, inside the agreement), and the group goes on; the CUDA
-// low-latency buffer has it (CudaLowLatency.RoundsMatchTheReference's *_combine_* cases).
-TEST(CudaErrors, TheLowPrecisionCombineWireIsRefusedByTheHighThroughputBufferOnEveryRank) {
-  auto cfg = small_config(256, 32, 16, 4);
-  cfg.timeout_ms = 20000;
-  const auto p = two_ranks(cfg);
-  for (WireFormat w : {WireFormat::fp8, WireFormat::fp8_ue8m0}) {
-    std::vector<std::string> errors(2), ll_made(2), after(2);
-    std::vector<ErrorCode> codes(2);
-    on_shared_gpu(p, [&](int r, const Group& g, const DeviceArray&, const DeviceArray&) {
-      BufferConfig c = cfg;
-      c.combine_wire = w;
-      codes[r] = code_of([&] { Buffer b(g, c); }, &errors[r]);
-      LowLatencyConfig l{cfg.hidden, cfg.max_tokens_per_rank, cfg.num_experts, cfg.topk, WireFormat::bf16, 20000};
-      l.combine_wire = w;
-      try {
-        LowLatencyBuffer b(g, l);
-      } catch (const Error& e) {
-        ll_made[r] = e.what();
-      }
-      try {
-        Buffer b(g, cfg);  // bf16: the next buffers pair up as before
-      } catch (const Error& e) {
-        after[r] = e.what();
-      }
-    });
-    for (int r = 0; r < 2; ++r) {
-      EXPECT_EQ(codes[r], ErrorCode::unsupported) << wire_name(w) << " rank " << r << ": " << errors[r];
-      EXPECT_THAT(errors[r], testing::HasSubstr(std::string("buffer: combine_wire ") + std::string(wire_name(w)) +
-                                                " is not supported by the CUDA backend yet"));
-      EXPECT_EQ(ll_made[r], "") << wire_name(w) << " rank " << r;
-      EXPECT_EQ(after[r], "") << "rank " << r;
-    }
   }
 }
 

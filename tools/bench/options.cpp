@@ -25,7 +25,7 @@ const char* kUsage = R"(epx-bench: dispatch and combine of one MoE layer over N 
   --wire LIST             comma list of bf16,fp8,fp8_ue8m0,nvfp4 (default all)
   --layout LIST           comma list of expert_major,rank_major (default both)
   --combine-wire W        bf16 (default), fp8 or fp8_ue8m0: what combine's and ll_combine's partials
-                          cross back as (combine_wire; the CUDA backend: ll_combine only, for now)
+                          cross back as (combine_wire)
   --ops LIST              comma list of dispatch,combine,dispatch_backward,combine_backward,
                           ll_dispatch,ll_combine (default: the first four; with --preset ll all six)
   --sms N                 SM budget for GPU kernels (recorded; host ignores it)

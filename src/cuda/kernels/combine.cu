@@ -9,6 +9,7 @@
 // included, where the returning warps write bf16(0 + y): the same sums, since a sum from +0 never
 // tells -0 from +0.
 #include "cuda/cuda_check.hpp"
+#include "cuda/kernels/fp8_partials.cuh"
 #include "cuda/kernels/launch.hpp"
 #include "cuda/kernels/row_copy.cuh"
 #include "cuda/kernels/staged_sum.cuh"
@@ -46,13 +47,39 @@ __device__ void copy_bf16_plus_zero(const uint16_t* src, uint16_t* dst, int64_t 
   }
 }
 
-// Expert side, one warp: the partial of received row i (rank-major order): the bf16 row into
-// dst (when y is given) and the token's K slot values into dst_slots (when a.slot_values is).
-// staged: an expert-major sum's terms come through the warp's stage (staged_sum.cuh).
+// Expert side, one warp, the fp8 combine wire: received row i's partial (the sum partial_row
+// makes, rounded to bf16) quantized into dst: codes [H], then f32 scales [H/128]. One term's
+// loads at a time: two (as the low-latency send) made the combine kernel spill.
+__device__ void fp8_partial_row(const Shape& s, const RecvArrays& r, Layout layout, const CombineArgs& a, int64_t i,
+                                char* dst, int lane) {
+  const int64_t capacity = r.info[2];
+  const Fp8Partial store{dst, reinterpret_cast<float*>(dst + s.hidden), a.wire == WireFormat::fp8_ue8m0};
+  if (layout == Layout::rank_major) {
+    sum_rows_wide<1>(1, [&](int, const uint16_t*& row, float& weight) {
+      row = a.y + i * a.y_stride;
+      weight = 1.0f;
+      return i < capacity;
+    }, false, s.hidden, lane, store);
+    return;
+  }
+  sum_rows_wide<1>(static_cast<int>(s.topk), [&](int k, const uint16_t*& row, float& weight) {
+    const int64_t out_row = r.slot_row[i * s.topk + k];
+    row = a.y + out_row * a.y_stride;
+    weight = r.slot_weight[i * s.topk + k];
+    return out_row >= 0 && out_row < capacity;
+  }, a.weighted, s.hidden, lane, store);
+}
+
+// Expert side, one warp: the partial of received row i (rank-major order): the bf16 row (or
+// combine_wire's fp8 codes and scales) into dst (when y is given) and the token's K slot values
+// into dst_slots (when a.slot_values is). staged: an expert-major sum's terms come through the
+// warp's stage (staged_sum.cuh).
 __device__ void partial_row(const Shape& s, const RecvArrays& r, Layout layout, const CombineArgs& a, bool wide,
                             bool staged, int64_t i, uint16_t* dst, float* dst_slots, int lane) {
   const int64_t capacity = r.info[2];
-  if (a.y) {
+  if (a.y && a.wire != WireFormat::bf16) {
+    fp8_partial_row(s, r, layout, a, i, reinterpret_cast<char*>(dst), lane);
+  } else if (a.y) {
     if (layout == Layout::rank_major && wide) {  // one term: 0 + y, a copy that turns -0 into +0
       copy_bf16_plus_zero(i < capacity ? a.y + i * a.y_stride : nullptr, dst, s.hidden, lane);
     } else if (layout == Layout::rank_major) {
@@ -101,6 +128,14 @@ __device__ void reduce_token(const PeerWindows& w, const WindowMap& m, const Sha
                              const int32_t* slot_expert, const CombineArgs& a, bool wide, bool staged, int64_t t,
                              int lane) {
   const uint16_t* rev = at_window<const uint16_t>(w, w.rank, m.rev_rows);
+  if (a.out && a.wire != WireFormat::bf16) {  // rank d's fp8 partial in its 2H-byte row
+    auto slot = [&](int d) -> const char* {
+      const int32_t pos = send_pos[t * w.ranks + d];
+      return pos >= 0 ? reinterpret_cast<const char*>(rev + (d * s.max_tokens + pos) * s.hidden) : nullptr;
+    };
+    sum_fp8_partials(slot, w.ranks, s.hidden, 0, s.hidden, a.shared ? a.shared + t * a.shared_stride : nullptr,
+                     a.out + t * s.hidden, lane);
+  }
   auto term = [&](int d, const uint16_t*& row, float& weight) {
     weight = 1.0f;
     if (d == w.ranks) {
@@ -111,8 +146,12 @@ __device__ void reduce_token(const PeerWindows& w, const WindowMap& m, const Sha
     row = a.by_copy && d == w.rank ? a.own_rows + pos * a.y_stride : rev + (d * s.max_tokens + pos) * s.hidden;
     return pos >= 0;
   };
-  if (a.out && staged) sum_rows_staged(w.ranks + 1, term, false, a.out + t * s.hidden, s.hidden, lane);
-  else if (a.out) sum_rows<2>(w.ranks + 1, term, false, a.out + t * s.hidden, s.hidden, wide, lane);
+  if (a.out && a.wire != WireFormat::bf16) {
+  } else if (a.out && staged) {
+    sum_rows_staged(w.ranks + 1, term, false, a.out + t * s.hidden, s.hidden, lane);
+  } else if (a.out) {
+    sum_rows<2>(w.ranks + 1, term, false, a.out + t * s.hidden, s.hidden, wide, lane);
+  }
   if (a.slot_out) {
     const float* rev_slots = at_window<const float>(w, w.rank, m.rev_slots);
     for (int64_t k = lane; k < s.topk; k += 32) {

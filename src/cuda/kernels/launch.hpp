@@ -330,6 +330,9 @@ struct CombineArgs {
   const float* own_slot_values = nullptr;
   // Host-mapped: the kernel's last block publishes the call's status there (the call's end).
   DeviceStatus* host_status = nullptr;
+  // combine's BufferConfig::combine_wire: fp8 partials cross back (fp8_partials.cuh; y 16-byte
+  // aligned, its rows too); the SM engine only (by_copy false). dispatch_backward: bf16.
+  WireFormat wire = WireFormat::bf16;
 };
 void combine(const Ctx& ctx, int send_blocks, const RecvArrays& r, Layout layout, int64_t tokens,
              const int32_t* send_pos, const int32_t* slot_expert, const CombineArgs& a);

@@ -10,6 +10,7 @@
 // bf16 partial back at the source, which adds the partials in rank order (the high-throughput
 // combine's sums, docs/low-latency.md).
 #include "cuda/kernels/finite_scan.cuh"
+#include "cuda/kernels/fp8_partials.cuh"
 #include "cuda/kernels/ll_launch.hpp"
 #include "cuda/kernels/replicas.cuh"
 #include "cuda/kernels/row_copy.cuh"
@@ -544,25 +545,6 @@ __device__ bool block_wait_weights(const Ctx& c, int set, const int32_t* weights
   return __syncthreads_and(ok) != 0;
 }
 
-// The fp8 combine wire (docs/semantics.md, "Combine wire"), as sum_rows_wide's store: a span's
-// sums rounded to bf16, then quantized per 128-channel block as the fp8 dispatch wire is (the
-// 16 lanes of a block, lanes 16j..16j+15 of a round, agree on its amax): vector v's 8 codes at
-// codes + 8v, the block's f32 scale at scales[v / 16].
-struct Fp8Partial {
-  char* codes;
-  float* scales;
-  bool ue8m0;
-  __device__ void operator()(int64_t v, const float (&acc)[8], bool on) const {
-    float p[8];
-    unpack_bf16x8(pack_bf16x8(acc), p);
-    const float amax = fp8_block_amax<8, 16>(p, on);
-    if (!on) return;
-    const float scale = fp8_scale(amax, ue8m0);
-    *reinterpret_cast<uint2*>(codes + 8 * v) = e4m3x8(p, 1.0f / scale);
-    if (v % 16 == 0) scales[v / 16] = scale;
-  }
-};
-
 // Send phase. Warp per (source, token, kSendSpan channels) with one of its experts here: the
 // rows of those experts summed in slot order (fma with the source's weight, or a plain sum) into
 // one partial at the source's (token, this rank) place, bf16 or (combine_wire fp8) its fp8 codes
@@ -647,31 +629,6 @@ __device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, cons
   stamp(c, kCombine, kCountedIn);
 }
 
-// A token's fp8 partials back (docs/semantics.md, "Combine wire"), channels [h0, h0 + len) of
-// `out`: each held rank's code * scale (one fp32 product), added in rank order from 0, rounded to
-// bf16. slot0: rank 0's slot of the token (slot_bytes apart: codes [H], then f32 scales [H/128]).
-__device__ void sum_fp8_partials(const char* slot0, int64_t slot_bytes, uint32_t held, int ranks, int64_t hidden,
-                                 int64_t h0, int64_t len, uint16_t* out, int lane) {
-  for (int64_t h = h0 + 8 * lane; h < h0 + len; h += 8 * 32) {
-    float acc[8] = {};
-    for (int r = 0; r < ranks; ++r) {
-      if (!(held >> r & 1u)) continue;
-      const char* slot = slot0 + r * slot_bytes;
-      const uint2 q = *reinterpret_cast<const uint2*>(slot + h);
-      const float scale = reinterpret_cast<const float*>(slot + hidden)[h / kFp8Block];
-      for (int i = 0; i < 8; ++i) {
-        const uint8_t code = static_cast<uint8_t>((i < 4 ? q.x : q.y) >> (8 * (i % 4)));
-        acc[i] = __fadd_rn(acc[i], __fmul_rn(e4m3_to_float(code), scale));
-      }
-    }
-    if (aligned16(out + h)) {
-      *reinterpret_cast<int4*>(out + h) = pack_bf16x8(acc);
-    } else {
-      for (int i = 0; i < 8; ++i) out[h + i] = float_to_bf16(acc[i]);
-    }
-  }
-}
-
 // Receive phase. Warp per (token, kSumSpan channels): the partials of the ranks holding its
 // experts, in rank order (bf16, or fp8 by sum_fp8_partials); rows past the token count are zero.
 __device__ void combine_recv(const Ctx& c, int set, const Set& d, const Sums& sums) {
@@ -691,8 +648,9 @@ __device__ void combine_recv(const Ctx& c, int set, const Set& d, const Sums& su
     }
     held = __reduce_or_sync(kAll, held);
     if (c.combine_wire != WireFormat::bf16) {
-      sum_fp8_partials(reinterpret_cast<const char*>(ret + t * ranks * c.hidden), 2 * c.hidden, held, ranks, c.hidden, h0,
-                       min(kSumSpan, c.hidden - h0), sums.out + t * c.hidden, lane);
+      const char* slot0 = reinterpret_cast<const char*>(ret + t * ranks * c.hidden);  // rank r's slot 2H bytes on
+      sum_fp8_partials([&](int r) { return held >> r & 1u ? slot0 + r * 2 * c.hidden : nullptr; }, ranks, c.hidden, h0,
+                       min(kSumSpan, c.hidden - h0), nullptr, sums.out + t * c.hidden, lane);
       continue;
     }
     sum_rows<2>(ranks, [&](int r, const uint16_t*& row, float& weight) {
