@@ -49,9 +49,9 @@ __device__ void copy_bf16_plus_zero(const uint16_t* src, uint16_t* dst, int64_t 
 
 // Expert side, one warp, the fp8 combine wire: received row i's partial (the sum partial_row
 // makes, rounded to bf16) quantized into dst: codes [H], then f32 scales [H/128]. One term's
-// loads at a time: two (as the low-latency send) made the combine kernel spill.
-__device__ void fp8_partial_row(const Shape& s, const RecvArrays& r, Layout layout, const CombineArgs& a, int64_t i,
-                                char* dst, int lane) {
+// loads at a time (two, as the low-latency send, made the combine kernel spill), or staged.
+__device__ void fp8_partial_row(const Shape& s, const RecvArrays& r, Layout layout, const CombineArgs& a, bool staged,
+                                int64_t i, char* dst, int lane) {
   const int64_t capacity = r.info[2];
   const Fp8Partial store{dst, reinterpret_cast<float*>(dst + s.hidden), a.wire == WireFormat::fp8_ue8m0};
   if (layout == Layout::rank_major) {
@@ -62,23 +62,26 @@ __device__ void fp8_partial_row(const Shape& s, const RecvArrays& r, Layout layo
     }, false, s.hidden, lane, store);
     return;
   }
-  sum_rows_wide<1>(static_cast<int>(s.topk), [&](int k, const uint16_t*& row, float& weight) {
+  auto term = [&](int k, const uint16_t*& row, float& weight) {
     const int64_t out_row = r.slot_row[i * s.topk + k];
     row = a.y + out_row * a.y_stride;
     weight = r.slot_weight[i * s.topk + k];
     return out_row >= 0 && out_row < capacity;
-  }, a.weighted, s.hidden, lane, store);
+  };
+  if (staged) sum_rows_staged_to(static_cast<int>(s.topk), term, a.weighted, s.hidden, lane, store);
+  else sum_rows_wide<1>(static_cast<int>(s.topk), term, a.weighted, s.hidden, lane, store);
 }
 
 // Expert side, one warp: the partial of received row i (rank-major order): the bf16 row (or
 // combine_wire's fp8 codes and scales) into dst (when y is given) and the token's K slot values
 // into dst_slots (when a.slot_values is). staged: an expert-major sum's terms come through the
 // warp's stage (staged_sum.cuh).
+template <bool kFp8>
 __device__ void partial_row(const Shape& s, const RecvArrays& r, Layout layout, const CombineArgs& a, bool wide,
                             bool staged, int64_t i, uint16_t* dst, float* dst_slots, int lane) {
   const int64_t capacity = r.info[2];
-  if (a.y && a.wire != WireFormat::bf16) {
-    fp8_partial_row(s, r, layout, a, i, reinterpret_cast<char*>(dst), lane);
+  if (kFp8 && a.y) {
+    fp8_partial_row(s, r, layout, a, staged, i, reinterpret_cast<char*>(dst), lane);
   } else if (a.y) {
     if (layout == Layout::rank_major && wide) {  // one term: 0 + y, a copy that turns -0 into +0
       copy_bf16_plus_zero(i < capacity ? a.y + i * a.y_stride : nullptr, dst, s.hidden, lane);
@@ -113,44 +116,44 @@ __device__ void partial_row(const Shape& s, const RecvArrays& r, Layout layout, 
 // Expert side, one warp: received row `pos` of `source`'s stream back into its window. An
 // expert-major partial's terms come through the warp's stage, as reduce_partials_kernel's do (the
 // same partial_row: the same sums), where the register loop kept too few bytes in flight.
+template <bool kFp8>
 __device__ void return_row(const PeerWindows& w, const WindowMap& m, const Shape& s, const RecvArrays& r, Layout layout,
                            const CombineArgs& a, bool wide, int source, int64_t pos, int lane) {
   const int64_t at = w.rank * s.max_tokens + pos;
   const bool staged = wide && s.topk <= 32;  // a term per lane
-  partial_row(s, r, layout, a, wide, staged, r.rank_offsets[source] + pos,
+  partial_row<kFp8>(s, r, layout, a, wide, staged, r.rank_offsets[source] + pos,
               at_window<uint16_t>(w, source, m.rev_rows + at * s.hidden * 2),
               at_window<float>(w, source, m.rev_slots + at * s.topk * 4), lane);
 }
 
 // Source side, one warp: token t from every rank's returned row (rank order), then shared.
 // staged: the rows come through the warp's stage (staged_sum.cuh).
+template <bool kFp8>
 __device__ void reduce_token(const PeerWindows& w, const WindowMap& m, const Shape& s, const int32_t* send_pos,
                              const int32_t* slot_expert, const CombineArgs& a, bool wide, bool staged, int64_t t,
                              int lane) {
   const uint16_t* rev = at_window<const uint16_t>(w, w.rank, m.rev_rows);
-  if (a.out && a.wire != WireFormat::bf16) {  // rank d's fp8 partial in its 2H-byte row
+  if (kFp8 && a.out) {  // rank d's fp8 partial in its 2H-byte row
     auto slot = [&](int d) -> const char* {
       const int32_t pos = send_pos[t * w.ranks + d];
       return pos >= 0 ? reinterpret_cast<const char*>(rev + (d * s.max_tokens + pos) * s.hidden) : nullptr;
     };
-    sum_fp8_partials(slot, w.ranks, s.hidden, 0, s.hidden, a.shared ? a.shared + t * a.shared_stride : nullptr,
-                     a.out + t * s.hidden, lane);
-  }
-  auto term = [&](int d, const uint16_t*& row, float& weight) {
-    weight = 1.0f;
-    if (d == w.ranks) {
-      row = a.shared + t * a.shared_stride;
-      return a.shared != nullptr;
-    }
-    const int32_t pos = send_pos[t * w.ranks + d];
-    row = a.by_copy && d == w.rank ? a.own_rows + pos * a.y_stride : rev + (d * s.max_tokens + pos) * s.hidden;
-    return pos >= 0;
-  };
-  if (a.out && a.wire != WireFormat::bf16) {
-  } else if (a.out && staged) {
-    sum_rows_staged(w.ranks + 1, term, false, a.out + t * s.hidden, s.hidden, lane);
+    const uint16_t* shared = a.shared ? a.shared + t * a.shared_stride : nullptr;
+    if (staged) sum_fp8_partials_staged(slot, w.ranks, s.hidden, shared, 1.0f, a.out + t * s.hidden, lane);
+    else sum_fp8_partials(slot, w.ranks, s.hidden, 0, s.hidden, shared, 1.0f, a.out + t * s.hidden, lane);
   } else if (a.out) {
-    sum_rows<2>(w.ranks + 1, term, false, a.out + t * s.hidden, s.hidden, wide, lane);
+    auto term = [&](int d, const uint16_t*& row, float& weight) {
+      weight = 1.0f;
+      if (d == w.ranks) {
+        row = a.shared + t * a.shared_stride;
+        return a.shared != nullptr;
+      }
+      const int32_t pos = send_pos[t * w.ranks + d];
+      row = a.by_copy && d == w.rank ? a.own_rows + pos * a.y_stride : rev + (d * s.max_tokens + pos) * s.hidden;
+      return pos >= 0;
+    };
+    if (staged) sum_rows_staged(w.ranks + 1, term, false, a.out + t * s.hidden, s.hidden, lane);
+    else sum_rows<2>(w.ranks + 1, term, false, a.out + t * s.hidden, s.hidden, wide, lane);
   }
   if (a.slot_out) {
     const float* rev_slots = at_window<const float>(w, w.rank, m.rev_slots);
@@ -169,6 +172,7 @@ __device__ void reduce_token(const PeerWindows& w, const WindowMap& m, const Sha
 }
 
 // Returning blocks, each a chunk at a time: its rows back to their source, then its flag there.
+template <bool kFp8>
 __device__ void return_chunks(const PeerWindows& w, const WindowMap& m, const Shape& s, const RecvArrays& r,
                               Layout layout, const CombineArgs& a, bool wide, uint32_t epoch, int block, int blocks) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -181,7 +185,7 @@ __device__ void return_chunks(const PeerWindows& w, const WindowMap& m, const Sh
     const ChunkRange range = r.chunk_range[source * m.max_chunks + c];
     if (warp < kSendWarps)
       for (int64_t j = warp; j < range.count; j += kSendWarps)
-        return_row(w, m, s, r, layout, a, wide, source, range.start + j, lane);
+        return_row<kFp8>(w, m, s, r, layout, a, wide, source, range.start + j, lane);
     __syncthreads();
     if (warp == kSendWarps && lane == 0) {
       __threadfence_system();
@@ -193,6 +197,7 @@ __device__ void return_chunks(const PeerWindows& w, const WindowMap& m, const Sh
 // Reducing warps: each of this rank's tokens once its rows are back from every rank. The rows
 // come through the warp's shared memory (14 KiB in flight per warp instead of two rows' 4 KiB;
 // docs/lab/2026-12-01-performance-diary.md), a term per lane.
+template <bool kFp8>
 __device__ void reduce_tokens(const PeerWindows& w, const WindowMap& m, const Shape& s, int64_t tokens,
                               const int32_t* send_pos, const int32_t* slot_expert, const CombineArgs& a, bool wide,
                               uint32_t epoch, uint64_t timeout_ns, DeviceStatus* st, int block, int blocks) {
@@ -211,12 +216,13 @@ __device__ void reduce_tokens(const PeerWindows& w, const WindowMap& m, const Sh
                                 w.ranks, 0, epoch, timeout_ns, st, kSignalReverse, lane)) {
       return;  // every rank returns every chunk, empty ones too; lane d waits for rank d
     }
-    reduce_token(w, m, s, send_pos, slot_expert, a, wide, staged, t, lane);
+    reduce_token<kFp8>(w, m, s, send_pos, slot_expert, a, wide, staged, t, lane);
   }
 }
 
 // The first send_blocks blocks return, the others reduce; the last block to finish publishes the
 // call's status for the host.
+template <bool kFp8>
 __global__ void __launch_bounds__(kThreads) combine_kernel(PeerWindows w, WindowMap m, Shape s, RecvArrays r,
                                                            Layout layout, int64_t tokens, const int32_t* send_pos,
                                                            const int32_t* slot_expert, CombineArgs a, int send_blocks,
@@ -230,9 +236,9 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PeerWindows w, Window
   const int block = static_cast<int>(blockIdx.x);
   if (!block_sees_failure(st)) {
     if (block < send_blocks)
-      return_chunks(w, m, s, r, layout, a, wide, epoch, block, send_blocks);
+      return_chunks<kFp8>(w, m, s, r, layout, a, wide, epoch, block, send_blocks);
     else
-      reduce_tokens(w, m, s, tokens, send_pos, slot_expert, a, wide, epoch, timeout_ns, st, block - send_blocks,
+      reduce_tokens<kFp8>(w, m, s, tokens, send_pos, slot_expert, a, wide, epoch, timeout_ns, st, block - send_blocks,
                     static_cast<int>(gridDim.x) - send_blocks);
   }
   if (last_block(&cs->transfer_blocks_done) && threadIdx.x == 0) publish(st, a.host_status);
@@ -255,8 +261,8 @@ __global__ void __launch_bounds__(kPartialWarps * 32) reduce_partials_kernel(Sha
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kPartialWarps;
   for (int64_t j = blockIdx.x * static_cast<int64_t>(kPartialWarps) + threadIdx.x / 32; j < p.count; j += warps) {
     const int64_t i = p.first + j + (j >= p.gap_at ? p.gap : 0);
-    partial_row(s, r, Layout::expert_major, a, wide, staged, i, p.rows + i * s.hidden,
-                p.slots ? p.slots + i * s.topk : nullptr, lane);
+    partial_row<false>(s, r, Layout::expert_major, a, wide, staged, i, p.rows + i * s.hidden,
+                       p.slots ? p.slots + i * s.topk : nullptr, lane);
   }
 }
 
@@ -265,9 +271,10 @@ __global__ void __launch_bounds__(kPartialWarps * 32) reduce_partials_kernel(Sha
 void combine(const Ctx& ctx, int send_blocks, const RecvArrays& r, Layout layout, int64_t tokens,
              const int32_t* send_pos, const int32_t* slot_expert, const CombineArgs& a) {
   const size_t smem = static_cast<size_t>(bulk_stage_smem(kThreads / 32));
-  combine_kernel<<<ctx.blocks, kThreads, smem, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, layout, tokens, send_pos,
-                                                             slot_expert, a, send_blocks, ctx.state, ctx.timeout_ns,
-                                                             ctx.status);
+  // The fp8 wire's own kernel: the bf16 one keeps its registers (together they spilled).
+  auto* kernel = a.wire == WireFormat::bf16 ? combine_kernel<false> : combine_kernel<true>;
+  kernel<<<ctx.blocks, kThreads, smem, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, layout, tokens, send_pos, slot_expert,
+                                                     a, send_blocks, ctx.state, ctx.timeout_ns, ctx.status);
 }
 
 void reduce_partials(const Ctx& ctx, const RecvArrays& r, const CombineArgs& a, const PartialRows& p) {
@@ -277,9 +284,10 @@ void reduce_partials(const Ctx& ctx, const RecvArrays& r, const CombineArgs& a, 
 }
 
 void preload_combine_kernels() {
-  preload(combine_kernel, reduce_partials_kernel);
-  EPX_CUDA(cudaFuncSetAttribute(combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                static_cast<int>(bulk_stage_smem(kThreads / 32))));
+  preload(combine_kernel<false>, combine_kernel<true>, reduce_partials_kernel);
+  for (auto* kernel : {combine_kernel<false>, combine_kernel<true>})
+    EPX_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(bulk_stage_smem(kThreads / 32))));
   EPX_CUDA(cudaFuncSetAttribute(reduce_partials_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 static_cast<int>(bulk_stage_smem(kPartialWarps))));
 }

@@ -3,7 +3,10 @@
 // sum of the returned partials in rank order. Codes [H] at a slot's start, f32 scales [H/128]
 // after them.
 #pragma once
+#include "cuda/kernels/bulk_copy.cuh"
+#include "cuda/kernels/cp_async.cuh"
 #include "cuda/kernels/row_copy.cuh"
+#include "cuda/kernels/staged_sum.cuh"
 
 namespace epx::detail {
 
@@ -25,15 +28,24 @@ struct Fp8Partial {
   }
 };
 
+// acc[i] + e4m3(code i of q) * scale: one fp32 product, then one fp32 add (the CPU backend's).
+__device__ inline void add_fp8x8(float (&acc)[8], uint2 q, float scale) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint8_t code = static_cast<uint8_t>((i < 4 ? q.x : q.y) >> (8 * (i % 4)));
+    acc[i] = __fadd_rn(acc[i], __fmul_rn(e4m3_to_float(code), scale));
+  }
+}
+
 // One warp, channels [h0, h0 + len) of a token's `out`: each rank's partial (slot(r): its slot,
-// or null where the token has none) as code * scale (one fp32 product), added in rank order from
-// 0, then `extra` (a bf16 row, or null), rounded to bf16. Each lane holds kFp8SumUnroll 8-byte
-// loads of a partial in flight (64 bytes, as sum_rows_wide's 16-byte ones): one at a time left
-// the sum bound by load latency (700 us for a V3 rank-major combine at one rank, docs/lab).
-constexpr int kFp8SumUnroll = 1;
+// or null where the token has none) as code * scale, added in rank order from 0, then `extra`
+// (a bf16 row, or null) times extra_weight (one fma: with 1, a plain add), rounded to bf16. Each
+// lane keeps kFp8SumUnroll 8-byte loads of a partial in flight (more made the combine kernels
+// spill); sum_fp8_partials_staged keeps more.
+constexpr int kFp8SumUnroll = 2;
 template <class Slot>
 __device__ void sum_fp8_partials(Slot slot, int ranks, int64_t hidden, int64_t h0, int64_t len,
-                                 const uint16_t* extra, uint16_t* out, int lane) {
+                                 const uint16_t* extra, float extra_weight, uint16_t* out, int lane) {
   constexpr int kU = kFp8SumUnroll;
   for (int64_t base = h0 + 8 * lane; base < h0 + len; base += 8 * 32 * kU) {
     float acc[kU][8] = {};
@@ -43,28 +55,22 @@ __device__ void sum_fp8_partials(Slot slot, int ranks, int64_t hidden, int64_t h
       uint2 q[kU];
       float scale[kU];
 #pragma unroll
-      for (int u = 0; u < kU; ++u) {
+      for (int u = 0; u < kU; ++u) {  // every load, then every add
         const int64_t h = base + 8 * 32 * u;
         if (h >= h0 + len) continue;
         q[u] = *reinterpret_cast<const uint2*>(from + h);
         scale[u] = reinterpret_cast<const float*>(from + hidden)[h / kFp8Block];
       }
 #pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        if (base + 8 * 32 * u >= h0 + len) continue;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const uint8_t code = static_cast<uint8_t>((i < 4 ? q[u].x : q[u].y) >> (8 * (i % 4)));
-          acc[u][i] = __fadd_rn(acc[u][i], __fmul_rn(e4m3_to_float(code), scale[u]));
-        }
-      }
+      for (int u = 0; u < kU; ++u)
+        if (base + 8 * 32 * u < h0 + len) add_fp8x8(acc[u], q[u], scale[u]);
     }
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const int64_t h = base + 8 * 32 * u;
       if (h >= h0 + len) continue;
       if (extra)
-        for (int i = 0; i < 8; ++i) acc[u][i] = __fadd_rn(acc[u][i], bf16_to_float(extra[h + i]));
+        for (int i = 0; i < 8; ++i) acc[u][i] = __fmaf_rn(extra_weight, bf16_to_float(extra[h + i]), acc[u][i]);
       if (aligned16(out + h)) {
         *reinterpret_cast<int4*>(out + h) = pack_bf16x8(acc[u]);
       } else {
@@ -72,6 +78,68 @@ __device__ void sum_fp8_partials(Slot slot, int ranks, int64_t hidden, int64_t h
       }
     }
   }
+}
+
+// sum_fp8_partials over a whole row (out and extra 16-byte aligned, at most 32 ranks; slot(r) is
+// called by lane r only), the partials' bytes through the warp's stage as sum_rows_staged's rows
+// (a CpAsyncRing of kStageSlots entries): one item is a 1024-channel slice of one rank's partial,
+// its codes at entry[0, 1024) (lane l's 16 codes of half u at 512u + 16l) and, at 1024 + 32l,
+// the two 16-byte groups of 4 scales that hold lane l's two scales (blocks 4u + l/8). A group
+// may reach past the row's last scale, never past its slot's 2H bytes.
+constexpr int kFp8Slice = 1024;
+static_assert(2 * kFp8Slice <= kSlotBytes, "a stage entry holds a slice's codes and its lanes' scale groups");
+template <class Slot>
+__device__ void sum_fp8_partials_staged(Slot slot, int ranks, int64_t hidden, const uint16_t* extra,
+                                        float extra_weight, uint16_t* out, int lane) {
+  const char* mine = lane < ranks ? slot(lane) : nullptr;
+  const unsigned held = __ballot_sync(0xffffffffu, mine != nullptr);  // in rank order, lowest first
+  const int count = __popc(held);
+  const char* from = shfl_ptr(mine, lane < count ? static_cast<int>(__fns(held, 0, lane + 1)) : 0);
+  const int slices = static_cast<int>((hidden + kFp8Slice - 1) / kFp8Slice);
+  int issue_slice = 0, issue_term = 0;
+  auto load = [&](char* entry) {  // this lane's bytes of item (issue_slice, issue_term)
+    const char* src = shfl_ptr(from, issue_term);
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int64_t c = int64_t{issue_slice} * kFp8Slice + 512 * u + 16 * lane;
+      if (c >= hidden) continue;
+      cp_async16(entry + 512 * u + 16 * lane, src + c);
+      cp_async16(entry + kFp8Slice + 32 * lane + 16 * u, src + hidden + 4 * (c / kFp8Block / 4 * 4));
+    }
+    if (++issue_term == count) issue_term = 0, ++issue_slice;
+  };
+  CpAsyncRing<kStageSlots> ring(warp_bulk_stage().buf, static_cast<int>(kSlotBytes), slices * count);
+  ring.fill(load);
+  float acc[4][8] = {};  // half u's 16 channels in acc[2u], acc[2u + 1]
+  auto store = [&](int slice) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int64_t c = int64_t{slice} * kFp8Slice + 512 * u + 16 * lane;
+      if (c >= hidden) continue;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float(&a)[8] = acc[2 * u + half];
+        if (extra) fma_bf16x8(a, *reinterpret_cast<const int4*>(extra + c + 8 * half), extra_weight);
+        *reinterpret_cast<int4*>(out + c + 8 * half) = pack_bf16x8(a);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) a[i] = 0.0f;
+      }
+    }
+  };
+  for (int slice = 0, term = 0; slice < slices && count > 0;) {
+    const char* in = ring.oldest();
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {  // past a short last slice: stale bytes, never stored
+      const uint4 q = *reinterpret_cast<const uint4*>(in + 512 * u + 16 * lane);
+      const float scale = reinterpret_cast<const float*>(in + kFp8Slice + 32 * lane + 16 * u)[lane / 8];
+      add_fp8x8(acc[2 * u], make_uint2(q.x, q.y), scale);
+      add_fp8x8(acc[2 * u + 1], make_uint2(q.z, q.w), scale);
+    }
+    ring.refill(load);
+    if (++term == count) store(slice++), term = 0;
+  }
+  if (count == 0)  // no partial: the sum from 0
+    for (int slice = 0; slice < slices; ++slice) store(slice);
 }
 
 }  // namespace epx::detail

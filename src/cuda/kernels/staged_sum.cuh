@@ -13,12 +13,13 @@ namespace epx::detail {
 
 static_assert(kSumUnroll * 32 * 16 == kSlotBytes, "a slot holds kSumUnroll vectors per lane");
 
-// The same sums as sum_rows (fp32 from 0 in term order, fma with the weight when weighted, bf16
-// rounding at the end) for n <= 32 terms whose rows are 16-byte aligned. term(i, row, weight) is
-// called by lane i only. The rows may have been written by other GPUs or the copy engines: the
-// caller acquired the flags that cover them.
-template <typename Term>
-__device__ void sum_rows_staged(int n, Term term, bool weighted, uint16_t* out, int64_t hidden, int lane) {
+// The same sums as sum_rows_wide (fp32 from 0 in term order, fma with the weight when weighted)
+// for n <= 32 terms whose rows are 16-byte aligned, handed to store(v, acc, on) as sum_rows_wide
+// hands them (every lane calls it; on: vector v is in the row). term(i, row, weight) is called by
+// lane i only. The rows may have been written by other GPUs or the copy engines: the caller
+// acquired the flags that cover them.
+template <typename Term, typename Store>
+__device__ void sum_rows_staged_to(int n, Term term, bool weighted, int64_t hidden, int lane, Store store) {
   char* const stage = warp_bulk_stage().buf;
   const uint16_t* my_row = nullptr;
   float my_weight = 0.0f;
@@ -59,10 +60,9 @@ __device__ void sum_rows_staged(int n, Term term, bool weighted, uint16_t* out, 
     ring.refill(load);  // the load kStageSlots ahead, into the slot just read (by this lane only)
     if (++term_at == count) {  // the slice's last term: its sums are complete
       const int vectors = min(slot_bytes, row_bytes - slice_at * slot_bytes) / 16;
-      int4* to = reinterpret_cast<int4*>(out + slice_at * (slot_bytes / 2));
 #pragma unroll
       for (int u = 0; u < kSumUnroll; ++u) {
-        if (u * 32 + lane < vectors) to[u * 32 + lane] = pack_bf16x8(acc[u]);
+        store(slice_at * (slot_bytes / 16) + u * 32 + lane, acc[u], u * 32 + lane < vectors);
 #pragma unroll
         for (int c = 0; c < 8; ++c) acc[u][c] = 0.0f;
       }
@@ -71,7 +71,17 @@ __device__ void sum_rows_staged(int n, Term term, bool weighted, uint16_t* out, 
     }
   }
   if (count == 0)  // no term: the sum from 0
-    for (int v = lane; v < row_bytes / 16; v += 32) reinterpret_cast<int4*>(out)[v] = int4{0, 0, 0, 0};
+    for (int64_t base = 0; base < row_bytes / 16; base += 32 * kSumUnroll)
+#pragma unroll
+      for (int u = 0; u < kSumUnroll; ++u) store(base + u * 32 + lane, acc[u], base + u * 32 + lane < row_bytes / 16);
+}
+
+// sum_rows_staged_to rounded to bf16 into out (16-byte aligned).
+template <typename Term>
+__device__ void sum_rows_staged(int n, Term term, bool weighted, uint16_t* out, int64_t hidden, int lane) {
+  sum_rows_staged_to(n, term, weighted, hidden, lane, [&](int64_t v, const float (&acc)[8], bool on) {
+    if (on) reinterpret_cast<int4*>(out)[v] = pack_bf16x8(acc);
+  });
 }
 
 }  // namespace epx::detail
