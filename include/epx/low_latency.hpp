@@ -24,7 +24,7 @@ struct LowLatencyConfig {
   bool check_finite = false;
   // The fused shared expert, as BufferConfig's: ll_dispatch's outputs get one more leading
   // expert, the shared one, holding this rank's own tokens (rows 0..num_tokens-1), and
-  // ll_combine adds its output row after the routed ones. The CPU backend only, for now.
+  // ll_combine adds its output row after the routed ones. Both backends.
   // docs/low-latency.md.
   bool shared_expert = false;
   // As BufferConfig::combine_wire: each (token, rank) partial of ll_combine crosses back as bf16,

@@ -232,17 +232,24 @@ def test_capacity_mode_graph_replays_with_fresh_inputs(ranks, ep1_group):
                 assert torch.equal(got[r][i][name], expected[name]), f"replay {i} rank {r} {name}"
 
 
-def ll_graph_rank(group, problems, counts, barrier, stream, m):
+def shared_gate(i, r, m, shared):
+    """The shared expert's gate of replay i on rank r (None without the shared expert)."""
+    return torch.linspace(-1.0, 1.0, m) * (i + r + 1) / 4 if shared else None
+
+
+def ll_graph_rank(group, problems, counts, barrier, stream, m, shared=False):
     r, dev = group.rank, group.device
-    b = epx.LowLatencyBuffer(group, H, m, E, K, timeout_ms=TIMEOUT_MS)
+    b = epx.LowLatencyBuffer(group, H, m, E, K, timeout_ms=TIMEOUT_MS, shared_expert=shared)
     results = []
     try:
         with torch.cuda.stream(stream):
             x, idx, w = (t.to(dev) for t in (problems[0].x[r], problems[0].idx[r], problems[0].w[r]))
             num = torch.tensor([m], dtype=torch.int32, device=dev)
+            gate = shared_gate(0, r, m, shared)
+            gate = gate.to(dev) if shared else None
 
             def step():
-                d = b.dispatch(x, idx, num_tokens=num, topk_weights=w)
+                d = b.dispatch(x, idx, num_tokens=num, topk_weights=w, shared_gate=gate)
                 return d, b.combine((d.recv_x.float() * 2).bfloat16(), d.handle)
 
             step()
@@ -254,6 +261,8 @@ def ll_graph_rank(group, problems, counts, barrier, stream, m):
                 idx.copy_(p.idx[r])
                 w.copy_(p.w[r])
                 num.fill_(counts[i][r])
+                if shared:
+                    gate.copy_(shared_gate(i, r, m, shared))
                 graph.replay()
                 torch.cuda.current_stream().synchronize()
                 results.append({"recv_x": d.recv_x.cpu(), "recv_count": d.recv_count.cpu(),
@@ -264,21 +273,24 @@ def ll_graph_rank(group, problems, counts, barrier, stream, m):
     return results
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 4])
-def test_low_latency_graph_replays_with_fresh_inputs_and_counts(ranks, ep1_group):
+@pytest.mark.parametrize("ranks,shared", [(1, False), (2, False), (4, False), (1, True), (2, True)])
+def test_low_latency_graph_replays_with_fresh_inputs_and_counts(ranks, shared, ep1_group):
+    """shared: the fused shared expert, its gate rewritten before each replay."""
     m = 16
     problems = [Problem(ranks, H, E, K, m, seed=60 + i) for i in range(3)]
     counts = [[m - (3 * i + r) % m for r in range(ranks)] for i in range(3)]
     groups = [ep1_group] if ranks == 1 else epx.Group.shared_gpu(ranks, 0)
     barrier = threading.Barrier(ranks)
-    got = run_all(groups, lambda g: ll_graph_rank(g, problems, counts, barrier, torch.cuda.Stream(0), m))
+    got = run_all(groups, lambda g: ll_graph_rank(g, problems, counts, barrier, torch.cuda.Stream(0), m, shared))
     for i, p in enumerate(problems):
         host = epx.Group.host(ranks)
-        buffers = run_all(host, lambda g: epx.LowLatencyBuffer(g, H, m, E, K, timeout_ms=TIMEOUT_MS))
+        buffers = run_all(host, lambda g: epx.LowLatencyBuffer(g, H, m, E, K, timeout_ms=TIMEOUT_MS,
+                                                               shared_expert=shared))
 
         def want(g):
             num = torch.tensor([counts[i][g.rank]], dtype=torch.int32)
-            d = buffers[g.rank].dispatch(p.x[g.rank], p.idx[g.rank], num_tokens=num, topk_weights=p.w[g.rank])
+            d = buffers[g.rank].dispatch(p.x[g.rank], p.idx[g.rank], num_tokens=num, topk_weights=p.w[g.rank],
+                                         shared_gate=shared_gate(i, g.rank, m, shared))
             out = buffers[g.rank].combine((d.recv_x.float() * 2).bfloat16(), d.handle)
             return {"recv_x": d.recv_x, "recv_count": d.recv_count, "recv_src": d.recv_src, "out": out}
 

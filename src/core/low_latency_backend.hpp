@@ -43,6 +43,8 @@ class LowLatencyBackend {
         replicas_(replica_shape(c.num_experts, c.num_physical_experts, c.max_replicas, group.size(),
                                 "low-latency buffer")),
         slots_(group.size() * c.max_tokens_per_rank),
+        first_routed_(c.shared_expert ? 1 : 0),
+        segments_(first_routed_ + local_),
         wire_(wire_row(c.wire, c.hidden)),
         timeout_(creation_timeout(c.timeout_ms)),  // a bad EPX_TIMEOUT_MS is one of the checks agreed on
         config_(c) {}
@@ -103,6 +105,8 @@ class LowLatencyBackend {
       check_tensor(in.shared_gate, "ll_dispatch: shared_gate", cat("[T=", tokens, "]"), DType::f32, {tokens}, kind);
   }
   void check_combine_weights(const LowLatencyCombineInput& in, const LowLatencyHandleState& h, DeviceKind kind) const {
+    require(in.weighted || !h.has_shared_gate, "ll_combine: this handle's ll_dispatch took a shared_gate, which "
+            "only a weighted combine applies; combine weighted, or dispatch without the gate");
     if (!in.weighted) return;
     if (h.weights_at_dispatch) {
       require(!in.topk_weights.defined(),
@@ -120,6 +124,8 @@ class LowLatencyBackend {
   const int64_t local_;  // local (physical) experts L
   const ReplicaShape replicas_;  // EPLB: P and M (replicas_.enabled() when on)
   const int64_t slots_;  // receive rows per expert R * M
+  const int64_t first_routed_;  // the outputs' first routed expert: 1 with the shared expert, else 0
+  const int64_t segments_;      // the outputs' experts: the shared one (if any), then the L routed ones
   const WireRow wire_;
   const std::chrono::milliseconds timeout_;
   int64_t dispatch_calls_ = 0, combine_calls_ = 0;  // calls so far (call n uses buffer set n % 2)

@@ -43,7 +43,6 @@ class CudaLowLatency final : public LowLatencyBackend {
       resolve_timeout(c.timeout_ms);  // EPX_TIMEOUT_MS may be bad on one rank's host: refused by every rank
       state = dynamic_cast<CudaGroupState*>(group.state().get());
       require(state != nullptr, "low-latency buffer: group is not a CUDA group");
-      refuse_shared_expert(c.shared_expert, "low-latency buffer");
       require(ranks_ <= kMaxRanks, "low-latency buffer: at most ", kMaxRanks, " ranks, got ", ranks_);
       require(replicas_.physical <= kMaxLlExperts, "low-latency buffer: at most ", kMaxLlExperts,
               replicas_.enabled() ? " physical experts (num_physical_experts)" : " experts", ", got ", replicas_.physical);
@@ -87,14 +86,14 @@ class CudaLowLatency final : public LowLatencyBackend {
 
     // This rank's arrays: both sets in one allocation, zeroed (outputs start empty).
     int64_t bytes = 0;
-    for (int s = 0; s < 2; ++s) carve(sets_[s], nullptr, bytes);
+    for (int s = 0; s < 2; ++s) carve(sets_[s], shared_weight_[s], nullptr, bytes);
     char* base = nullptr;
     EPX_CUDA(cudaMalloc(&base, static_cast<size_t>(bytes)));
     EPX_CUDA(cudaMemset(base, 0, static_cast<size_t>(bytes)));
     memory_ = std::shared_ptr<void>(base, [](void* p) { cudaFree(p); });
     bytes = 0;
-    for (int s = 0; s < 2; ++s) carve(sets_[s], base, bytes);
-    for (int s = 0; s < 2; ++s) EPX_CUDA(cudaMemset(sets_[s].recv_src, 0xff, static_cast<size_t>(8 * local_ * slots_)));
+    for (int s = 0; s < 2; ++s) carve(sets_[s], shared_weight_[s], base, bytes);
+    for (int s = 0; s < 2; ++s) EPX_CUDA(cudaMemset(segment0(sets_[s].recv_src, 2 * slots_), 0xff, static_cast<size_t>(8 * segments_ * slots_)));
     EPX_CUDA(cudaMalloc(&status_, sizeof(DeviceStatus)));
     EPX_CUDA(cudaMemset(status_, 0, sizeof(DeviceStatus)));
     EPX_CUDA(cudaMalloc(&done_, 2 * sizeof(uint32_t)));
@@ -183,6 +182,7 @@ class CudaLowLatency final : public LowLatencyBackend {
       validate_replica_tensor(in.expert_replicas, replicas_, "ll_dispatch", DeviceKind::cuda);
       if (in.expert_replicas.defined()) on_device(in.expert_replicas, "ll_dispatch: expert_replicas");
       if (in.topk_weights.defined()) on_device(in.topk_weights, "ll_dispatch: topk_weights");
+      if (in.shared_gate.defined()) on_device(in.shared_gate, "ll_dispatch: shared_gate");
       route = {in.topk_idx.data, in.topk_idx.dtype == DType::i64, in.topk_idx.strides[0],
                in.num_tokens.defined() ? in.num_tokens.ptr<const int32_t>() : nullptr, tokens,
                in.topk_weights.defined() ? in.topk_weights.ptr<const float>() : nullptr,
@@ -190,7 +190,8 @@ class CudaLowLatency final : public LowLatencyBackend {
       if (replicas_.enabled())  // its values are checked by the send half's block 0
         route.replicas = {in.expert_replicas.ptr<const int32_t>(), replica_seen_, replicas_.logical, replicas_.width,
                           replicas_.physical, in.expert_replicas.strides[0]};
-      rows = {in.x.ptr<const uint16_t>(), in.x.strides[0], in.nvfp4_global_scale, c.check_finite};
+      rows = {in.x.ptr<const uint16_t>(), in.x.strides[0], in.nvfp4_global_scale, c.check_finite,
+              in.shared_gate.defined() ? in.shared_gate.ptr<const float>() : nullptr, shared_weight_[set]};
     } catch (const Error& e) {
       error = e.what();
     }
@@ -223,18 +224,21 @@ class CudaLowLatency final : public LowLatencyBackend {
     auto view = [&](void* p, DType t, std::initializer_list<int64_t> shape) {
       return Tensor(memory_, TensorView::of(p, t, shape, DeviceKind::cuda, device_));
     };
-    if (wire_.format == WireFormat::bf16) out.recv_x = view(s.recv_x, DType::bf16, {local_, slots_, c.hidden});
-    else if (wire_.format == WireFormat::nvfp4) out.recv_x = view(s.recv_x, DType::e2m1x2, {local_, slots_, c.hidden / 2});
-    else out.recv_x = view(s.recv_x, DType::fp8_e4m3, {local_, slots_, c.hidden});
+    // Every output from its segment 0 (the shared expert's, when there is one).
+    char* x = segment0(s.recv_x, slots_ * wire_.x_bytes);
+    if (wire_.format == WireFormat::bf16) out.recv_x = view(x, DType::bf16, {segments_, slots_, c.hidden});
+    else if (wire_.format == WireFormat::nvfp4) out.recv_x = view(x, DType::e2m1x2, {segments_, slots_, c.hidden / 2});
+    else out.recv_x = view(x, DType::fp8_e4m3, {segments_, slots_, c.hidden});
+    char* scales = s.recv_scales ? segment0(s.recv_scales, slots_ * wire_.scale_bytes) : nullptr;
     if (wire_.format == WireFormat::nvfp4) {
-      out.recv_scales = view(s.recv_scales, DType::fp8_e4m3, {local_, slots_, c.hidden / kNvfp4Block});
-      out.recv_global_scale = view(s.recv_global, DType::f32, {local_, slots_});
+      out.recv_scales = view(scales, DType::fp8_e4m3, {segments_, slots_, c.hidden / kNvfp4Block});
+      out.recv_global_scale = view(segment0(s.recv_global, slots_ * 4), DType::f32, {segments_, slots_});
     } else if (wire_.scale_bytes) {
-      out.recv_scales = view(s.recv_scales, DType::f32, {local_, slots_, c.hidden / kFp8Block});
+      out.recv_scales = view(scales, DType::f32, {segments_, slots_, c.hidden / kFp8Block});
     }
-    out.recv_count = view(s.recv_count, DType::i32, {local_});
-    out.recv_src = view(s.recv_src, DType::i32, {local_, slots_, 2});
-    out.recv_layout = view(s.recv_layout, DType::i32, {local_, ranks_, 2});
+    out.recv_count = view(segment0(s.recv_count, 1), DType::i32, {segments_});
+    out.recv_src = view(segment0(s.recv_src, 2 * slots_), DType::i32, {segments_, slots_, 2});
+    out.recv_layout = view(segment0(s.recv_layout, 2 * ranks_), DType::i32, {segments_, ranks_, 2});
     // EPLB: the send half's routing of this set, in physical ids (-1 unused or past num_tokens).
     if (replicas_.enabled()) out.topk_physical = view(s.slot_expert, DType::i32, {pending_route_.tokens, c.topk});
     auto h = std::make_shared<LowLatencyHandleState>();
@@ -243,6 +247,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     h->num_tokens = -1;  // on the device
     h->set = set;
     h->weights_at_dispatch = pending_route_.weights != nullptr;
+    h->has_shared_gate = pending_rows_.shared_gate != nullptr;
     out.handle = LowLatencyHandle(std::move(h));
     return out;
   }
@@ -270,8 +275,9 @@ class CudaLowLatency final : public LowLatencyBackend {
       take_rejection();
       require(handle.valid(), "ll_combine: the handle is empty; pass the handle ll_dispatch returned");
       require(handle.state().owner == this, "ll_combine: the handle belongs to another buffer or rank");
-      check_tensor(in.y, "ll_combine: y", words("[L=", local_, ", R*M=", slots_, ", H=", c.hidden, "]"), DType::bf16,
-                   {local_, slots_, c.hidden}, DeviceKind::cuda);
+      check_tensor(in.y, "ll_combine: y",
+                   words("[", c.shared_expert ? "1 + L=" : "L=", segments_, ", R*M=", slots_, ", H=", c.hidden, "]"),
+                   DType::bf16, {segments_, slots_, c.hidden}, DeviceKind::cuda);
       require(in.y.is_contiguous(), "ll_combine: y must be contiguous");
       require(c.combine_wire == WireFormat::bf16 || reinterpret_cast<uintptr_t>(in.y.data) % 16 == 0,
               "ll_combine: y must be 16-byte aligned with combine_wire ", wire_name(c.combine_wire),
@@ -292,7 +298,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     mark(2);
     combine_pending_ = true;
     pending_combine_ = {handle.state_ptr(), in.weighted, in.topk_weights, in.y.ptr<const uint16_t>()};
-    if (!fusing_) ll::combine(ctx(ll::kCombine), ll::kSendPhase, set, h.set, sets_[h.set], in.y.ptr<const uint16_t>(), sums(set));
+    if (!fusing_) ll::combine(ctx(ll::kCombine), ll::kSendPhase, set, h.set, sets_[h.set], routed_y(), sums(set));
     if (!fusing_) launched();
   }
 
@@ -303,7 +309,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     const LowLatencyHandleState& h = *pending_combine_.handle;
     uint16_t* out = sets_[set].out;
     ll::combine(ctx(ll::kCombine), fusing_ ? ll::kSendPhase | ll::kRecvPhase : ll::kRecvPhase, set, h.set, sets_[h.set],
-                pending_combine_.y, sums(set));
+                routed_y(), sums(set));
     if (fusing_) launched();
     if (mark(3)) timer_.add(fusing_ ? "ll combine (one launch)" : "ll combine: send half to end", 2, 3);
     pending_combine_ = {};
@@ -316,9 +322,16 @@ class CudaLowLatency final : public LowLatencyBackend {
   ll::Sums sums(int set) const {
     const PendingCombine& p = pending_combine_;
     const bool given = p.weighted && !p.handle->weights_at_dispatch;  // else the dispatch sent them
+    const bool shared = config().shared_expert;
     return {given ? p.weights.ptr<const float>() : nullptr, given ? p.weights.strides[0] : 0, p.weighted,
-            p.handle->tokens, sets_[set].out, p.handle->weights_at_dispatch};
+            p.handle->tokens, sets_[set].out, p.handle->weights_at_dispatch, shared ? p.y : nullptr,
+            shared ? shared_weight_[p.handle->set] : nullptr};
   }
+  // The pending combine's y from its first routed expert (the send half's rows).
+  const uint16_t* routed_y() const { return pending_combine_.y + first_routed_ * slots_ * config().hidden; }
+  // A routed array's segment 0 (the shared expert's, one segment of `per_segment` elements before).
+  template <typename T>
+  T* segment0(T* routed, int64_t per_segment) const { return routed - first_routed_ * per_segment; }
 
   struct PendingCombine {
     std::shared_ptr<const LowLatencyHandleState> handle;
@@ -333,9 +346,11 @@ class CudaLowLatency final : public LowLatencyBackend {
     bool& flag_;
   };
 
-  void carve(ll::Set& s, char* base, int64_t& used) const {
+  // One set's arrays from `base` on (null: only count their bytes); the outputs' routed arrays
+  // begin one segment in with the shared expert (ll_launch.hpp, Set).
+  void carve(ll::Set& s, float*& shared_weight, char* base, int64_t& used) const {
     const LowLatencyConfig& c = config();
-    const int64_t m = c.max_tokens_per_rank, rows = local_ * slots_;
+    const int64_t m = c.max_tokens_per_rank, rows = segments_ * slots_;
     auto take = [&](int64_t bytes) {
       char* p = base ? base + used : nullptr;
       used += (bytes + 255) / 256 * 256;
@@ -343,19 +358,26 @@ class CudaLowLatency final : public LowLatencyBackend {
     };
     s.slot_expert = reinterpret_cast<int32_t*>(take(4 * m * c.topk));
     s.num_tokens = reinterpret_cast<int32_t*>(take(4));
-    s.recv_x = take(rows * wire_.x_bytes);
-    s.recv_scales = wire_.scale_bytes ? take(rows * wire_.scale_bytes) : nullptr;
-    s.recv_global = wire_.global_bytes ? take(rows * 4) : nullptr;
-    s.recv_src = reinterpret_cast<int32_t*>(take(8 * rows));
-    s.recv_count = reinterpret_cast<int32_t*>(take(4 * local_));
-    s.recv_layout = reinterpret_cast<int32_t*>(take(8 * local_ * ranks_));
-    s.prev_count = reinterpret_cast<int32_t*>(take(2 * 4 * local_));
+    const int64_t skip = first_routed_ * slots_;  // rows of segment 0
+    auto routed = [&](int64_t row_bytes) {      // an output of `rows` rows, from its first routed one
+      char* p = take(rows * row_bytes);
+      return p ? p + skip * row_bytes : p;
+    };
+    s.recv_x = routed(wire_.x_bytes);
+    s.recv_scales = wire_.scale_bytes ? routed(wire_.scale_bytes) : nullptr;
+    s.recv_global = wire_.global_bytes ? routed(4) : nullptr;
+    s.recv_src = reinterpret_cast<int32_t*>(routed(8));
+    char* count = take(4 * segments_), *layout = take(8 * segments_ * ranks_);
+    s.recv_count = count ? reinterpret_cast<int32_t*>(count) + first_routed_ : nullptr;
+    s.recv_layout = layout ? reinterpret_cast<int32_t*>(layout) + 2 * first_routed_ * ranks_ : nullptr;
+    s.prev_count = reinterpret_cast<int32_t*>(take(2 * 4 * (local_ + first_routed_)));
     s.count_half = reinterpret_cast<int32_t*>(take(4));
     s.src_rank = reinterpret_cast<int32_t*>(take(4 * rows));
     s.src_token = reinterpret_cast<int32_t*>(take(4 * rows));
     s.src_slot = reinterpret_cast<int32_t*>(take(4 * rows));
     s.row_of = reinterpret_cast<int32_t*>(take(4 * slots_ * c.topk));
     s.out = reinterpret_cast<uint16_t*>(take(2 * m * c.hidden));
+    shared_weight = c.shared_expert ? reinterpret_cast<float*>(take(4 * m)) : nullptr;
   }
 
   // EPX_PROFILE: records mark i, except in a graph capture (no timing there); true if recorded.
@@ -375,7 +397,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     return ll::Ctx{window_->peers(), map_, c.hidden, c.topk, replicas_.physical, local_, c.max_tokens_per_rank, c.wire,
                    wire_.x_bytes, wire_.scale_bytes, wire_.global_bytes, status_, host_status_, host_started_, done_,
                    static_cast<uint64_t>(timeout_.count()) * 1000000ull, blocks_, stream_, stamps_, call, load_,
-                   c.combine_wire};
+                   c.combine_wire, c.shared_expert};
   }
 
   size_t stamp_bytes() const { return static_cast<size_t>(2 * blocks_ * ll::kStampSteps) * sizeof(uint64_t); }
@@ -530,6 +552,7 @@ class CudaLowLatency final : public LowLatencyBackend {
   std::array<HostCall, 3> recent_{};
   ll::Map map_{};
   ll::Set sets_[2]{};
+  float* shared_weight_[2]{};  // shared expert: each set's [M] shared-row weights (ll::Rows::shared_weight)
   std::shared_ptr<void> memory_;  // both sets' arrays; results keep it alive
   std::unique_ptr<SymmetricWindow> window_;
   DeviceStatus* status_ = nullptr;

@@ -47,9 +47,7 @@ class HostLowLatency final : public LowLatencyBackend {
  public:
   HostLowLatency(const Group& group, const LowLatencyConfig& c)
       : LowLatencyBackend(group, c),
-        combine_wire_(wire_row(c.combine_wire, c.hidden)),
-        first_routed_(c.shared_expert ? 1 : 0),
-        segments_(first_routed_ + local_) {
+        combine_wire_(wire_row(c.combine_wire, c.hidden)) {
     auto* state = dynamic_cast<HostGroupState*>(group.state().get());
     require(state != nullptr, "low-latency buffer: group is not a host group");
     // Before joining anything; a bad EPX_TIMEOUT_MS is refused here, on every rank.
@@ -164,8 +162,6 @@ class HostLowLatency final : public LowLatencyBackend {
                    DType::bf16, {segments_, slots_, c.hidden}, DeviceKind::host);
       require(in.y.is_contiguous(), "ll_combine: y must be contiguous");
       check_combine_weights(in, *h, DeviceKind::host);
-      require(in.weighted || !h->has_shared_gate, "ll_combine: this handle's ll_dispatch took a shared_gate, which "
-              "only a weighted combine applies; combine weighted, or dispatch without the gate");
     } catch (const Error& e) {
       error = e.what();
     }
@@ -421,8 +417,6 @@ class HostLowLatency final : public LowLatencyBackend {
   }
 
   const WireRow combine_wire_;  // LowLatencyConfig::combine_wire
-  const int64_t first_routed_;  // the output's first routed expert: 1 with the shared expert, else 0
-  const int64_t segments_;      // the output's experts: the shared one (if any), then the L routed ones
   std::vector<uint8_t> shared_rows_;  // shared_expert: the pending dispatch's own wire rows
   std::shared_ptr<LowLatencyShared> shared_;
   std::shared_ptr<LowLatencyHandleState> dispatch_pending_;

@@ -7,6 +7,8 @@
 #include <gmock/gmock.h>
 
 #include <barrier>
+#include <cstring>
+#include <functional>
 #include <thread>
 
 #include "cuda_harness.hpp"
@@ -189,6 +191,147 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaLowLatency,
                                          LlGpuCase{true, 2, 512, 24, 30, 6, WireFormat::bf16, WireFormat::bf16, 36, 3},
                                          LlGpuCase{true, 4, 768, 16, 30, 8, WireFormat::nvfp4, WireFormat::fp8, 32, 0}),
                          ll_case_name);
+
+// The fused shared expert (LowLatencyConfig::shared_expert) against the CPU backend, bit for bit:
+// four rounds on one buffer with changing token counts (segment 0's rows past the count cleared
+// as the routed ones), a gate on half the (round, rank) dispatches, weights at dispatch or at
+// combine, and one unweighted round (without gates: a gate needs a weighted combine).
+struct SharedLlCase {
+  bool shared;  // the shared-GPU transport, else NCCL
+  int ranks;
+  int64_t hidden, tokens, experts, topk;
+  WireFormat wire, combine_wire;
+};
+
+std::string shared_ll_name(const testing::TestParamInfo<SharedLlCase>& info) {
+  const SharedLlCase& c = info.param;
+  return ll_case_name(testing::TestParamInfo<LlGpuCase>(
+      LlGpuCase{c.shared, c.ranks, c.hidden, c.tokens, c.experts, c.topk, c.wire, c.combine_wire}, 0));
+}
+
+class CudaLowLatencySharedExpert : public testing::TestWithParam<SharedLlCase> {};
+
+// One rank's results of a round, on the host.
+struct SharedRound {
+  LowLatencyDispatchResult d;
+  Tensor out;
+};
+
+// Every output tensor of both runs, byte for byte.
+void expect_same_round(const SharedRound& cpu, const SharedRound& gpu, int round, int rank) {
+  const std::pair<const Tensor*, const Tensor*> pairs[] = {
+      {&cpu.d.recv_x, &gpu.d.recv_x},          {&cpu.d.recv_scales, &gpu.d.recv_scales},
+      {&cpu.d.recv_global_scale, &gpu.d.recv_global_scale}, {&cpu.d.recv_count, &gpu.d.recv_count},
+      {&cpu.d.recv_src, &gpu.d.recv_src},      {&cpu.d.recv_layout, &gpu.d.recv_layout},
+      {&cpu.out, &gpu.out}};
+  const char* names[] = {"recv_x", "recv_scales", "recv_global_scale", "recv_count", "recv_src", "recv_layout", "out"};
+  for (size_t i = 0; i < std::size(pairs); ++i) {
+    const Tensor &a = *pairs[i].first, &b = *pairs[i].second;
+    ASSERT_EQ(a.defined(), b.defined()) << names[i] << " round " << round << " rank " << rank;
+    if (!a.defined()) continue;
+    ASSERT_EQ(a.view().shape, b.view().shape) << names[i] << " round " << round << " rank " << rank;
+    const size_t bytes = static_cast<size_t>(a.numel()) * dtype_size(a.dtype());
+    EXPECT_EQ(std::memcmp(a.data<char>(), b.data<char>(), bytes), 0) << names[i] << " round " << round << " rank " << rank;
+  }
+}
+
+TEST_P(CudaLowLatencySharedExpert, MatchesTheCpuBackend) {
+  const SharedLlCase& c = GetParam();
+  if (!c.shared && gpus() < c.ranks) GTEST_SKIP() << "needs " << c.ranks << " GPUs";
+  const LlGpuCase lc{c.shared, c.ranks, c.hidden, c.tokens, c.experts, c.topk, c.wire, c.combine_wire};
+  LowLatencyConfig cfg = ll_config(lc);
+  cfg.shared_expert = true;
+  const int rounds = 4;
+  const int64_t slots = c.ranks * c.tokens, segments = 1 + c.experts / c.ranks;
+  std::vector<verify::Problem> problems;
+  std::vector<std::vector<int32_t>> counts(rounds, std::vector<int32_t>(c.ranks));
+  std::vector<std::vector<std::vector<uint16_t>>> ys(rounds, std::vector<std::vector<uint16_t>>(c.ranks));
+  std::vector<std::vector<std::vector<float>>> gates(rounds, std::vector<std::vector<float>>(c.ranks));
+  for (int i = 0; i < rounds; ++i) {
+    problems.push_back(ll_problem(lc, 60 + i));
+    for (int r = 0; r < c.ranks; ++r) {
+      counts[i][r] = static_cast<int32_t>((c.tokens * (i + r + 2)) / (rounds + c.ranks) % (c.tokens + 1));
+      ys[i][r] = verify::random_bf16(segments * slots * c.hidden, 800 + 10 * i + r);
+      for (int64_t t = 0; t < c.tokens; ++t) gates[i][r].push_back(0.125f * static_cast<float>((t * 7 + i + r) % 17) - 1.0f);
+    }
+  }
+  auto weighted = [](int i) { return i != 2; };
+  auto with_gate = [&](int i, int r) { return weighted(i) && (i + r) % 2 == 0; };
+  auto weights_at_dispatch = [](int i, int r) { return (i * 3 + r) % 2 == 1; };
+  // The same calls on either backend: views made by `view` (host or device arrays).
+  auto run = [&](LowLatencyBuffer& b, int r, int i, const std::function<TensorView(int what, DType, std::initializer_list<int64_t>)>& view,
+                 bool device) {
+    LowLatencyDispatchInput d;
+    d.x = view(0, DType::bf16, {c.tokens, c.hidden});
+    d.topk_idx = view(1, DType::i32, {c.tokens, c.topk});
+    d.num_tokens = view(3, DType::i32, {1});
+    const TensorView weights = view(2, DType::f32, {c.tokens, c.topk});
+    if (weighted(i) && weights_at_dispatch(i, r)) d.topk_weights = weights;
+    if (with_gate(i, r)) d.shared_gate = view(5, DType::f32, {c.tokens});
+    b.dispatch_send(d);
+    LowLatencyDispatchResult res = b.dispatch_recv();
+    if (device && c.shared) b.synchronize();  // docs/cuda.md, hold-back
+    LowLatencyCombineInput ci;
+    ci.y = view(4, DType::bf16, {segments, slots, c.hidden});
+    ci.weighted = weighted(i);
+    if (weighted(i) && !weights_at_dispatch(i, r)) ci.topk_weights = weights;
+    b.combine_send(ci, res.handle);
+    Tensor out = b.combine_recv();
+    b.synchronize();
+    return SharedRound{device ? host_copy(res) : res, epx::to_host(out)};
+  };
+  std::vector<std::vector<SharedRound>> cpu(rounds, std::vector<SharedRound>(c.ranks)), gpu = cpu;
+  std::vector<std::string> errors = verify::run_ranks(c.ranks, [&](const Group& g) {
+    const int r = g.rank();
+    LowLatencyBuffer b(g, cfg);
+    for (int i = 0; i < rounds; ++i) {
+      verify::RankInput& p = problems[i].inputs[r];
+      auto view = [&](int what, DType t, std::initializer_list<int64_t> shape) -> TensorView {
+        void* data[] = {p.x.data(), p.idx.data(), p.weights.data(), &counts[i][r], ys[i][r].data(), gates[i][r].data()};
+        return TensorView::of(data[what], t, shape);
+      };
+      cpu[i][r] = run(b, r, i, view, false);
+    }
+  });
+  for (const std::string& e : errors) ASSERT_EQ(e, "");
+  const CudaWorld world = ll_world(lc);
+  errors = verify::run_threads(c.ranks, [&](int r) {
+    const Group g = world.group(r);
+    const int dev = cuda_device(g);
+    cudaSetDevice(dev);
+    std::vector<std::vector<DeviceArray>> in(rounds);
+    for (int i = 0; i < rounds; ++i) {
+      const verify::RankInput& p = problems[i].inputs[r];
+      in[i].emplace_back(p.x);
+      in[i].emplace_back(p.idx);
+      in[i].emplace_back(p.weights);
+      in[i].emplace_back(std::vector<int32_t>{counts[i][r]});
+      in[i].emplace_back(ys[i][r]);
+      in[i].emplace_back(gates[i][r]);
+    }
+    LowLatencyBuffer b(g, cfg);
+    for (int i = 0; i < rounds; ++i) {
+      auto view = [&](int what, DType t, std::initializer_list<int64_t> shape) {
+        return device_view(in[i][what], t, shape, dev);
+      };
+      gpu[i][r] = run(b, r, i, view, true);
+    }
+  });
+  std::string failed;
+  for (int r = 0; r < c.ranks; ++r)
+    if (!errors[r].empty()) failed += "rank " + std::to_string(r) + ": " + errors[r] + "\n";
+  ASSERT_EQ(failed, "");
+  for (int i = 0; i < rounds; ++i)
+    for (int r = 0; r < c.ranks; ++r) expect_same_round(cpu[i][r], gpu[i][r], i, r);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaLowLatencySharedExpert,
+                         testing::Values(SharedLlCase{false, 1, 1024, 32, 8, 4, WireFormat::bf16, WireFormat::bf16},
+                                         SharedLlCase{false, 1, 7168, 128, 288, 8, WireFormat::fp8, WireFormat::fp8},
+                                         SharedLlCase{true, 2, 1024, 32, 16, 4, WireFormat::nvfp4, WireFormat::bf16},
+                                         SharedLlCase{true, 4, 2176, 24, 36, 8, WireFormat::fp8_ue8m0,
+                                                      WireFormat::fp8_ue8m0}),
+                         shared_ll_name);
 
 // Decode inside a CUDA graph: dispatch -> a stand-in expert (y = recv_x) -> combine, captured once
 // per rank and replayed 100 times with fresh inputs and token counts, each replay equal to the

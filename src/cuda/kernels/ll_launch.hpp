@@ -34,7 +34,11 @@ struct Map {
   int64_t total;
 };
 
-// This rank's arrays of one set (ordinary device memory).
+// This rank's arrays of one set (ordinary device memory). With the shared expert
+// (LowLatencyConfig::shared_expert) the outputs' segment 0 sits one segment before the routed
+// arrays (recv_x, recv_scales, recv_global, recv_src, recv_count, recv_layout begin at routed
+// expert 0), so the kernels address it as local expert -1: its rows are this rank's tokens
+// t < num_tokens, from this rank's own window slots (Ctx::shared_expert).
 struct Set {
   int32_t* slot_expert;   // [M*K] the dispatch's checked routing; -1 unused or past num_tokens
   int32_t* num_tokens;    // [1] rows that counted
@@ -45,7 +49,8 @@ struct Set {
   int32_t* recv_count;    // [L]
   int32_t* recv_layout;   // [L][R][2]
   int32_t* prev_count;    // [2][L] the counts of the previous dispatch on this set (rows to clear): half
-                          // *count_half is read by a call, the other written for the next
+                          // *count_half is read by a call, the other written for the next; with the
+                          // shared expert [2][L] + [2]: segment 0's rows (own_prev)
   int32_t* count_half;    // [1] 0 or 1, flipped by each dispatch's last block
   int32_t* src_rank;      // [L*R*M] per received row: where it came from (for combine)
   int32_t* src_token;
@@ -71,6 +76,7 @@ struct Ctx {
   int64_t call = 0;  // the call's number among its kind's (ll_dispatch #n, ll_combine #n), for a timeout's words
   int64_t* load = nullptr;  // [L] LowLatencyBuffer::expert_load's counters: each dispatch adds its recv_count
   WireFormat combine_wire = WireFormat::bf16;  // what the partials cross back in (docs/semantics.md, "Combine wire")
+  bool shared_expert = false;  // LowLatencyConfig::shared_expert: the outputs' segment 0 (Set)
 };
 
 // What a timeout report's `a` holds: the call's number and the wait that ran out (the host reads
@@ -103,11 +109,14 @@ struct Rows {
   int64_t x_stride;  // elements
   float nvfp4_global_scale;
   bool check_finite = false;  // LowLatencyConfig::check_finite: the send half scans the rows that count
+  const float* shared_gate = nullptr;  // [T] shared expert: the tokens' shared-row weights, or null (1)
+  float* shared_weight = nullptr;      // [M] shared expert: where they go for combine (the set's; 1 without a gate)
 };
 
 // Combine's weights (this rank's tokens', sent to the expert ranks by the send half, unless this
 // rank's dispatch sent them already: at_dispatch) and where its sums go: out[t] for t < tokens (T
-// of the dispatch). Every rank must pass `weighted` alike.
+// of the dispatch). Every rank must pass `weighted` alike. shared_y: the shared expert's rows
+// of y (segment 0, [R*M][H]), added after the ranks' partials (times shared_weight when weighted).
 struct Sums {
   const float* weights;
   int64_t weight_stride;
@@ -115,6 +124,8 @@ struct Sums {
   int64_t tokens;
   uint16_t* out;
   bool at_dispatch;
+  const uint16_t* shared_y = nullptr;
+  const float* shared_weight = nullptr;  // [M] the dispatch's Rows::shared_weight
 };
 
 // The phases of one launch: the send half, the receive half, or both (the fused call: one

@@ -240,7 +240,8 @@ __device__ bool tables_agree(const Ctx& c, int set) {
 // to slot (this rank, token) there. The span-0 warp also sends the routing (and weights) and one
 // count per such expert in the token's chunk; the (destination 0, span 0) warp keeps the routing
 // for combine. Spans cut the chain of a row's load rounds a warp waits through (a one-token call
-// is that chain) into one round per warp.
+// is that chain) into one round per warp. With the shared expert every token's row goes to this
+// rank's own slot (the receive half moves it into segment 0), and its shared-row weight is kept.
 __device__ void dispatch_send(const Ctx& c, int set, const Route& route, const Rows& rows, const Set& s) {
   const int lane = threadIdx.x % 32, rank = c.peers.rank, ranks = c.peers.ranks;
   const bool first_thread = blockIdx.x == 0 && threadIdx.x == 0;
@@ -274,7 +275,9 @@ __device__ void dispatch_send(const Ctx& c, int set, const Route& route, const R
     const bool lo_here = e.lo >= 0 && e.lo / c.local == d, hi_here = e.hi >= 0 && e.hi / c.local == d;
     if (h0 == 0) send_routing(c, set, route, t, d, e, lo_here, hi_here, lane);
     if (first_unit) stamp(c, kDispatch, kFirstSent);
-    if (__ballot_sync(kAll, lo_here || hi_here) == 0) continue;
+    const bool own_row = d == rank && c.shared_expert;  // the shared expert's input
+    if (own_row && h0 == 0 && lane == 0) rows.shared_weight[t] = rows.shared_gate ? rows.shared_gate[t] : 1.0f;
+    if (!own_row && __ballot_sync(kAll, lo_here || hi_here) == 0) continue;
     const int64_t slot = (static_cast<int64_t>(set) * ranks + rank) * c.max_tokens + t;
     char* dst = at_window<char>(c.peers, d, c.map.rows + slot * c.map.payload_stride);
     const uint16_t* x = rows.x + t * rows.x_stride;
@@ -386,6 +389,24 @@ __device__ void find_rows(const Ctx& c, int set, const Set& s, const Arrived& a,
   moves[base + rank_in_chunk] = {u, static_cast<int32_t>((static_cast<int64_t>(set) * c.peers.ranks + source) * c.max_tokens + t)};
 }
 
+// Receive unit (shared expert, chunk of tokens): this rank's tokens [32 chunk, 32 chunk + 32)
+// below its count into segment 0 (row t), from its own slots, as find_rows lists rows.
+__device__ void find_own_rows(const Ctx& c, int set, const Set& s, const Arrived& a, int64_t chunk, RowMove* moves,
+                              int* move_count, int lane) {
+  const int rank = c.peers.rank;
+  const int64_t t = chunk * kChunk + lane, n = a.ntok[rank];
+  const int rows = static_cast<int>(max(int64_t{0}, min(int64_t{kChunk}, n - chunk * kChunk)));
+  if (rows == 0) return;
+  int base = 0;
+  if (lane == 0) base = atomicAdd(move_count, rows);
+  base = __shfl_sync(kAll, base, 0);
+  if (lane >= rows) return;
+  const int64_t u = t - c.peers.ranks * c.max_tokens;  // row t of local expert -1
+  s.recv_src[2 * u] = rank;
+  s.recv_src[2 * u + 1] = static_cast<int32_t>(t);
+  moves[base + lane] = {u, static_cast<int32_t>((static_cast<int64_t>(set) * c.peers.ranks + rank) * c.max_tokens + t)};
+}
+
 // One row of the block's list: its wire row (codes, scales, global scale) from the source's slot
 // into its output row.
 __device__ void move_row(const Ctx& c, const Set& s, const RowMove& m, int lane) {
@@ -399,17 +420,22 @@ __device__ void move_row(const Ctx& c, const Set& s, const RowMove& m, int lane)
   }
 }
 
+// The shared expert's segment 0: its rows at the previous dispatch on the set, per half.
+__device__ int32_t* own_prev(const Ctx& c, const Set& s) { return s.prev_count + 2 * c.local; }
+
 // Output rows a clear unit checks.
 constexpr int64_t kClearRows = 128;
 
 // Clear unit (l, kClearRows output rows): rows at or past this call's count that held data at the
-// previous dispatch on this set (its counts: half `half` of prev_count) are zeroed.
+// previous dispatch on this set (its counts: half `half` of prev_count) are zeroed. With the
+// shared expert the first units are segment 0's (l = -1: own_prev, and this rank's token count).
 __device__ void clear_rows(const Ctx& c, const Set& s, const Arrived& a, int half, int64_t unit, int lane) {
   const int64_t slots = c.peers.ranks * c.max_tokens, units = (slots + kClearRows - 1) / kClearRows;
-  const int64_t l = unit / units, begin = unit % units * kClearRows;
-  const int64_t to = min(begin + kClearRows, static_cast<int64_t>(s.prev_count[half * c.local + l]));
+  const int64_t l = unit / units - (c.shared_expert ? 1 : 0), begin = unit % units * kClearRows;
+  const int32_t prev = l < 0 ? own_prev(c, s)[half] : s.prev_count[half * c.local + l];
+  const int64_t to = min(begin + kClearRows, static_cast<int64_t>(prev));
   if (to <= begin) return;
-  const int64_t count = warp_rows_before(c, a, l, c.peers.ranks, 0, lane);
+  const int64_t count = l < 0 ? a.ntok[c.peers.rank] : warp_rows_before(c, a, l, c.peers.ranks, 0, lane);
   for (int64_t j = max(begin, count); j < to; ++j) {
     const int64_t u = l * slots + j;
     char* x = s.recv_x + u * c.x_bytes;
@@ -443,6 +469,17 @@ __device__ void write_layout(const Ctx& c, const Set& s, const Arrived& a, int h
     if (c.load) c.load[l] += first;  // a failed call's first is 0: it counts nothing
     s.prev_count[(half ^ 1) * c.local + l] = ok ? first : s.prev_count[half * c.local + l];
   }
+  if (c.shared_expert && threadIdx.x == 0) {  // segment 0 (l = -1): this rank's tokens, all from this rank
+    const int rank = c.peers.rank;
+    const int32_t n = ok ? a.ntok[rank] : 0;
+    int32_t* layout = s.recv_layout - 2 * c.peers.ranks;
+    for (int p = 0; p < c.peers.ranks; ++p) {
+      layout[2 * p] = p <= rank ? 0 : n;
+      layout[2 * p + 1] = p == rank ? n : 0;
+    }
+    s.recv_count[-1] = n;
+    own_prev(c, s)[half ^ 1] = ok ? n : own_prev(c, s)[half];
+  }
 }
 
 // Receive phase, in rounds of one unit per warp: every (local expert, source, chunk of tokens) to
@@ -462,9 +499,9 @@ __device__ void dispatch_recv(const Ctx& c, int set, const Set& s, bool tables) 
   stamp(c, kDispatch, kSourcesIn);
   const Arrived a = arrived(c, set);
   if (blockIdx.x == 0) write_layout(c, s, a, half, ok);
-  const int64_t slots = c.peers.ranks * c.max_tokens;
-  const int64_t pack_units = c.local * c.peers.ranks * chunks_of(c);
-  const int64_t units = pack_units + c.local * ((slots + kClearRows - 1) / kClearRows);
+  const int64_t slots = c.peers.ranks * c.max_tokens, segments = c.local + (c.shared_expert ? 1 : 0);
+  const int64_t pack_units = c.local * c.peers.ranks * chunks_of(c), own_units = c.shared_expert ? chunks_of(c) : 0;
+  const int64_t units = pack_units + own_units + segments * ((slots + kClearRows - 1) / kClearRows);
   const int64_t rounds = ok ? (units + warps_in_grid() - 1) / warps_in_grid() : 0;
   // A unit finds at most kChunk rows. Round r appends to count[r % 2]; the other is zeroed once
   // every warp has read it (after this round's first barrier) for the round after.
@@ -475,7 +512,8 @@ __device__ void dispatch_recv(const Ctx& c, int set, const Set& s, bool tables) 
     __syncthreads();  // the list is free: the previous round's rows are moved
     const int64_t u = r * warps_in_grid() + warp * static_cast<int64_t>(gridDim.x) + blockIdx.x;
     if (u < pack_units) find_rows(c, set, s, a, u, moves, &move_count[r % 2], lane);
-    else if (u < units) clear_rows(c, s, a, half, u - pack_units, lane);
+    else if (u < pack_units + own_units) find_own_rows(c, set, s, a, u - pack_units, moves, &move_count[r % 2], lane);
+    else if (u < units) clear_rows(c, s, a, half, u - pack_units - own_units, lane);
     __syncthreads();
     if (r == 0) stamp(c, kDispatch, kRowsFound);
     const int found = move_count[r % 2];
@@ -630,7 +668,8 @@ __device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, cons
 }
 
 // Receive phase. Warp per (token, kSumSpan channels): the partials of the ranks holding its
-// experts, in rank order (bf16, or fp8 by sum_fp8_partials); rows past the token count are zero.
+// experts, in rank order (bf16, or fp8 by sum_fp8_partials), then the shared expert's row (times
+// its weight when weighted); rows past the token count are zero.
 __device__ void combine_recv(const Ctx& c, int set, const Set& d, const Sums& sums) {
   const int lane = threadIdx.x % 32, ranks = c.peers.ranks;
   const int64_t count = *d.num_tokens;  // this rank's dispatch wrote it: read while the sources come
@@ -638,7 +677,7 @@ __device__ void combine_recv(const Ctx& c, int set, const Set& d, const Sums& su
   stamp(c, kCombine, kSourcesIn);
   const int64_t n = ok ? count : 0, spans = (c.hidden + kSumSpan - 1) / kSumSpan;
   const uint16_t* ret = at_window<const uint16_t>(c.peers, c.peers.rank, c.map.ret) + set * c.max_tokens * ranks * c.hidden;
-  const bool wide = c.hidden % 8 == 0 && aligned16(sums.out);
+  const bool wide = c.hidden % 8 == 0 && aligned16(sums.out) && aligned16(sums.shared_y);
   for (int64_t unit = first_warp(); unit < sums.tokens * spans; unit += warps_in_grid()) {
     const int64_t t = unit / spans, h0 = unit % spans * kSumSpan;
     uint32_t held = 0;  // bit d: one of the token's experts is on rank d
@@ -647,17 +686,26 @@ __device__ void combine_recv(const Ctx& c, int set, const Set& d, const Sums& su
       if (t < n && e >= 0) held |= 1u << (e / c.local);
     }
     held = __reduce_or_sync(kAll, held);
+    const uint16_t* shared_row = sums.shared_y && t < n ? sums.shared_y + t * c.hidden : nullptr;
+    const float shared_weight = shared_row && sums.weighted ? sums.shared_weight[t] : 1.0f;
     if (c.combine_wire != WireFormat::bf16) {
       const char* slot0 = reinterpret_cast<const char*>(ret + t * ranks * c.hidden);  // rank r's slot 2H bytes on
       sum_fp8_partials([&](int r) { return held >> r & 1u ? slot0 + r * 2 * c.hidden : nullptr; }, ranks, c.hidden, h0,
-                       min(kSumSpan, c.hidden - h0), nullptr, 1.0f, sums.out + t * c.hidden, lane);
+                       min(kSumSpan, c.hidden - h0), shared_row, shared_weight, sums.out + t * c.hidden, lane);
       continue;
     }
-    sum_rows<2>(ranks, [&](int r, const uint16_t*& row, float& weight) {
-      row = ret + ((t * ranks + r) * c.hidden + h0);
+    // Weighted: the partials' weight 1 (fma(1, v, acc) is acc + v), the shared row's its own.
+    sum_rows<2>(ranks + 1, [&](int r, const uint16_t*& row, float& weight) {
       weight = 1.0f;
+      if (r == ranks) {
+        if (!shared_row) return false;
+        row = shared_row + h0;
+        weight = shared_weight;
+        return true;
+      }
+      row = ret + ((t * ranks + r) * c.hidden + h0);
       return (held >> r & 1u) != 0;
-    }, false, sums.out + t * c.hidden + h0, min(kSumSpan, c.hidden - h0), wide, lane);
+    }, sums.weighted, sums.out + t * c.hidden + h0, min(kSumSpan, c.hidden - h0), wide, lane);
   }
   stamp(c, kCombine, kReceived);
   if (!last_block(c.done + 1)) return;
