@@ -40,6 +40,14 @@ add_test(NAME bench_replicas
 set_tests_properties(bench_replicas PROPERTIES TIMEOUT 60 PASS_REGULAR_EXPRESSION "all results verified"
                      FAIL_REGULAR_EXPRESSION "VERIFICATION FAILED")
 
+# The fused shared expert (--shared-expert): the expert-major ops and low-latency mode verified
+# against the reference, the shared expert's rows and sum terms included.
+add_test(NAME bench_shared_expert
+         COMMAND epx-bench --backend host --ranks 3 --preset ll --tokens 24 --hidden 256 --experts 12 --topk 4
+                 --shared-expert --wire bf16,nvfp4 --iters 1 --warmup 0)
+set_tests_properties(bench_shared_expert PROPERTIES TIMEOUT 60 PASS_REGULAR_EXPRESSION "all results verified"
+                     FAIL_REGULAR_EXPRESSION "VERIFICATION FAILED")
+
 # The performance targets' report (tools/bench/check_targets.py) on made-up records.
 add_test(NAME bench_check_targets COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/check_targets_test.py)
 set_tests_properties(bench_check_targets PROPERTIES TIMEOUT 60 PASS_REGULAR_EXPRESSION "OK: check_targets.py")

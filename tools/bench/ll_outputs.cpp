@@ -11,12 +11,14 @@ namespace epx::bench {
 namespace {
 
 // Rows of each local expert of `rank` that its ll_dispatch fills.
+// Rows of each output expert: the shared one's (this rank's tokens), then the routed ones'.
 std::vector<int64_t> rows_per_expert(const verify::Problem& p, int rank) {
-  const int64_t l_count = p.cfg.num_experts / p.ranks;
-  std::vector<int64_t> rows(l_count, 0);
+  const int64_t l_count = p.cfg.num_experts / p.ranks, first = p.cfg.shared_expert ? 1 : 0;
+  std::vector<int64_t> rows(first + l_count, 0);
+  if (first) rows[0] = p.inputs[rank].tokens;
   for (const verify::RankInput& in : p.inputs)
     for (const int32_t e : in.idx)
-      if (e >= 0 && e / l_count == rank) ++rows[e % l_count];
+      if (e >= 0 && e / l_count == rank) ++rows[first + e % l_count];
   return rows;
 }
 

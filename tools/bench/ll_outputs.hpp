@@ -1,5 +1,5 @@
-// The expert outputs y [L, R*M, H] bf16 that a rank gives ll_combine, kept resident only where
-// ll_combine reads them.
+// The expert outputs y [L, R*M, H] bf16 ([1 + L, ...] with the shared expert) that a rank gives
+// ll_combine, kept resident only where ll_combine reads them.
 #pragma once
 #include <cstdint>
 #include <vector>

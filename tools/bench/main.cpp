@@ -108,9 +108,10 @@ std::vector<Record> run_low_latency(const Options& o, const Ranks& ranks, const 
   // EPLB: the buffer routes `given`'s logical ids; rows, outputs and checks are the plain problem's.
   const verify::Problem p = given.replicas.empty() ? given : verify::physical_problem(given);
   const int64_t h = p.cfg.hidden, k_count = p.cfg.topk, l_count = p.cfg.num_experts / p.ranks;
-  const int64_t slots = p.ranks * p.cfg.max_tokens_per_rank;
+  const int64_t slots = p.ranks * p.cfg.max_tokens_per_rank, first = p.cfg.shared_expert ? 1 : 0;
   LowLatencyConfig cfg{h, p.cfg.max_tokens_per_rank, given.cfg.num_experts, k_count, wire, 0};
   cfg.combine_wire = p.cfg.combine_wire;
+  cfg.shared_expert = p.cfg.shared_expert;  // the outputs' expert 0 (no gate: weight 1)
   cfg.num_physical_experts = given.cfg.num_physical_experts;
   cfg.max_replicas = given.cfg.max_replicas;
   std::vector<LowLatencyDispatchResult> got(p.ranks);
@@ -139,7 +140,7 @@ std::vector<Record> run_low_latency(const Options& o, const Ranks& ranks, const 
         if (!given.replicas.empty())
           in.expert_replicas = io.view(given.replicas, DType::i32, {given.cfg.num_experts, given.cfg.max_replicas});
         LowLatencyCombineInput ci;
-        ci.y = io.view(ys[r], DType::bf16, {l_count, slots, h});
+        ci.y = io.view(ys[r], DType::bf16, {first + l_count, slots, h});
         const TensorView weights = io.view(p.inputs[r].weights, DType::f32, {p.inputs[r].tokens, k_count});
         if (o.ll_weights_at_dispatch) in.topk_weights = weights;  // sent with the routing
         else ci.topk_weights = weights;
@@ -202,11 +203,11 @@ std::vector<Record> run_low_latency(const Options& o, const Ranks& ranks, const 
   throw_rank_errors(errors);
 
   const std::vector<int64_t> all(p.ranks, p.cfg.max_tokens_per_rank);
-  double rows = 0, remote = 0;  // (token, expert) rows received per rank, and those from other ranks
+  double rows = 0, remote = 0;  // routed (token, expert) rows received per rank, and those from other ranks
   for (int r = 0; r < p.ranks; ++r)
-    for (int64_t l = 0; l < l_count; ++l) {
-      rows += got[r].recv_count.data<int32_t>()[l];
-      remote += got[r].recv_count.data<int32_t>()[l] - got[r].recv_layout.data<int32_t>()[(l * p.ranks + r) * 2 + 1];
+    for (int64_t o = first; o < first + l_count; ++o) {
+      rows += got[r].recv_count.data<int32_t>()[o];
+      remote += got[r].recv_count.data<int32_t>()[o] - got[r].recv_layout.data<int32_t>()[(o * p.ranks + r) * 2 + 1];
     }
   rows /= p.ranks;
   remote /= p.ranks;

@@ -500,33 +500,39 @@ std::vector<std::pair<int, int64_t>> ll_rows(const Problem& p, const std::vector
 
 std::string check_ll_dispatch(const Problem& p, const std::vector<int64_t>& num_tokens, int rank, float nvfp4_global_scale,
                               const LowLatencyDispatchResult& got) {
-  const int64_t l_count = local_experts(p), slots = p.ranks * p.cfg.max_tokens_per_rank;
+  // With the shared expert, output expert 0 holds this rank's own rows t < num_tokens, in order.
+  const int64_t first = p.cfg.shared_expert ? 1 : 0, segments = first + local_experts(p);
+  const int64_t slots = p.ranks * p.cfg.max_tokens_per_rank;
   const std::string at = "rank " + std::to_string(rank) + " ";
-  if (!got.recv_x.defined() || got.recv_x.numel() / got.recv_x.size(got.recv_x.view().ndim - 1) != l_count * slots)
-    return at + "recv_x is not [L, R*M, ...]";
+  if (!got.recv_x.defined() || got.recv_x.numel() / got.recv_x.size(got.recv_x.view().ndim - 1) != segments * slots)
+    return at + (first ? "recv_x is not [1 + L, R*M, ...]" : "recv_x is not [L, R*M, ...]");
   const Encoded zero = padding_row(p);
   std::string err;
-  for (int64_t l = 0; l < l_count; ++l) {
-    const auto rows = ll_rows(p, num_tokens, rank, l);
-    const std::string ex = at + "expert " + std::to_string(l) + " ";
-    if (got.recv_count.data<int32_t>()[l] != static_cast<int32_t>(rows.size()))
-      return ex + "count " + std::to_string(got.recv_count.data<int32_t>()[l]) + ", want " + std::to_string(rows.size());
+  for (int64_t o = 0; o < segments; ++o) {
+    std::vector<std::pair<int, int64_t>> rows;
+    if (o < first)
+      for (int64_t t = 0; t < num_tokens[rank]; ++t) rows.emplace_back(rank, t);
+    else
+      rows = ll_rows(p, num_tokens, rank, o - first);
+    const std::string ex = at + (o < first ? std::string("shared expert ") : "expert " + std::to_string(o - first) + " ");
+    if (got.recv_count.data<int32_t>()[o] != static_cast<int32_t>(rows.size()))
+      return ex + "count " + std::to_string(got.recv_count.data<int32_t>()[o]) + ", want " + std::to_string(rows.size());
     int64_t begin = 0;
     for (int s = 0; s < p.ranks; ++s) {
       int64_t n = 0;
       for (const auto& r : rows) n += r.first == s;
       const int32_t want[2] = {static_cast<int32_t>(begin), static_cast<int32_t>(n)};
-      if (!(err = compare_bits(got.recv_layout.data<int32_t>() + (l * p.ranks + s) * 2, want, 2, 4, ex + "recv_layout")).empty())
+      if (!(err = compare_bits(got.recv_layout.data<int32_t>() + (o * p.ranks + s) * 2, want, 2, 4, ex + "recv_layout")).empty())
         return err;
       begin += n;
     }
     for (int64_t j = 0; j < slots; ++j) {
-      const int64_t row = l * slots + j;
+      const int64_t row = o * slots + j;
       const bool real = j < static_cast<int64_t>(rows.size());
       const Encoded want = real ? encode(p, rows[j].first, rows[j].second, nvfp4_global_scale) : zero;
-      if (!(err = check_bytes_row(got.recv_x, l_count * slots, row, want.x, ex + "recv_x")).empty()) return err;
-      if (!(err = check_bytes_row(got.recv_scales, l_count * slots, row, want.scales, ex + "recv_scales")).empty()) return err;
-      if (!(err = check_bytes_row(got.recv_global_scale, l_count * slots, row, want.global, ex + "recv_global_scale")).empty()) return err;
+      if (!(err = check_bytes_row(got.recv_x, segments * slots, row, want.x, ex + "recv_x")).empty()) return err;
+      if (!(err = check_bytes_row(got.recv_scales, segments * slots, row, want.scales, ex + "recv_scales")).empty()) return err;
+      if (!(err = check_bytes_row(got.recv_global_scale, segments * slots, row, want.global, ex + "recv_global_scale")).empty()) return err;
       const int32_t src[2] = {real ? rows[j].first : -1, real ? static_cast<int32_t>(rows[j].second) : -1};
       if (!(err = compare_bits(got.recv_src.data<int32_t>() + 2 * row, src, 2, 4, ex + "recv_src")).empty()) return err;
     }
@@ -537,6 +543,7 @@ std::string check_ll_dispatch(const Problem& p, const std::vector<int64_t>& num_
 std::vector<uint16_t> expected_ll_combine(const Problem& p, const std::vector<int64_t>& num_tokens,
                                           const std::vector<std::vector<uint16_t>>& y, int s, bool weighted) {
   const int64_t h = p.cfg.hidden, k_count = p.cfg.topk, l_count = local_experts(p), slots = p.ranks * p.cfg.max_tokens_per_rank;
+  const int64_t first = p.cfg.shared_expert ? 1 : 0;  // y's expert 0: the shared one
   const RankInput& in = p.inputs[s];
   std::vector<uint16_t> out(in.tokens * h, 0);
   std::vector<float> acc(h);
@@ -553,7 +560,7 @@ std::vector<uint16_t> expected_ll_combine(const Problem& p, const std::vector<in
         const auto rows = ll_rows(p, num_tokens, d, e % l_count);
         int64_t j = 0;
         while (rows[j] != std::make_pair(s, t)) ++j;
-        const uint16_t* yr = &y[d][((e % l_count) * slots + j) * h];
+        const uint16_t* yr = &y[d][((first + e % l_count) * slots + j) * h];
         const float w = weight_of(in, t * k_count + k);
         for (int64_t c = 0; c < h; ++c)
           partial[c] = weighted ? std::fma(w, bf16_to_float(yr[c]), partial[c]) : partial[c] + bf16_to_float(yr[c]);
@@ -561,6 +568,12 @@ std::vector<uint16_t> expected_ll_combine(const Problem& p, const std::vector<in
       if (!any) continue;
       const std::vector<float> back = after_combine_wire(partial, p.cfg.combine_wire);
       for (int64_t c = 0; c < h; ++c) acc[c] += back[c];
+    }
+    if (first) {  // then the shared expert's row t, times its gate (1 without one) when weighted
+      const uint16_t* yr = &y[s][t * h];
+      const float w = in.shared_gate.empty() ? 1.0f : in.shared_gate[t];
+      for (int64_t c = 0; c < h; ++c)
+        acc[c] = weighted ? std::fma(w, bf16_to_float(yr[c]), acc[c]) : acc[c] + bf16_to_float(yr[c]);
     }
     for (int64_t c = 0; c < h; ++c) out[t * h + c] = float_to_bf16(acc[c]);
   }

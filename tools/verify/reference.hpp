@@ -80,11 +80,13 @@ std::vector<float> expected_gathered_weights(const Problem& p, const std::vector
 }  // namespace epx::verify
 
 namespace epx::verify {
-// Low-latency mode (docs/low-latency.md). num_tokens[s]: the rows of rank s that count.
+// Low-latency mode (docs/low-latency.md). num_tokens[s]: the rows of rank s that count. With
+// p.cfg.shared_expert the outputs and y lead with the shared expert ([1 + L, ...]), whose rows are
+// each rank's own tokens, weighted in combine by RankInput::shared_gate (1 where it is empty).
 // Empty when rank `rank`'s ll_dispatch output is exactly right, else the first difference.
 std::string check_ll_dispatch(const Problem& p, const std::vector<int64_t>& num_tokens, int rank, float nvfp4_global_scale,
                               const LowLatencyDispatchResult& got);
-// Expected ll_combine output of rank s, given every rank's y [L, R*M, H]; the partials cross
+// Expected ll_combine output of rank s, given every rank's y [(1 +) L, R*M, H]; the partials cross
 // back in p.cfg.combine_wire.
 std::vector<uint16_t> expected_ll_combine(const Problem& p, const std::vector<int64_t>& num_tokens,
                                           const std::vector<std::vector<uint16_t>>& y, int s, bool weighted);
