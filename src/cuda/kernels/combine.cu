@@ -48,28 +48,29 @@ __device__ void copy_bf16_plus_zero(const uint16_t* src, uint16_t* dst, int64_t 
 }
 
 // Expert side, one warp, the fp8 combine wire: received row i's partial (the sum partial_row
-// makes, rounded to bf16) quantized into dst: codes [H], then f32 scales [H/128]. One term's
-// loads at a time (two, as the low-latency send, made the combine kernel spill), or staged.
+// makes, rounded to bf16) quantized into dst: codes [H], then f32 scales [H/128]. Staged, the
+// terms' loads (a rank-major row's one term too) come through the warp's stage, a whole 14 KiB
+// row in flight; else one term's 64 bytes per lane at a time (two made the kernel spill).
 __device__ void fp8_partial_row(const Shape& s, const RecvArrays& r, Layout layout, const CombineArgs& a, bool staged,
                                 int64_t i, char* dst, int lane) {
   const int64_t capacity = r.info[2];
   const Fp8Partial store{dst, reinterpret_cast<float*>(dst + s.hidden), a.wire == WireFormat::fp8_ue8m0};
-  if (layout == Layout::rank_major) {
-    sum_rows_wide<1>(1, [&](int, const uint16_t*& row, float& weight) {
+  const bool rank_major = layout == Layout::rank_major;
+  auto term = [&](int k, const uint16_t*& row, float& weight) {
+    if (rank_major) {  // one term: 0 + y
       row = a.y + i * a.y_stride;
       weight = 1.0f;
       return i < capacity;
-    }, false, s.hidden, lane, store);
-    return;
-  }
-  auto term = [&](int k, const uint16_t*& row, float& weight) {
+    }
     const int64_t out_row = r.slot_row[i * s.topk + k];
     row = a.y + out_row * a.y_stride;
     weight = r.slot_weight[i * s.topk + k];
     return out_row >= 0 && out_row < capacity;
   };
-  if (staged) sum_rows_staged_to(static_cast<int>(s.topk), term, a.weighted, s.hidden, lane, store);
-  else sum_rows_wide<1>(static_cast<int>(s.topk), term, a.weighted, s.hidden, lane, store);
+  const int n = rank_major ? 1 : static_cast<int>(s.topk);
+  const bool weighted = !rank_major && a.weighted;
+  if (staged) sum_rows_staged_to(n, term, weighted, s.hidden, lane, store);
+  else sum_rows_wide<1>(n, term, weighted, s.hidden, lane, store);
 }
 
 // Expert side, one warp: the partial of received row i (rank-major order): the bf16 row (or

@@ -3,6 +3,8 @@
 // sum of the returned partials in rank order. Codes [H] at a slot's start, f32 scales [H/128]
 // after them.
 #pragma once
+#include <cuda_fp16.h>
+
 #include "cuda/kernels/bulk_copy.cuh"
 #include "cuda/kernels/cp_async.cuh"
 #include "cuda/kernels/row_copy.cuh"
@@ -28,12 +30,24 @@ struct Fp8Partial {
   }
 };
 
+// Two e4m3 codes (the low byte first) as floats by the hardware's conversion, through f16 (which
+// holds every e4m3 value exactly; a NaN stays a NaN, and the product after it makes every NaN
+// the same one, whichever decoder ran): 2 instructions for what e4m3_to_float takes ~10 each.
+__device__ inline float2 e4m3x2_to_float2(uint32_t pair) {
+  uint32_t halves;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"(static_cast<uint16_t>(pair)));
+  __half2 h;
+  memcpy(&h, &halves, sizeof h);
+  return __half22float2(h);
+}
+
 // acc[i] + e4m3(code i of q) * scale: one fp32 product, then one fp32 add (the CPU backend's).
 __device__ inline void add_fp8x8(float (&acc)[8], uint2 q, float scale) {
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const uint8_t code = static_cast<uint8_t>((i < 4 ? q.x : q.y) >> (8 * (i % 4)));
-    acc[i] = __fadd_rn(acc[i], __fmul_rn(e4m3_to_float(code), scale));
+  for (int j = 0; j < 4; ++j) {
+    const float2 v = e4m3x2_to_float2((j < 2 ? q.x : q.y) >> (16 * (j % 2)));
+    acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(v.x, scale));
+    acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], __fmul_rn(v.y, scale));
   }
 }
 
