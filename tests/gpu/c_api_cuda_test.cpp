@@ -20,11 +20,6 @@ namespace {
 constexpr int64_t kT = 32, kH = 256, kE = 8, kK = 4;
 enum : int32_t { kBf16 = 0, kF32 = 1, kI32 = 4, kI64 = 5 };  // epx_tensor dtype codes
 
-int gpus() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
-}
-
 epx_buffer_config c_config(int64_t experts) {
   epx_buffer_config cfg;
   epx_buffer_config_default(&cfg);
@@ -257,7 +252,7 @@ TEST(CApiCuda, GroupOverTheCallersCommunicatorOnTheCallersStream) {
 // Two ranks, one GPU each, joined by id from a thread each (as processes would): rank 1's refused
 // argument fails both ranks' dispatch at once, then both ranks' next calls work.
 TEST(CApiCuda, RefusedArgumentOnOneRankFailsBothRanksOfACudaGroup) {
-  if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  if (gpu_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
   constexpr int kRanks = 2;
   constexpr int64_t kExperts = 2 * kE;
   char id[EPX_NCCL_UNIQUE_ID_BYTES];

@@ -156,4 +156,31 @@ inline std::vector<RankRun> run_problem_cuda(const CudaWorld& world, const verif
   return run_problem_cuda([&](int r) { return world.group(r); }, p, o);
 }
 
+// The GPUs this process sees (0 where CUDA finds none).
+inline int gpu_count() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+
+// How a parameterized case's ranks reach each other: NCCL with one GPU per rank (GPUs 0, 1, ...),
+// or every rank on GPU 0 over the tests' shared-GPU transport.
+enum class Transport { nccl, shared_gpu };
+
+inline CudaWorld world_of(Transport t, int ranks) {
+  if (t == Transport::shared_gpu) return CudaWorld::shared_gpu(ranks, 0);
+  std::vector<int> devices(ranks);
+  for (int r = 0; r < ranks; ++r) devices[r] = r;
+  return CudaWorld(devices);
+}
+
+// The short names the parameterized cases' tables use.
+namespace case_names {
+using W = WireFormat;
+using L = Layout;
+constexpr auto N = Transport::nccl;
+constexpr auto S = Transport::shared_gpu;
+constexpr auto U = verify::Routing::uniform;
+constexpr auto K = verify::Routing::skewed;
+}  // namespace case_names
+
 }  // namespace epx::test

@@ -15,15 +15,8 @@
 namespace epx::test {
 namespace {
 
-int gpu_count() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
-}
-
 // Outputs start as 0xa5 bytes, so a row the kernels never write shows up in the comparison.
 const bool kPoisonOutputs = [] { return setenv("EPX_POISON_OUTPUTS", "1", 1) == 0; }();
-
-enum class Transport { nccl, shared_gpu };
 
 struct GpuCase {
   Transport transport;
@@ -76,19 +69,11 @@ TEST_P(CudaVsReference, BitForBit) {
   const verify::Problem p = verify::make_problem(spec);
   RunOptions o;
   o.dispatch.layout = c.layout;
-  const CudaWorld world = c.transport == Transport::nccl
-                              ? CudaWorld(c.ranks == 1 ? std::vector<int>{0} : std::vector<int>{0, 1})
-                              : CudaWorld::shared_gpu(c.ranks, 0);
-  const auto runs = run_problem_cuda(world, p, o);
+  const auto runs = run_problem_cuda(world_of(c.transport, c.ranks), p, o);
   expect_matches_reference(p, o, runs);
 }
 
-using W = WireFormat;
-using L = Layout;
-constexpr auto N = Transport::nccl;
-constexpr auto S = Transport::shared_gpu;
-constexpr auto U = verify::Routing::uniform;
-constexpr auto K = verify::Routing::skewed;
+using namespace case_names;
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, CudaVsReference,
@@ -434,6 +419,44 @@ TEST(CudaErrors, HandlesOfDifferentDispatchesFailEveryRank) {
     EXPECT_EQ(codes[r], ErrorCode::config_mismatch) << "rank " << r << ": " << errors[r];
     EXPECT_EQ(after[r], "") << "rank " << r;
   }
+}
+
+// The fp8 combine wire quantizes partials from 16-byte loads of y: a y not 16-byte aligned on one
+// rank fails that combine on every rank (the refusing rank with the cause, its peer with
+// peer_failed), and an aligned combine of the same handle then works.
+TEST(CudaErrors, AMisalignedYWithTheFp8CombineWireFailsEveryRank) {
+  auto cfg = small_config(256, 32, 16, 4);
+  cfg.combine_wire = WireFormat::fp8;
+  const auto p = two_ranks(cfg);
+  std::vector<ErrorCode> codes(2, ErrorCode::internal);
+  std::vector<std::string> errors(2), after(2);
+  on_shared_gpu(p, [&](int r, const Group& g, const DeviceArray& x, const DeviceArray& idx) {
+    DeviceArray y(std::vector<uint16_t>((rows_bound(p) + 1) * 256, 0x3f80));
+    Buffer b(g, cfg);
+    DispatchInput in;
+    in.x = device_view(x, DType::bf16, {32, 256}, 0);
+    in.topk_idx = device_view(idx, DType::i32, {32, 4}, 0);
+    const DispatchResult d = b.dispatch(in);
+    TensorView ys = device_view(y, DType::bf16, {d.num_rows, 256}, 0);
+    TensorView shifted = ys;
+    shifted.data = static_cast<uint16_t*>(ys.data) + (r == 1 ? 1 : 0);  // rank 1: 2 bytes past 16-byte alignment
+    try {
+      b.combine({shifted, {}}, d.handle, {false});
+    } catch (const Error& e) {
+      errors[r] = e.what();
+      codes[r] = e.code();
+    }
+    try {
+      b.combine({ys, {}}, d.handle, {false});
+      b.synchronize();
+    } catch (const Error& e) {
+      after[r] = e.what();
+    }
+  });
+  EXPECT_EQ(codes[1], ErrorCode::invalid_argument) << errors[1];
+  EXPECT_THAT(errors[1], testing::HasSubstr("y must be 16-byte aligned"));
+  EXPECT_EQ(codes[0], ErrorCode::peer_failed) << errors[0];
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(after[r], "") << "rank " << r;
 }
 
 // A front end's own refusal (Buffer::reject) fails the peers' same call with its words.

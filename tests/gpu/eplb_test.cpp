@@ -13,8 +13,6 @@
 namespace epx::test {
 namespace {
 
-enum class Transport { nccl, shared_gpu };
-
 struct EplbCase {
   Transport transport;
   int ranks;
@@ -62,17 +60,12 @@ class CudaEplb : public testing::TestWithParam<EplbCase> {};
 
 TEST_P(CudaEplb, EqualsThePlainProblemOfThePhysicalRouting) {
   const EplbCase& c = GetParam();
-  int gpus = 0;
-  if (cudaGetDeviceCount(&gpus) != cudaSuccess) gpus = 0;
-  if (c.transport == Transport::nccl && gpus < c.ranks) GTEST_SKIP() << "needs " << c.ranks << " GPUs";
+  if (c.transport == Transport::nccl && gpu_count() < c.ranks) GTEST_SKIP() << "needs " << c.ranks << " GPUs";
   const verify::Problem p = eplb_problem(c);
   const verify::Problem plain = verify::physical_problem(p);
   RunOptions o;
   o.dispatch.layout = c.layout;
-  const CudaWorld world = c.transport == Transport::nccl
-                              ? CudaWorld(c.ranks == 1 ? std::vector<int>{0} : std::vector<int>{0, 1})
-                              : CudaWorld::shared_gpu(c.ranks, 0);
-  const auto runs = run_problem_cuda(world, p, o);
+  const auto runs = run_problem_cuda(world_of(c.transport, c.ranks), p, o);
   expect_matches_reference(plain, o, runs);
   for (int r = 0; r < c.ranks; ++r) {
     const Tensor& chosen = runs[r].dispatched.topk_physical;
@@ -84,12 +77,7 @@ TEST_P(CudaEplb, EqualsThePlainProblemOfThePhysicalRouting) {
   }
 }
 
-using W = WireFormat;
-using L = Layout;
-constexpr auto N = Transport::nccl;
-constexpr auto S = Transport::shared_gpu;
-constexpr auto U = verify::Routing::uniform;
-constexpr auto K = verify::Routing::skewed;
+using namespace case_names;
 
 INSTANTIATE_TEST_SUITE_P(
     Tables, CudaEplb,

@@ -17,11 +17,6 @@
 namespace epx::test {
 namespace {
 
-int gpus() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
-}
-
 struct LlGpuCase {
   bool shared;  // the shared-GPU transport, else NCCL (one GPU per rank)
   int ranks;
@@ -66,12 +61,7 @@ verify::Problem ll_problem(const LlGpuCase& c, uint64_t seed) {
   return verify::make_problem(spec);
 }
 
-CudaWorld ll_world(const LlGpuCase& c) {
-  if (c.shared) return CudaWorld::shared_gpu(c.ranks, 0);
-  std::vector<int> devices(c.ranks);
-  for (int r = 0; r < c.ranks; ++r) devices[r] = r;
-  return CudaWorld(devices);
-}
+CudaWorld ll_world(const LlGpuCase& c) { return world_of(c.shared ? Transport::shared_gpu : Transport::nccl, c.ranks); }
 
 // A dispatch result's tensors, copied to the host (after the buffer's stream is synchronized).
 LowLatencyDispatchResult host_copy(const LowLatencyDispatchResult& d) {
@@ -98,7 +88,7 @@ class CudaLowLatency : public testing::TestWithParam<LlGpuCase> {};
 // routing, and topk_physical the rule's choice.
 TEST_P(CudaLowLatency, RoundsMatchTheReference) {
   const LlGpuCase& c = GetParam();
-  if (!c.shared && gpus() < c.ranks) GTEST_SKIP() << "needs " << c.ranks << " GPUs";
+  if (!c.shared && gpu_count() < c.ranks) GTEST_SKIP() << "needs " << c.ranks << " GPUs";
   const int rounds = 4;
   const int64_t slots = c.ranks * c.tokens, l_count = (c.physical > 0 ? c.physical : c.experts) / c.ranks;
   std::vector<verify::Problem> problems, references;
@@ -237,7 +227,7 @@ void expect_same_round(const SharedRound& cpu, const SharedRound& gpu, int round
 
 TEST_P(CudaLowLatencySharedExpert, MatchesTheCpuBackend) {
   const SharedLlCase& c = GetParam();
-  if (!c.shared && gpus() < c.ranks) GTEST_SKIP() << "needs " << c.ranks << " GPUs";
+  if (!c.shared && gpu_count() < c.ranks) GTEST_SKIP() << "needs " << c.ranks << " GPUs";
   const LlGpuCase lc{c.shared, c.ranks, c.hidden, c.tokens, c.experts, c.topk, c.wire, c.combine_wire};
   LowLatencyConfig cfg = ll_config(lc);
   cfg.shared_expert = true;
