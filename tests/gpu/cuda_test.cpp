@@ -118,6 +118,9 @@ INSTANTIATE_TEST_SUITE_P(
         GpuCase{N, 1, 1024, 128, 32, 8, W::bf16, L::expert_major, 16, U, 0.1, CapacityMode::blocking, 0.0, false, 0, W::fp8},
         GpuCase{N, 1, 2048, 200, 16, 4, W::fp8, L::rank_major, 1, K, 0.0, CapacityMode::blocking, 0.0, false, 0,
                 W::fp8_ue8m0},
+        // hidden 2176: the staged fp8 sums' short last 1024-channel slice (its last scale group part-used)
+        GpuCase{N, 1, 2176, 96, 16, 4, W::bf16, L::expert_major, 8, U, 0.0, CapacityMode::blocking, 0.0, false, 0, W::fp8},
+        GpuCase{N, 1, 2176, 96, 16, 4, W::bf16, L::rank_major, 1, U, 0.0, CapacityMode::blocking, 0.0, false, 0, W::fp8},
         GpuCase{S, 2, 1024, 96, 32, 8, W::bf16, L::expert_major, 8, K, 0.1, CapacityMode::capacity, 0.0, false, 0, W::fp8},
         GpuCase{S, 2, 1024, 96, 16, 4, W::fp8, L::rank_major, 1, U, 0.0, CapacityMode::capacity, 0.0, false, 0, W::fp8},
         GpuCase{S, 4, 512, 64, 32, 6, W::bf16, L::rank_major, 1, U, 0.2, CapacityMode::blocking, 0.5, false, 0,

@@ -240,7 +240,8 @@ TEST_P(CudaLowLatencySharedExpert, MatchesTheCpuBackend) {
   for (int i = 0; i < rounds; ++i) {
     problems.push_back(ll_problem(lc, 60 + i));
     for (int r = 0; r < c.ranks; ++r) {
-      counts[i][r] = static_cast<int32_t>((c.tokens * (i + r + 2)) / (rounds + c.ranks) % (c.tokens + 1));
+      // Falling from round to round, so each set's next dispatch clears rows (segment 0's too).
+      counts[i][r] = static_cast<int32_t>(c.tokens - c.tokens * (i + r) / (rounds + c.ranks));
       ys[i][r] = verify::random_bf16(segments * slots * c.hidden, 800 + 10 * i + r);
       for (int64_t t = 0; t < c.tokens; ++t) gates[i][r].push_back(0.125f * static_cast<float>((t * 7 + i + r) % 17) - 1.0f);
     }
