@@ -372,9 +372,6 @@ class CudaLowLatency final : public LowLatencyBackend {
     s.recv_layout = layout ? reinterpret_cast<int32_t*>(layout) + 2 * first_routed_ * ranks_ : nullptr;
     s.prev_count = reinterpret_cast<int32_t*>(take(2 * 4 * (local_ + first_routed_)));
     s.count_half = reinterpret_cast<int32_t*>(take(4));
-    s.src_rank = reinterpret_cast<int32_t*>(take(4 * rows));
-    s.src_token = reinterpret_cast<int32_t*>(take(4 * rows));
-    s.src_slot = reinterpret_cast<int32_t*>(take(4 * rows));
     s.row_of = reinterpret_cast<int32_t*>(take(4 * slots_ * c.topk));
     s.out = reinterpret_cast<uint16_t*>(take(2 * m * c.hidden));
     shared_weight = c.shared_expert ? reinterpret_cast<float*>(take(4 * m)) : nullptr;

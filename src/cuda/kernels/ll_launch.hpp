@@ -52,9 +52,6 @@ struct Set {
                           // *count_half is read by a call, the other written for the next; with the
                           // shared expert [2][L] + [2]: segment 0's rows (own_prev)
   int32_t* count_half;    // [1] 0 or 1, flipped by each dispatch's last block
-  int32_t* src_rank;      // [L*R*M] per received row: where it came from (for combine)
-  int32_t* src_token;
-  int32_t* src_slot;
   int32_t* row_of;        // [R*M*K] received row (l * R*M + j) of (source, token, slot); read for local slots only
   uint16_t* out;          // [M][H] combine output
 };

@@ -382,9 +382,6 @@ __device__ void find_rows(const Ctx& c, int set, const Set& s, const Arrived& a,
   const int64_t u = l * slots + first + rank_in_chunk;
   s.recv_src[2 * u] = source;
   s.recv_src[2 * u + 1] = static_cast<int32_t>(t);
-  s.src_rank[u] = source;
-  s.src_token[u] = static_cast<int32_t>(t);
-  s.src_slot[u] = k;
   s.row_of[(source * c.max_tokens + t) * c.topk + k] = static_cast<int32_t>(u);
   moves[base + rank_in_chunk] = {u, static_cast<int32_t>((static_cast<int64_t>(set) * c.peers.ranks + source) * c.max_tokens + t)};
 }
