@@ -95,6 +95,9 @@ CONFIGS = [
                           max_replicas=2)),
     ("rank_major", dict(hidden=H, max_tokens_per_rank=T, num_experts=E, topk=K, num_physical_experts=2 * E,
                         max_replicas=2, wire="fp8")),
+    ("expert_major", dict(hidden=H, max_tokens_per_rank=T, num_experts=E, topk=K, combine_wire="fp8")),
+    ("rank_major", dict(hidden=H, max_tokens_per_rank=T, num_experts=E, topk=K, wire="fp8",
+                        combine_wire="fp8_ue8m0")),
 ]
 
 
