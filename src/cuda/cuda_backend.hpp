@@ -3,6 +3,7 @@
 #pragma once
 #include <chrono>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -20,6 +21,9 @@
 namespace epx::detail {
 
 struct DeviceHandle;  // what a dispatch leaves on the device for the calls on its handle (device_handle.hpp)
+
+// A stable hash of a call's options that every rank must pass alike (the plan exchange compares it).
+int64_t call_signature(std::initializer_list<int64_t> values);
 
 class CudaBackend final : public Backend {
  public:
