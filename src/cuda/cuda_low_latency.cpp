@@ -1,6 +1,7 @@
-// Low-latency mode on the CUDA backend: host side of src/cuda/kernels/low_latency.cu. The
-// buffer owns every array (window, two sets of outputs); results are views into the set of
-// their call, valid until the receive half of the call after next (docs/low-latency.md).
+// Low-latency mode on the CUDA backend: host side of src/cuda/kernels/ll_dispatch.cu and
+// ll_combine.cu. The buffer owns every array (window, two sets of outputs); results are views
+// into the set of their call, valid until the receive half of the call after next
+// (docs/low-latency.md).
 #include <algorithm>
 #include <array>
 #include <chrono>

@@ -17,7 +17,7 @@ constexpr int kChunk = 32;
 // Offsets in every rank's low-latency window (the same on all ranks). M = max_tokens_per_rank.
 struct Map {
   int64_t arrivals;        // uint64 [2 kinds][2 sets][R]: each source's blocks done with the call
-                           // (low_latency.cu); reset by the receiver
+                           // (ll_common.cuh); reset by the receiver
   int64_t errors;          // uint32 [2 kinds][2 sets][R]: each source's error code of the call, or 0
   int64_t counts;          // int32 [2 sets][R][L][chunks]: each source's (token, local expert) pairs
                            // per chunk of kChunk tokens, added by the source, zeroed by the receiver
@@ -135,6 +135,7 @@ void dispatch(const Ctx& c, int phases, int set, const Route& route, const Rows&
 // `dispatch_set`: the set of the dispatch whose handle this is (its routing in the windows).
 void combine(const Ctx& c, int phases, int set, int dispatch_set, const Set& dispatched, const uint16_t* y,
              const Sums& sums);
-void preload_kernels();
+void preload_dispatch_kernels();  // ll_dispatch.cu's kernels (the rejection's too)
+void preload_combine_kernels();   // ll_combine.cu's
 
 }  // namespace epx::detail::ll

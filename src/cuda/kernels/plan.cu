@@ -89,7 +89,8 @@ void preload_plan_kernels() { preload(begin_call_kernel, post_plan_kernel, wait_
           publish_status_kernel); }
 
 void preload_kernels() {
-  ll::preload_kernels();  // a peer may wait inside a low-latency call too
+  ll::preload_dispatch_kernels();  // a peer may wait inside a low-latency call too
+  ll::preload_combine_kernels();
   preload_plan_kernels();
   preload_route_kernels();
   preload_dispatch_kernels();

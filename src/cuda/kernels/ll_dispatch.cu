@@ -1,34 +1,20 @@
-// Low-latency mode (docs/low-latency.md). Dispatch sends each token's wire row once to each rank
+// Low-latency dispatch (docs/low-latency.md). It sends each token's wire row once to each rank
 // holding one of its experts, into slot (source rank, token) of that rank's window: known without
 // any count or plan, so the send half moves rows at its first instruction. With the row go the
 // source's checked routing (every rank gets all of it) and its rows per (expert, chunk of 32
 // tokens), added at the destination; each block that had tokens to send counts itself in at every
 // rank when it is done. The receive half waits until those blocks of every source are in, then
 // packs each local expert's rows in (source rank, token) order, reading each row from its source's
-// slot. Combine: each expert rank sums a token's rows of its experts (slot order, the source's
-// weights: sent beside its routing by ll_dispatch, or first thing by combine's send half) into one
-// bf16 partial back at the source, which adds the partials in rank order (the high-throughput
-// combine's sums, docs/low-latency.md).
+// slot. Also the host rejection of either call (reject_kernel).
 #include "cuda/kernels/finite_scan.cuh"
-#include "cuda/kernels/fp8_partials.cuh"
-#include "cuda/kernels/ll_launch.hpp"
+#include "cuda/kernels/ll_common.cuh"
 #include "cuda/kernels/replicas.cuh"
-#include "cuda/kernels/row_copy.cuh"
 
 namespace epx::detail::ll {
 
 namespace {
 
-constexpr int kWarps = 16;
-constexpr int64_t kSendSpan = 1024;  // channels of a row one warp returns in combine_send
-constexpr int kMaxTopk = 64;
 constexpr int64_t kWireSpans = 8;  // at most, pieces of a row that warps send apart in dispatch_send (every wire)
-constexpr int64_t kSumSpan = 1024;   // channels of a token one warp sums in combine_recv
-constexpr unsigned kAll = 0xffffffffu;
-// A source's arrival word at a receiver: blocks in (bits 0..19), the source grid's size (bits
-// 20..39, added by its block 0). Complete when the size is there and every block is in.
-constexpr int kGridShift = 20;
-constexpr uint64_t kArrivedMask = (1ull << kGridShift) - 1;
 
 __device__ int64_t read_index(const Route& r, int64_t t, int64_t k) {
   return r.idx64 ? static_cast<const int64_t*>(r.topk_idx)[t * r.idx_stride + k]
@@ -81,111 +67,6 @@ __device__ Checked checked_route(const Ctx& c, const Route& r, int64_t n, int64_
   return {out[0], out[1]};
 }
 
-__device__ int64_t chunks_of(const Ctx& c) { return (c.max_tokens + kChunk - 1) / kChunk; }
-
-__device__ int64_t first_warp() { return blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32; }
-__device__ int64_t warps_in_grid() { return static_cast<int64_t>(gridDim.x) * kWarps; }
-
-// EPX_PROFILE=ll: thread 0 of the block notes the global timer at `step` of this call (the host
-// prints the last call's timeline when the buffer goes).
-__device__ void stamp(const Ctx& c, Kind kind, int step) {
-  if (c.stamps && threadIdx.x == 0)
-    c.stamps[(static_cast<int64_t>(kind) * gridDim.x + blockIdx.x) * kStampSteps + step] = globaltimer_ns();
-}
-
-// Word `source` of one of the window's per-(kind, set) arrays at rank `owner`.
-template <typename T>
-__device__ T* word_of(const Ctx& c, int64_t offset, int owner, Kind kind, int set, int source) {
-  return at_window<T>(c.peers, owner, offset) + (static_cast<int64_t>(kind) * 2 + set) * c.peers.ranks + source;
-}
-
-// Source `source`'s weights_in word of combine set `set` at rank `owner`.
-__device__ uint32_t* weights_word(const Ctx& c, int owner, int set, int source) {
-  return at_window<uint32_t>(c.peers, owner, c.map.weights_in) + set * c.peers.ranks + source;
-}
-
-// The calling block is done with this call's writes to every rank: after a system-scope fence
-// (it orders the writes of all the block's threads, which __syncthreads made visible to thread 0),
-// it raises the call's error word at each rank if this rank found an error, then counts itself in.
-// Only blocks [0, arriving) count (block 0 says how many): the others wrote nothing to any rank.
-// A peer's error that another block of this kernel already found (kStatusPeerRejected) is not
-// passed on: every rank reads the failing rank's own word, and a relay could reach a peer after
-// it had skipped the call, to fail its next good call.
-__device__ void block_arrived(const Ctx& c, Kind kind, int set, int64_t arriving) {
-  if (blockIdx.x >= arriving) return;
-  __syncthreads();
-  if (threadIdx.x != 0) return;
-  // The status is read before the fence (the barrier put the block's own reports in), so its load
-  // and the fence's wait for the block's remote writes overlap instead of adding up.
-  int32_t code = *reinterpret_cast<volatile int32_t*>(&c.status->code);
-  __threadfence_system();
-  while (code == -1) code = *reinterpret_cast<volatile int32_t*>(&c.status->code);  // a report being written
-  if (code > 0 && code != kStatusPeerRejected) {
-    for (int d = 0; d < c.peers.ranks; ++d)
-      atomicMax_system(word_of<uint32_t>(c, c.map.errors, d, kind, set, c.peers.rank), static_cast<uint32_t>(code));
-    __threadfence_system();
-  }
-  const unsigned long long add = 1ull + (blockIdx.x == 0 ? static_cast<unsigned long long>(arriving) << kGridShift : 0ull);
-  for (int d = 0; d < c.peers.ranks; ++d)
-    atomicAdd_system(word_of<unsigned long long>(c, c.map.arrivals, d, kind, set, c.peers.rank), add);
-}
-
-// Threads 0..R-1 of the block wait until every counting block of source `threadIdx.x` is in; a
-// source that found an error (or was rejected by its host) stops the call. The block's other
-// threads wait at the barrier: one poller per source and block, not per warp (2112 warps polling
-// one word queue behind each other at its L2 slice, and the atomics they wait for with them).
-// A peer's rejection is reported only when this rank's own word is clear: a rank whose own input
-// was bad names its own error (its word was raised before it counted itself in), whichever
-// source came in first. Returns the same in every thread of the block.
-__device__ bool wait_sources(const Ctx& c, Kind kind, int set) {
-  __shared__ uint32_t codes[kMaxRanks];
-  __shared__ uint64_t wait_start;
-  int ok = 1;
-  const int source = static_cast<int>(threadIdx.x);
-  if (source < c.peers.ranks) {
-    cuda::atomic_ref<uint64_t, cuda::thread_scope_system> word(*word_of<uint64_t>(c, c.map.arrivals, c.peers.rank, kind, set, source));
-    const uint64_t start = globaltimer_ns();
-    const TimeoutStep step = kind == kDispatch ? kDispatchArrivals : kCombineArrivals;
-    for (uint64_t v = word.load(cuda::memory_order_acquire);
-         (v >> kGridShift) == 0 || (v & kArrivedMask) != (v >> kGridShift); v = word.load(cuda::memory_order_acquire)) {
-      if (globaltimer_ns() - start > c.timeout_ns) {
-        report(c.status, kStatusTimeout, source, timeout_where(c.call, step), 0, 0, static_cast<int64_t>(start));
-        ok = 0;
-        break;
-      }
-      // An earlier wait of this call ran out (the combine's weights): one timeout is enough. (Only a
-      // timeout: after an input error the arrival words must still be consumed.)
-      if (*reinterpret_cast<volatile int32_t*>(&c.status->code) == kStatusTimeout) {
-        ok = 0;
-        break;
-      }
-    }
-    codes[source] = ok ? *reinterpret_cast<volatile uint32_t*>(word_of<uint32_t>(c, c.map.errors, c.peers.rank, kind, set, source)) : 0;
-    if (source == 0) wait_start = start;
-  }
-  __syncthreads();
-  bool rejected = false;
-  for (int p = 0; p < c.peers.ranks; ++p) rejected |= codes[p] != 0;
-  if (threadIdx.x == 0 && codes[c.peers.rank] == 0)
-    for (int p = 0; p < c.peers.ranks; ++p)
-      if (codes[p] != 0) {  // the lowest rejecting peer
-        report(c.status, kStatusPeerRejected, p, codes[p], 0, 0, static_cast<int64_t>(wait_start));
-        break;
-      }
-  return __syncthreads_and(ok && !rejected) != 0;
-}
-
-// Receiver's end of a call: every source's arrival and error words of this (kind, set) back to
-// zero for the call after next on the set, and the status to the host if something went wrong
-// (read at the host's next call; no call waits for the device).
-__device__ void end_call(const Ctx& c, Kind kind, int set) {
-  if (threadIdx.x < c.peers.ranks) {
-    *word_of<uint64_t>(c, c.map.arrivals, c.peers.rank, kind, set, threadIdx.x) = 0;
-    *word_of<uint32_t>(c, c.map.errors, c.peers.rank, kind, set, threadIdx.x) = 0;
-    if (kind == kCombine) *weights_word(c, c.peers.rank, set, static_cast<int>(threadIdx.x)) = 0;
-  }
-  if (threadIdx.x == 0 && *reinterpret_cast<volatile int32_t*>(&c.status->code) != 0) publish(c.status, c.host_status);
-}
 
 // Token t's checked routing (and weights, when given) to destination d's copy of this source's,
 // and one count per expert of t at d in t's chunk there.
@@ -527,13 +408,6 @@ __device__ void dispatch_recv(const Ctx& c, int set, const Set& s, bool tables) 
   stamp(c, kDispatch, kEnd);
 }
 
-// When the call's send half began, in mapped host memory: timeout messages compare ranks' starts
-// (docs/cuda.md: on the shared GPU every rank reads the same timer).
-__device__ void note_start(const Ctx& c, Kind kind, int set, int phases) {
-  if ((phases & kSendPhase) && blockIdx.x == 0 && threadIdx.x == 0)
-    *reinterpret_cast<volatile uint64_t*>(c.host_started + kind * 2 + set) = globaltimer_ns();
-}
-
 // One launch for either phase or both (the fused call): a block done sending goes on to
 // receive. With both, every block of the grid must be resident at once (one per SM at most).
 __global__ void __launch_bounds__(kWarps * 32) dispatch_kernel(Ctx c, int phases, int set, Route route, Rows rows, Set s) {
@@ -541,182 +415,6 @@ __global__ void __launch_bounds__(kWarps * 32) dispatch_kernel(Ctx c, int phases
   note_start(c, kDispatch, set, phases);
   if (phases & kSendPhase) dispatch_send(c, set, route, rows, s);
   if (phases & kRecvPhase) dispatch_recv(c, set, s, route.replicas.table != nullptr);
-}
-
-// Weighted combine, block 0 of the send half: this rank's tokens' weights (t < its count) to
-// every rank, then its weights_in word there, so the expert ranks can sum with them.
-__device__ void send_weights(const Ctx& c, int set, const Set& d, const Sums& sums) {
-  const int ranks = c.peers.ranks, rank = c.peers.rank;
-  const int64_t pairs = static_cast<int64_t>(*d.num_tokens) * c.topk;
-  for (int p = 0; p < ranks; ++p) {
-    float* dst = at_window<float>(c.peers, p, c.map.weights) + (static_cast<int64_t>(set) * ranks + rank) * c.max_tokens * c.topk;
-    for (int64_t i = threadIdx.x; i < pairs; i += blockDim.x)
-      dst[i] = sums.weights[i / c.topk * sums.weight_stride + i % c.topk];
-  }
-  __syncthreads();
-  if (threadIdx.x != 0) return;
-  __threadfence_system();
-  for (int p = 0; p < ranks; ++p) set_flag(weights_word(c, p, set, rank), 1u);
-}
-
-// Lane 0 waits until `source`'s weights are here (its weights_in word is 1, a flag of "epoch" 1);
-// false (in every lane) after the timeout, or when the call failed already.
-__device__ bool wait_weights(const Ctx& c, int set, int source, int lane) {
-  return warp_wait_lane_flags(lane == 0 ? weights_word(c, c.peers.rank, set, source) : nullptr, source, 1u,
-                              c.timeout_ns, c.status, timeout_where(c.call, kCombineWeights));
-}
-
-// The same for the whole block, for every source that did not send its weights with its dispatch:
-// threads 0..R-1 wait, the others at the barrier (one poller per source and block: a poller per
-// warp, 2112 of them on one word, queue behind each other). The same in every thread.
-__device__ bool block_wait_weights(const Ctx& c, int set, const int32_t* weights_from) {
-  int ok = 1;
-  if (threadIdx.x < 32) {
-    const int source = static_cast<int>(threadIdx.x);
-    const bool needed = source < c.peers.ranks && weights_from[source] == 0;
-    ok = warp_wait_lane_flags(needed ? weights_word(c, c.peers.rank, set, source) : nullptr, source, 1u, c.timeout_ns,
-                              c.status, timeout_where(c.call, kCombineWeights));
-  }
-  return __syncthreads_and(ok) != 0;
-}
-
-// Send phase. Warp per (source, token, kSendSpan channels) with one of its experts here: the
-// rows of those experts summed in slot order (fma with the source's weight, or a plain sum) into
-// one partial at the source's (token, this rank) place, bf16 or (combine_wire fp8) its fp8 codes
-// at the slot's start and scales after its H bytes. `dset`: the dispatch's set.
-__device__ void combine_send(const Ctx& c, int set, int dset, const Set& d, const uint16_t* y, const Sums& sums) {
-  const int lane = threadIdx.x % 32, ranks = c.peers.ranks, rank = c.peers.rank;
-  if (sums.weighted && !sums.at_dispatch && blockIdx.x == 0) send_weights(c, set, d, sums);
-  const int64_t spans = (c.hidden + kSendSpan - 1) / kSendSpan, m = c.max_tokens;
-  const int32_t* ntok = at_window<const int32_t>(c.peers, rank, c.map.ntok) + dset * ranks;
-  const int32_t* routes = at_window<const int32_t>(c.peers, rank, c.map.routes) + dset * ranks * m * c.topk;
-  // Each source's weights: sent with its dispatch (weights_from), or by its combine's send half.
-  const int32_t* weights_from = at_window<const int32_t>(c.peers, rank, c.map.weights_from) + dset * ranks;
-  const float* combine_weights = at_window<const float>(c.peers, rank, c.map.weights) + set * ranks * m * c.topk;
-  const float* dispatch_weights = at_window<const float>(c.peers, rank, c.map.route_weights) + dset * ranks * m * c.topk;
-  const bool wide = c.hidden % 8 == 0 && aligned16(y);
-  // The warp's unit: per slot k, the row of y holding it if its expert is here (else -1) and its
-  // weight, looked up by lanes k and k + 32 in one load round, then read by every lane as the sum
-  // goes (not one dependent pair of loads per term).
-  __shared__ int32_t term_rows[kWarps][kMaxTopk];
-  __shared__ float term_weights[kWarps][kMaxTopk];
-  const int warp = threadIdx.x / 32;
-  const int64_t units = ranks * m * spans;
-  auto look_up = [&](int64_t unit) {  // true when the unit has a term here
-    const int source = static_cast<int>(unit / (m * spans));
-    const int64_t t = unit / spans % m, first = (source * m + t) * c.topk;
-    // Loaded together: past the source's count, or for a slot elsewhere, the values go unused.
-    const int64_t tokens = ntok[source];
-    bool any = false;
-    for (int64_t k = lane; k < c.topk; k += 32) {
-      const int32_t e = routes[first + k], row = d.row_of[first + k];  // row_of: for local slots only
-      const float w = dispatch_weights[first + k];
-      const bool here = e >= 0 && e / c.local == rank;
-      term_rows[warp][k] = here ? row : -1;
-      term_weights[warp][k] = w;
-      any |= here;
-    }
-    return t < tokens && __ballot_sync(kAll, any) != 0;
-  };
-  // The first unit's terms are looked up before the weights are waited for (they come from this
-  // rank's dispatch, not from the sources), so that load round overlaps the weights' round trip.
-  int64_t unit = first_warp();
-  bool has_terms = unit < units && look_up(unit);
-  if (unit < units) stamp(c, kCombine, kFirstSent);
-  // Weights given to this combine (not to the dispatch): the whole block waits for them once. A
-  // source that sent its weights at combine while this rank gave them at dispatch is waited for
-  // by each warp that needs it.
-  const bool block_waits = sums.weighted && !sums.at_dispatch;
-  const bool weights_here = !block_waits || block_wait_weights(c, set, weights_from);
-  stamp(c, kCombine, kFirstChecked);
-  uint32_t weights_seen = 0;  // sources whose weights this warp saw arrive
-  for (; weights_here && unit < units; unit += warps_in_grid(), has_terms = unit < units && look_up(unit)) {
-    if (!has_terms) continue;
-    const int source = static_cast<int>(unit / (m * spans));
-    const int64_t t = unit / spans % m, h0 = unit % spans * kSendSpan, first = (source * m + t) * c.topk;
-    if (sums.weighted && weights_from[source] == 0) {  // the source's weights came with its combine
-      if (!block_waits && !(weights_seen >> source & 1u) && !wait_weights(c, set, source, lane)) break;
-      weights_seen |= 1u << source;
-      for (int64_t k = lane; k < c.topk; k += 32) term_weights[warp][k] = combine_weights[first + k];
-    }
-    __syncwarp();
-    uint16_t* slot = at_window<uint16_t>(c.peers, source, c.map.ret) + ((set * m + t) * ranks + rank) * c.hidden;
-    auto term = [&](int k, const uint16_t*& row, float& weight) {
-      const int32_t r = term_rows[warp][k];
-      if (r < 0) return false;
-      row = y + static_cast<int64_t>(r) * c.hidden + h0;
-      weight = sums.weighted ? term_weights[warp][k] : 1.0f;
-      return true;
-    };
-    const int64_t len = min(kSendSpan, c.hidden - h0);
-    if (c.combine_wire == WireFormat::bf16) {
-      sum_rows<2>(static_cast<int>(c.topk), term, sums.weighted, slot + h0, len, wide, lane);
-    } else {  // y is 16-byte aligned (the host checks) and H % 128 == 0
-      char* bytes = reinterpret_cast<char*>(slot);
-      sum_rows_wide<2>(static_cast<int>(c.topk), term, sums.weighted, len, lane,
-                       Fp8Partial{bytes + h0, reinterpret_cast<float*>(bytes + c.hidden) + h0 / kFp8Block,
-                                  c.combine_wire == WireFormat::fp8_ue8m0});
-    }
-    __syncwarp();  // every lane done reading the unit's terms before the next unit's go in
-  }
-  stamp(c, kCombine, kOwnWrites);
-  block_arrived(c, kCombine, set, gridDim.x);
-  stamp(c, kCombine, kCountedIn);
-}
-
-// Receive phase. Warp per (token, kSumSpan channels): the partials of the ranks holding its
-// experts, in rank order (bf16, or fp8 by sum_fp8_partials), then the shared expert's row (times
-// its weight when weighted); rows past the token count are zero.
-__device__ void combine_recv(const Ctx& c, int set, const Set& d, const Sums& sums) {
-  const int lane = threadIdx.x % 32, ranks = c.peers.ranks;
-  const int64_t count = *d.num_tokens;  // this rank's dispatch wrote it: read while the sources come
-  const bool ok = wait_sources(c, kCombine, set);
-  stamp(c, kCombine, kSourcesIn);
-  const int64_t n = ok ? count : 0, spans = (c.hidden + kSumSpan - 1) / kSumSpan;
-  const uint16_t* ret = at_window<const uint16_t>(c.peers, c.peers.rank, c.map.ret) + set * c.max_tokens * ranks * c.hidden;
-  const bool wide = c.hidden % 8 == 0 && aligned16(sums.out) && aligned16(sums.shared_y);
-  for (int64_t unit = first_warp(); unit < sums.tokens * spans; unit += warps_in_grid()) {
-    const int64_t t = unit / spans, h0 = unit % spans * kSumSpan;
-    uint32_t held = 0;  // bit d: one of the token's experts is on rank d
-    for (int64_t k = lane; k < c.topk; k += 32) {  // loaded beside the count (-1 past it anyway)
-      const int32_t e = d.slot_expert[t * c.topk + k];
-      if (t < n && e >= 0) held |= 1u << (e / c.local);
-    }
-    held = __reduce_or_sync(kAll, held);
-    const uint16_t* shared_row = sums.shared_y && t < n ? sums.shared_y + t * c.hidden : nullptr;
-    const float shared_weight = shared_row && sums.weighted ? sums.shared_weight[t] : 1.0f;
-    if (c.combine_wire != WireFormat::bf16) {
-      const char* slot0 = reinterpret_cast<const char*>(ret + t * ranks * c.hidden);  // rank r's slot 2H bytes on
-      sum_fp8_partials([&](int r) { return held >> r & 1u ? slot0 + r * 2 * c.hidden : nullptr; }, ranks, c.hidden, h0,
-                       min(kSumSpan, c.hidden - h0), shared_row, shared_weight, sums.out + t * c.hidden, lane);
-      continue;
-    }
-    // Weighted: the partials' weight 1 (fma(1, v, acc) is acc + v), the shared row's its own.
-    sum_rows<2>(ranks + 1, [&](int r, const uint16_t*& row, float& weight) {
-      weight = 1.0f;
-      if (r == ranks) {
-        if (!shared_row) return false;
-        row = shared_row + h0;
-        weight = shared_weight;
-        return true;
-      }
-      row = ret + ((t * ranks + r) * c.hidden + h0);
-      return (held >> r & 1u) != 0;
-    }, sums.weighted, sums.out + t * c.hidden + h0, min(kSumSpan, c.hidden - h0), wide, lane);
-  }
-  stamp(c, kCombine, kReceived);
-  if (!last_block(c.done + 1)) return;
-  end_call(c, kCombine, set);
-  stamp(c, kCombine, kEnd);
-}
-
-// As dispatch_kernel: either phase, or both.
-__global__ void __launch_bounds__(kWarps * 32) combine_kernel(Ctx c, int phases, int set, int dset, Set d, const uint16_t* y,
-                                                              Sums sums) {
-  stamp(c, kCombine, kStart);
-  note_start(c, kCombine, set, phases);
-  if (phases & kSendPhase) combine_send(c, set, dset, d, y, sums);
-  if (phases & kRecvPhase) combine_recv(c, set, d, sums);
 }
 
 // A host rejection: the call's error word at every rank, and a complete arrival of one block.
@@ -739,11 +437,6 @@ void dispatch(const Ctx& c, int phases, int set, const Route& route, const Rows&
   dispatch_kernel<<<c.blocks, kWarps * 32, 0, c.stream>>>(c, phases, set, route, rows, s);
 }
 
-void combine(const Ctx& c, int phases, int set, int dispatch_set, const Set& dispatched, const uint16_t* y,
-             const Sums& sums) {
-  combine_kernel<<<c.blocks, kWarps * 32, 0, c.stream>>>(c, phases, set, dispatch_set, dispatched, y, sums);
-}
-
-void preload_kernels() { preload(dispatch_kernel, combine_kernel, reject_kernel); }
+void preload_dispatch_kernels() { preload(dispatch_kernel, reject_kernel); }
 
 }  // namespace epx::detail::ll
