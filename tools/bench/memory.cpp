@@ -128,10 +128,13 @@ void add_ht_phases(const Options& o, const Shape& s, Layout layout, WireFormat w
 // One low-latency wire format (main.cpp run_low_latency), summed over ranks.
 void add_ll_phases(const Options& o, const Shape& s, WireFormat wire, std::vector<MemoryPhase>& phases) {
   const double wire_row = wire_row_bytes(wire, o.hidden), y_row = 2 * s.H;
-  const double slots = s.L * s.S;  // one rank's [L, R*M] receive slots
-  // ll_outputs.hpp: y keeps the rows the dispatch fills (a row per (token, expert) pair) and one
-  // more per expert, each expert's run rounded out to whole pages.
-  const double y_used = (s.S * s.K + s.R * s.L) * y_row + s.R * s.L * 2 * kPage;
+  const double segments = s.L + (o.shared_expert ? 1 : 0);  // the shared expert's segment first
+  const double slots = segments * s.S;  // one rank's [(1 +) L, R*M] receive slots
+  // ll_outputs.hpp: y keeps the rows the dispatch fills (a row per (token, expert) pair, and each
+  // rank's own tokens for the shared expert) and one more per expert, each expert's run rounded
+  // out to whole pages.
+  const double shared_rows = o.shared_expert ? s.S : 0;
+  const double y_used = (s.S * s.K + shared_rows + s.R * segments) * y_row + s.R * segments * 2 * kPage;
   const std::string name = "ll " + std::string(wire_name(wire));
   const bool host = o.backend == "host";
 
