@@ -29,7 +29,8 @@ const char* call_kind_name(int32_t kind) {
 }
 
 // The words for an input error found on the device (same as the CPU backend's).
-std::string input_error(int32_t code, int64_t a, int64_t b, int64_t c, const BufferConfig& cfg) {
+std::string input_error(int32_t code, int64_t a, int64_t b, int64_t c, const BufferConfig& cfg,
+                        const ReplicaShape& replicas) {
   if (code == kStatusNonFinite)  // c: tensor << 32 | the value's fp32 bits
     return cat("dispatch: ", (c >> 32) ? "x_scales[" : "x[", a, "][", b, "] is not finite (",
                nonfinite_name(bits_float(static_cast<uint32_t>(c))), ")");
@@ -40,9 +41,7 @@ std::string input_error(int32_t code, int64_t a, int64_t b, int64_t c, const Buf
                cfg.num_experts, ") or -1 for an unused slot");
   if (code == kStatusRepeatedExpert)
     return cat("dispatch: token ", a, " selects expert ", c, " twice (first in slot ", b, "); each expert at most once per token");
-  const ReplicaShape shape{cfg.num_experts, physical_experts(cfg.num_experts, cfg.num_physical_experts),
-                           resolved_max_replicas(cfg.num_experts, cfg.num_physical_experts, cfg.max_replicas)};
-  const std::string table = replica_error("dispatch", code, a, b, c, shape);
+  const std::string table = replica_error("dispatch", code, a, b, c, replicas);
   return table.empty() ? cat("error code ", code) : table;
 }
 
@@ -110,7 +109,7 @@ void CudaBackend::raise(const DeviceStatus& st, const Call& call) {
     case kStatusReplicaOutOfRange:
     case kStatusReplicaRepeated:
     case kStatusReplicaEmptyRow:
-      throw Error(ErrorCode::invalid_argument, input_error(st.code, st.a, st.b, st.c, config()));
+      throw Error(ErrorCode::invalid_argument, input_error(st.code, st.a, st.b, st.c, config(), replicas_));
     case kStatusPeerRejected: {
       std::string reason;
       if (st.a == kStatusHostRejected) {
@@ -127,7 +126,7 @@ void CudaBackend::raise(const DeviceStatus& st, const Call& call) {
              st.a == kStatusTimeout ? " gave up waiting for another rank" : " stopped after another rank failed",
              " (its own error says which), so the group stops");
       } else {
-        reason = input_error(static_cast<int32_t>(st.a), st.b, st.c, st.d, config());
+        reason = input_error(static_cast<int32_t>(st.a), st.b, st.c, st.d, config(), replicas_);
       }
       fail(ErrorCode::peer_failed, who, "rank ", st.rank, " rejected its input, so the group stops: ", reason);
     }
