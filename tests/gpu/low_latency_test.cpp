@@ -24,6 +24,7 @@ struct LlGpuCase {
   WireFormat wire;
   WireFormat combine_wire = WireFormat::bf16;  // what ll_combine's partials cross back in
   int64_t physical = 0, width = 0;             // EPLB: P physical experts (0: off), W table columns (0: P - E + 1)
+  bool shared_expert = false;                  // LowLatencyConfig::shared_expert (the reference's too)
 };
 
 int64_t table_width(const LlGpuCase& c) { return c.physical == 0 ? 0 : c.width > 0 ? c.width : c.physical - c.experts + 1; }
@@ -42,6 +43,7 @@ LowLatencyConfig ll_config(const LlGpuCase& c) {
   cfg.combine_wire = c.combine_wire;
   cfg.num_physical_experts = c.physical;
   cfg.max_replicas = c.width;
+  cfg.shared_expert = c.shared_expert;
   return cfg;
 }
 
@@ -55,6 +57,7 @@ verify::Problem ll_problem(const LlGpuCase& c, uint64_t seed) {
   verify::ProblemSpec spec;
   spec.cfg = small_config(c.hidden, c.tokens, c.experts, c.topk, c.wire);
   spec.cfg.combine_wire = c.combine_wire;  // the reference's partials cross back in it
+  spec.cfg.shared_expert = c.shared_expert;
   spec.ranks = c.ranks;
   spec.seed = seed;
   spec.unused_slot_fraction = 0.1;
@@ -490,8 +493,9 @@ TEST(CudaLowLatencyLoad, EachDispatchAddsItsRecvCount) {
 // An id out of range is found on the device: that call's results are not to be used, the next
 // call on every rank raises it (the bad rank its id, the others its rejection), and the call
 // after that works again.
-TEST(CudaLowLatencyErrors, ABadIdOnTheDeviceFailsEveryRankAndTheBufferGoesOn) {
-  const LlGpuCase c{true, 2, 256, 16, 8, 4, WireFormat::bf16};
+void expect_a_bad_id_fails_every_rank(bool shared_expert) {
+  LlGpuCase c{true, 2, 256, 16, 8, 4, WireFormat::bf16};
+  c.shared_expert = shared_expert;
   const verify::Problem p = ll_problem(c, 31);
   std::vector<std::string> raised(c.ranks), after(c.ranks);
   const std::vector<int64_t> all(c.ranks, c.tokens);
@@ -519,8 +523,14 @@ TEST(CudaLowLatencyErrors, ABadIdOnTheDeviceFailsEveryRankAndTheBufferGoesOn) {
   EXPECT_EQ(errors[1], "");
   EXPECT_THAT(raised[1], testing::HasSubstr("topk_idx[5, 2] = 99 is out of range"));
   EXPECT_THAT(raised[0], testing::HasSubstr("rank 1 rejected its input"));
-  EXPECT_EQ(after[0], "");
-  EXPECT_EQ(after[1], "");
+  EXPECT_EQ(after[0], "") << "shared expert " << shared_expert;
+  EXPECT_EQ(after[1], "") << "shared expert " << shared_expert;
+}
+
+// With the shared expert too: its segment in the failed call, then in the good one.
+TEST(CudaLowLatencyErrors, ABadIdOnTheDeviceFailsEveryRankAndTheBufferGoesOn) {
+  expect_a_bad_id_fails_every_rank(false);
+  expect_a_bad_id_fails_every_rank(true);
 }
 
 // EPLB: a bad replica table on rank 1 (found by its send half's block 0) and tables that differ
