@@ -590,8 +590,9 @@ TEST(CudaLowLatencyErrors, ABadOrDifferingReplicaTableFailsEveryRankAndTheBuffer
 // A front end's own refusal (LowLatencyBuffer::reject), for dispatch and for combine: the refusing
 // rank throws its reason at once; as for any error found on the device, the next call raises the
 // group's failure on every rank (the peers: the rank that refused), and the call after that works.
-TEST(CudaLowLatencyErrors, RejectJoinsThePeersCall) {
-  const LlGpuCase c{true, 2, 256, 16, 8, 4, WireFormat::bf16};
+void expect_a_reject_to_join_the_peers_call(bool shared_expert) {
+  LlGpuCase c{true, 2, 256, 16, 8, 4, WireFormat::bf16};
+  c.shared_expert = shared_expert;
   const verify::Problem p = ll_problem(c, 37);
   const std::vector<int64_t> all(c.ranks, c.tokens);
   for (LowLatencyOp op : {LowLatencyOp::dispatch, LowLatencyOp::combine}) {
@@ -626,9 +627,15 @@ TEST(CudaLowLatencyErrors, RejectJoinsThePeersCall) {
     EXPECT_EQ(raised[0], "") << name;
     EXPECT_THAT(next[0], testing::HasSubstr("rank 1 rejected its input")) << name;
     EXPECT_THAT(next[1], testing::HasSubstr("rank 1 rejected its input")) << name;
-    EXPECT_EQ(after[0], "") << name;
-    EXPECT_EQ(after[1], "") << name;
+    EXPECT_EQ(after[0], "") << name << ", shared expert " << shared_expert;
+    EXPECT_EQ(after[1], "") << name << ", shared expert " << shared_expert;
   }
+}
+
+// With the shared expert too (its y has the shared segment; the call after the refusal is right).
+TEST(CudaLowLatencyErrors, RejectJoinsThePeersCall) {
+  expect_a_reject_to_join_the_peers_call(false);
+  expect_a_reject_to_join_the_peers_call(true);
 }
 
 // A rank that never calls: its peer's receive half gives up after timeout_ms, the next call says
