@@ -351,7 +351,7 @@ class CudaLowLatency final : public LowLatencyBackend {
   // begin one segment in with the shared expert (ll_launch.hpp, Set).
   void carve(ll::Set& s, float*& shared_weight, char* base, int64_t& used) const {
     const LowLatencyConfig& c = config();
-    const int64_t m = c.max_tokens_per_rank, rows = segments_ * slots_;
+    const int64_t m = c.max_tokens_per_rank;
     auto take = [&](int64_t bytes) {
       char* p = base ? base + used : nullptr;
       used += (bytes + 255) / 256 * 256;
@@ -359,18 +359,17 @@ class CudaLowLatency final : public LowLatencyBackend {
     };
     s.slot_expert = reinterpret_cast<int32_t*>(take(4 * m * c.topk));
     s.num_tokens = reinterpret_cast<int32_t*>(take(4));
-    const int64_t skip = first_routed_ * slots_;  // rows of segment 0
-    auto routed = [&](int64_t row_bytes) {      // an output of `rows` rows, from its first routed one
-      char* p = take(rows * row_bytes);
-      return p ? p + skip * row_bytes : p;
+    // An output of `segments_` segments of `segment_bytes` each, from its first routed one.
+    auto routed = [&](int64_t segment_bytes) {
+      char* p = take(segments_ * segment_bytes);
+      return p ? p + first_routed_ * segment_bytes : p;
     };
-    s.recv_x = routed(wire_.x_bytes);
-    s.recv_scales = wire_.scale_bytes ? routed(wire_.scale_bytes) : nullptr;
-    s.recv_global = wire_.global_bytes ? routed(4) : nullptr;
-    s.recv_src = reinterpret_cast<int32_t*>(routed(8));
-    char* count = take(4 * segments_), *layout = take(8 * segments_ * ranks_);
-    s.recv_count = count ? reinterpret_cast<int32_t*>(count) + first_routed_ : nullptr;
-    s.recv_layout = layout ? reinterpret_cast<int32_t*>(layout) + 2 * first_routed_ * ranks_ : nullptr;
+    s.recv_x = routed(slots_ * wire_.x_bytes);
+    s.recv_scales = wire_.scale_bytes ? routed(slots_ * wire_.scale_bytes) : nullptr;
+    s.recv_global = wire_.global_bytes ? routed(slots_ * 4) : nullptr;
+    s.recv_src = reinterpret_cast<int32_t*>(routed(slots_ * 8));
+    s.recv_count = reinterpret_cast<int32_t*>(routed(4));
+    s.recv_layout = reinterpret_cast<int32_t*>(routed(ranks_ * 8));
     s.prev_count = reinterpret_cast<int32_t*>(take(2 * 4 * (local_ + first_routed_)));
     s.count_half = reinterpret_cast<int32_t*>(take(4));
     s.row_of = reinterpret_cast<int32_t*>(take(4 * slots_ * c.topk));
