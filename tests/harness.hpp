@@ -47,6 +47,62 @@ inline verify::Problem with_shared_expert(verify::Problem p, bool gate) {
   return p;
 }
 
+// The fused shared expert's test modes (both backends' suites): blocking; capacity mode with room
+// for every row; capacity mode with room for the shared segment and 3 routed rows (overflow); and
+// capacity-factor dropping (0.5, with skewed routing).
+enum class SharedMode { blocking, capacity, overflow, dropping };
+
+inline const char* shared_mode_name(SharedMode m) {
+  const char* names[] = {"blocking", "capacity", "overflow", "dropping"};
+  return names[static_cast<int>(m)];
+}
+
+// cfg for `mode` (cfg's shape already set: ranks, tokens, experts, topk, alignment).
+inline void apply_shared_mode(BufferConfig& cfg, SharedMode mode, int ranks) {
+  const int64_t a = cfg.expert_alignment, shared_rows = (cfg.max_tokens_per_rank + a - 1) / a * a;
+  if (mode == SharedMode::capacity || mode == SharedMode::overflow) {
+    cfg.mode = CapacityMode::capacity;
+    cfg.capacity_rows = mode == SharedMode::capacity
+                            ? shared_rows + ranks * cfg.max_tokens_per_rank * cfg.topk + cfg.num_experts * a
+                            : shared_rows + 3;
+  }
+  if (mode == SharedMode::dropping) cfg.capacity_factor = 0.5;
+}
+
+// A shared-expert problem of `ranks` ranks on cfg (shared_expert set here): rank r has
+// tokens - 3r tokens (mod tokens + 1), rank 1 none; 10% unused slots; skewed routing when
+// dropping; router weights when `weights`, a shared_gate on every rank when `gate`.
+inline verify::Problem shared_problem(const BufferConfig& cfg, int ranks, SharedMode mode, bool gate, bool weights,
+                                      uint64_t seed, bool prequantized = false) {
+  verify::ProblemSpec spec;
+  spec.cfg = cfg;
+  spec.prequantized = prequantized;
+  spec.ranks = ranks;
+  const int64_t tokens = cfg.max_tokens_per_rank;
+  for (int r = 0; r < ranks; ++r) spec.tokens.push_back(r == 1 ? 0 : tokens - 3 * r % (tokens + 1));
+  spec.routing = mode == SharedMode::dropping ? verify::Routing::skewed : verify::Routing::uniform;
+  spec.unused_slot_fraction = 0.1;
+  spec.seed = seed;
+  verify::Problem p = verify::make_problem(spec);
+  for (auto& in : p.inputs) in.has_weights = weights;
+  return with_shared_expert(p, gate);
+}
+
+// The mode's effect happened: an overflow lost rows somewhere, dropping dropped slots.
+template <class Runs>
+void expect_shared_mode_effect(const Runs& runs, SharedMode mode) {
+  if (mode == SharedMode::overflow) {
+    bool any = false;
+    for (const auto& run : runs) any |= run.dispatched.overflow;
+    EXPECT_TRUE(any) << "the overflow case lost no rows";
+  }
+  if (mode == SharedMode::dropping) {
+    int64_t dropped = 0;
+    for (const auto& run : runs) dropped += run.dispatched.dropped_slots;
+    EXPECT_GT(dropped, 0);
+  }
+}
+
 // The cached dispatch's input: the problem's routing with other token values.
 inline verify::Problem fresh_x_problem(const verify::Problem& p) { return verify::with_fresh_x(p, 77); }
 

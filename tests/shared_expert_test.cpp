@@ -6,8 +6,6 @@
 namespace epx::test {
 namespace {
 
-enum class Mode { blocking, capacity, overflow, dropping };
-
 struct Case {
   int ranks;
   int64_t hidden, tokens, experts, topk;
@@ -15,17 +13,16 @@ struct Case {
   int64_t alignment;
   bool gate;     // a shared_gate given to dispatch
   bool weights;  // router weights (weighted combine)
-  Mode mode;
+  SharedMode mode;
   WireFormat combine_wire = WireFormat::bf16;  // the partials' form on the way back (the shared row never crosses)
 };
 
 std::string case_name(const testing::TestParamInfo<Case>& info) {
   const Case& c = info.param;
-  const char* modes[] = {"blocking", "capacity", "overflow", "dropping"};
   return "R" + std::to_string(c.ranks) + "_H" + std::to_string(c.hidden) + "_T" + std::to_string(c.tokens) + "_E" +
          std::to_string(c.experts) + "_K" + std::to_string(c.topk) + "_" + std::string(wire_name(c.wire)) + "_A" +
          std::to_string(c.alignment) + (c.gate ? "_gate" : "_nogate") + (c.weights ? "" : "_noweights") + "_" +
-         modes[static_cast<int>(c.mode)] +
+         shared_mode_name(c.mode) +
          (c.combine_wire == WireFormat::bf16 ? "" : "_combine_" + std::string(wire_name(c.combine_wire)));
 }
 
@@ -33,14 +30,7 @@ void PrintTo(const Case& c, std::ostream* os) { *os << case_name(testing::TestPa
 
 BufferConfig case_config(const Case& c) {
   BufferConfig cfg = small_config(c.hidden, c.tokens, c.experts, c.topk, c.wire, c.alignment);
-  const int64_t shared_rows = (c.tokens + c.alignment - 1) / c.alignment * c.alignment;
-  if (c.mode == Mode::capacity || c.mode == Mode::overflow) {
-    cfg.mode = CapacityMode::capacity;
-    // capacity: room for every row; overflow: the shared segment and a few routed rows only.
-    cfg.capacity_rows = c.mode == Mode::capacity ? shared_rows + c.ranks * c.tokens * c.topk + c.experts * c.alignment
-                                                 : shared_rows + 3;
-  }
-  if (c.mode == Mode::dropping) cfg.capacity_factor = 0.5;
+  apply_shared_mode(cfg, c.mode, c.ranks);
   cfg.combine_wire = c.combine_wire;
   return cfg;
 }
@@ -49,34 +39,17 @@ class SharedExpert : public testing::TestWithParam<Case> {};
 
 TEST_P(SharedExpert, MatchesTheReference) {
   const Case& c = GetParam();
-  verify::ProblemSpec spec;
-  spec.cfg = case_config(c);
-  spec.ranks = c.ranks;
-  for (int r = 0; r < c.ranks; ++r) spec.tokens.push_back(r == 1 ? 0 : c.tokens - 3 * r % (c.tokens + 1));  // one empty
-  spec.routing = c.mode == Mode::dropping ? verify::Routing::skewed : verify::Routing::uniform;
-  spec.unused_slot_fraction = 0.1;
-  spec.seed = static_cast<uint64_t>(c.ranks * 37 + c.hidden + c.alignment);
-  verify::Problem p = verify::make_problem(spec);
-  for (auto& in : p.inputs) in.has_weights = c.weights;
-  p = with_shared_expert(p, c.gate);
+  const verify::Problem p = shared_problem(case_config(c), c.ranks, c.mode, c.gate, c.weights,
+                                           static_cast<uint64_t>(c.ranks * 37 + c.hidden + c.alignment));
   RunOptions o;
   o.shared_expert = c.ranks % 2 == 0;  // shared_out as well on even rank counts: both terms, in order
   const auto runs = run_problem(p, o);
   expect_matches_reference(p, o, runs);
-  if (c.mode == Mode::overflow) {
-    bool any = false;
-    for (const auto& run : runs) any |= run.dispatched.overflow;
-    EXPECT_TRUE(any) << "the overflow case lost no rows";
-  }
-  if (c.mode == Mode::dropping) {
-    int64_t dropped = 0;
-    for (const auto& run : runs) dropped += run.dispatched.dropped_slots;
-    EXPECT_GT(dropped, 0);
-  }
+  expect_shared_mode_effect(runs, c.mode);
 }
 
 using W = WireFormat;
-using M = Mode;
+using M = SharedMode;
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, SharedExpert,

@@ -109,7 +109,7 @@ LowLatencyConfig make_config(int64_t hidden, int64_t max_tokens_per_rank, int64_
   c.wire = static_cast<WireFormat>(wire);  // epx refuses unknown codes, on every rank
   c.timeout_ms = timeout_ms;
   c.check_finite = check_finite;
-  c.shared_expert = shared_expert;  // the CPU backend's only (the CUDA one refuses it at creation)
+  c.shared_expert = shared_expert;
   c.combine_wire = static_cast<WireFormat>(combine_wire);  // refused, on every rank, when unknown
   c.num_physical_experts = num_physical_experts;
   c.max_replicas = max_replicas;

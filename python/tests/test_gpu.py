@@ -26,7 +26,8 @@ def full_run(group, p, r, config, layout="expert_major", stream=None):
     try:
         with torch.cuda.stream(stream) if stream is not None else _nothing():
             x, idx, w = (t.to(device) for t in (p.x[r], p.idx[r], p.w[r]))
-            d = b.dispatch(x, idx, w, layout=layout, expert_replicas=replica_table(config, device))
+            gate = torch.linspace(-1.0, 1.0, p.tokens[r]).to(device) if config.get("shared_expert") else None
+            d = b.dispatch(x, idx, w, layout=layout, expert_replicas=replica_table(config, device), shared_gate=gate)
             rows = d.recv_x.shape[0]
             y = random_bf16((rows, p.hidden), 100 + r).to(device)
             shared = random_bf16((p.tokens[r], p.hidden), 200 + r).to(device)
@@ -37,7 +38,8 @@ def full_run(group, p, r, config, layout="expert_major", stream=None):
             cb = b.combine_backward(random_bf16((p.tokens[r], p.hidden), 400 + r).to(device), d.handle, y)
             for name, t in [*d._asdict().items(), ("out", c.out), ("grad_x", db.grad_x),
                             ("grad_topk_weights", db.grad_topk_weights), ("grad_y", cb.grad_y),
-                            ("combine_grad_w", cb.grad_topk_weights)]:
+                            ("combine_grad_w", cb.grad_topk_weights), ("grad_shared_gate", db.grad_shared_gate),
+                            ("combine_grad_shared_gate", cb.grad_shared_gate)]:
                 if isinstance(t, torch.Tensor):
                     out[name] = t.cpu()
             out["num_rows"] = d.num_rows
@@ -98,6 +100,11 @@ CONFIGS = [
     ("expert_major", dict(hidden=H, max_tokens_per_rank=T, num_experts=E, topk=K, combine_wire="fp8")),
     ("rank_major", dict(hidden=H, max_tokens_per_rank=T, num_experts=E, topk=K, wire="fp8",
                         combine_wire="fp8_ue8m0")),
+    # the fused shared expert with a gate: segment 0, both terms of combine, both gate gradients
+    ("expert_major", dict(hidden=H, max_tokens_per_rank=T, num_experts=E, topk=K, expert_alignment=8,
+                          shared_expert=True)),
+    ("expert_major", dict(hidden=H, max_tokens_per_rank=T, num_experts=E, topk=K, wire="fp8", shared_expert=True,
+                          combine_wire="fp8")),
 ]
 
 

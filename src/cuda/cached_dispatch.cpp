@@ -47,9 +47,10 @@ DispatchResult CudaBackend::cached_dispatch(const DispatchInput& in, const Handl
   if (!as_given) expanded = device_tensor(DType::bf16, {capacity, c.hidden});
   // bf16 rows end the call here (the kernel's last block publishes the status); encoded ones are
   // split after it.
-  const kernels::Expansion e{h->layout, false, nullptr, 0,
-                             as_given ? out.recv_x.data<uint16_t>() : expanded.data<uint16_t>(), nullptr,
-                             as_given ? host_status_ : nullptr};
+  kernels::Expansion e{h->layout, false, nullptr, 0,
+                       as_given ? out.recv_x.data<uint16_t>() : expanded.data<uint16_t>(), nullptr,
+                       as_given ? host_status_ : nullptr};
+  if (h->recv.shared_expert) e.shared.tokens = h->tokens;  // the shared rows: this rank's own, in place
   kernels::expand_transfer(x, senders, forward, h->tokens, dh.pos.send_pos, dh.slot_expert, dh.recv, e);
   if (!as_given) {
     auto ptr = [](const Tensor& t) { return t.defined() ? t.data<char>() : nullptr; };

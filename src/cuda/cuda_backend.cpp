@@ -127,7 +127,12 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
     require(ranks_ <= kMaxRanks, "buffer: the CUDA backend supports at most ", kMaxRanks, " ranks, got ", ranks_);
     require(replicas_.logical * replicas_.width < (int64_t{1} << 31), "buffer: the CUDA backend supports replica ",
             "tables of fewer than 2^31 entries (num_experts x max_replicas), got ", replicas_.logical * replicas_.width);
-    refuse_shared_expert(config.shared_expert, "buffer");
+    // The receivers encode the shared rows in their warp's stage (kernels/dispatch.cu).
+    kernels::SendRows quantized;
+    quantized.wire = config.wire;
+    if (config.shared_expert && kernels::own_rows_sent(quantized, wire_.bytes()))
+      fail(ErrorCode::unsupported, "buffer: the CUDA backend's fused shared expert needs a wire row of at most 14336 ",
+           "bytes with wire ", wire_name(config.wire), ", got ", wire_.bytes(), " (hidden=", config.hidden, ")");
     require(config.max_tokens_per_rank < (int64_t{1} << (32 - kRangeCountBits)),
             "buffer: the CUDA backend supports max_tokens_per_rank < 2^27, got ", config.max_tokens_per_rank);
     device_ = state->device(rank_);
@@ -248,7 +253,7 @@ kernels::Ctx CudaBackend::ctx(cudaStream_t stream) const {
   const BufferConfig& c = config();
   kernels::Ctx x{window_->peers(), map_, {}, status_, call_state_, static_cast<uint64_t>(timeout_.count()) * 1000000ull,
                  blocks_, stream ? stream : stream_};
-  x.shape = {rank_, ranks_, c.hidden, c.topk, replicas_.physical, local_experts_, c.max_tokens_per_rank};
+  x.shape = {rank_, ranks_, c.hidden, c.topk, replicas_.physical, local_experts_, c.max_tokens_per_rank, c.shared_expert};
   return x;
 }
 

@@ -21,14 +21,3 @@
       ::epx::detail::fail(::epx::ErrorCode::internal, #call, " failed: ", ncclGetErrorString(epx_res_), \
                           " (", __FILE__, ":", __LINE__, ")");                                         \
   } while (0)
-
-namespace epx::detail {
-
-// The high-throughput fused shared expert (BufferConfig::shared_expert): the CPU backend's only
-// (the CUDA low-latency buffer has it).
-inline void refuse_shared_expert(bool shared_expert, const char* what) {
-  if (shared_expert)  // a valid config (the CPU backend serves it): unsupported, not invalid
-    fail(ErrorCode::unsupported, what, ": the CUDA backend does not have the fused shared expert yet (shared_expert)");
-}
-
-}  // namespace epx::detail

@@ -38,6 +38,8 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
                          in.shared_out.defined() ? in.shared_out.ptr<const uint16_t>() : nullptr,
                          in.shared_out.defined() ? in.shared_out.strides[0] : 0, out.out.data<uint16_t>(), nullptr};
   const bool plan_failed = waits && !plan_ok();
+  if (h->recv.shared_expert)  // the shared expert's term: row t of this rank's y, weighted by its gate
+    a.shared = {a.y, a.y_stride, opt.weighted ? dh.shared_weight : nullptr};
   const bool by_copy = copy_return && !plan_failed && start_copy_return(*h, in.y, TensorView{}, a, staging);
   timer_.mark(2, stream_);
   a.host_status = host_status_;  // the kernel's last block ends the call
@@ -132,6 +134,15 @@ DispatchBackwardResult CudaBackend::dispatch_backward(const DispatchBackwardInpu
                          with_weights ? gw.ptr<const float>() : nullptr, with_weights ? gw.strides[0] : 0,
                          nullptr, 0, out.grad_x.data<uint16_t>(),
                          with_weights ? out.grad_topk_weights.data<float>() : nullptr};
+  if (h->recv.shared_expert) {  // grad_x adds the shared row; its weight's gradient is grad_recv_weights' row t
+    a.shared = {a.y, a.y_stride, nullptr};
+    if (with_weights) {
+      out.grad_shared_gate = device_tensor(DType::f32, {h->tokens});
+      a.gate_grads = gw.ptr<const float>();
+      a.gate_grads_stride = gw.strides[0];
+      a.shared_gate_out = out.grad_shared_gate.data<float>();
+    }
+  }
   const bool plan_failed = copies_wait_for_plan() && !plan_ok();  // as combine's
   const bool by_copy = !plan_failed && start_copy_return(*h, in.grad_recv_x, gw, a, staging);
   a.host_status = host_status_;  // the kernel's last block ends the call
@@ -156,9 +167,16 @@ CombineBackwardResult CudaBackend::combine_backward(const CombineBackwardInput& 
   CombineBackwardResult out;
   out.grad_y = device_tensor(DType::bf16, {h->recv.capacity, c.hidden});
   if (opt.weighted) out.grad_topk_weights = device_tensor(DType::f32, {h->tokens, c.topk});
-  const kernels::Expansion e{h->layout, opt.weighted, opt.weighted ? in.y.ptr<const uint16_t>() : nullptr,
-                             opt.weighted ? in.y.strides[0] : 0, out.grad_y.data<uint16_t>(),
-                             opt.weighted ? out.grad_topk_weights.data<float>() : nullptr, host_status_};
+  kernels::Expansion e{h->layout, opt.weighted, opt.weighted ? in.y.ptr<const uint16_t>() : nullptr,
+                       opt.weighted ? in.y.strides[0] : 0, out.grad_y.data<uint16_t>(),
+                       opt.weighted ? out.grad_topk_weights.data<float>() : nullptr, host_status_};
+  if (h->recv.shared_expert) {  // the shared rows of grad_y from grad_out; the gate's gradient, a dot with y
+    e.shared = {h->tokens, nullptr, 0, dh.shared_weight};
+    if (opt.weighted && h->has_shared_gate) {
+      out.grad_shared_gate = device_tensor(DType::f32, {h->tokens});
+      e.shared_gate_out = out.grad_shared_gate.data<float>();
+    }
+  }
   kernels::expand_transfer(ctx(), expand_senders(h->layout), rows, h->tokens, dh.pos.send_pos, dh.slot_expert,
                            dh.recv, e);
   end_call(call, c.mode == CapacityMode::blocking && !plan_ok(), true);  // as combine's

@@ -23,9 +23,10 @@ namespace {
 class Carver {
  public:
   explicit Carver(char* base) : base_(base) {}
+  // `count` Ts; returns where the first `skip` of them end.
   template <typename T>
-  T* take(int64_t count) {
-    T* p = base_ ? reinterpret_cast<T*>(base_ + used_) : nullptr;
+  T* take(int64_t count, int64_t skip = 0) {
+    T* p = base_ ? reinterpret_cast<T*>(base_ + used_) + skip : nullptr;
     used_ += round16(count * static_cast<int64_t>(sizeof(T)));
     return p;
   }
@@ -41,8 +42,10 @@ void carve_handle(DeviceHandle& h, Carver& c, int64_t tokens, const BufferConfig
                   int64_t max_chunks, const kernels::PlanSplit& split) {
   const int64_t k = cfg.topk, rows = ranks * cfg.max_tokens_per_rank, l_count = experts / ranks;
   const int64_t chunks = (tokens + kChunkTokens - 1) / kChunkTokens, width = experts + ranks;
+  const int64_t shared = cfg.shared_expert ? 1 : 0;  // the shared segment, before the routed ones
   h.slot_expert = c.take<int32_t>(tokens * k);
   h.slot_weight = c.take<float>(tokens * k);
+  h.shared_weight = shared ? c.take<float>(tokens) : nullptr;
   h.pos.chunk_count = c.take<int32_t>(chunks * width);
   h.pos.chunk_base = c.take<int32_t>(chunks * width);
   h.pos.block_base = c.take<int32_t>(split.grid * width);
@@ -56,8 +59,9 @@ void carve_handle(DeviceHandle& h, Carver& c, int64_t tokens, const BufferConfig
   h.dropped = c.take<int64_t>(1);
   h.recv.info = c.take<int64_t>(4);
   h.recv.rank_offsets = c.take<int64_t>(ranks + 1);
-  h.recv.tokens_per_expert = c.take<int64_t>(l_count);
-  h.recv.expert_offsets = c.take<int64_t>(l_count + 1);
+  // The routed segments' arrays, one entry into the layout's (RecvArrays).
+  h.recv.tokens_per_expert = c.take<int64_t>(shared + l_count, shared);
+  h.recv.expert_offsets = c.take<int64_t>(shared + l_count + 1, shared);
   h.recv.expert_base = c.take<int64_t>(ranks * l_count);
   h.recv.chunks_from = c.take<int32_t>(ranks);
   h.recv.chunk_range = c.take<ChunkRange>(ranks * max_chunks);
@@ -93,7 +97,9 @@ CudaBackend::DispatchRequest CudaBackend::read_dispatch(const DispatchInput& in,
     check_device_tensor(in.x, "dispatch: x");
     rq.tokens = in.x.shape[0];
     validate_routing_tensors(in, c, rq.tokens, DeviceKind::cuda);
-    validate_shared_expert(in, c, opt, rq.tokens, DeviceKind::cuda);  // refuses a shared_gate (no shared expert here)
+    validate_shared_expert(in, c, opt, rq.tokens, DeviceKind::cuda);
+    check_device_tensor(in.shared_gate, "dispatch: shared_gate");
+    if (in.shared_gate.defined()) rq.shared_gate = {in.shared_gate.ptr<const float>(), in.shared_gate.strides[0]};
     validate_replica_tensor(in.expert_replicas, replicas_, "dispatch", DeviceKind::cuda);
     check_device_tensor(in.expert_replicas, "dispatch: expert_replicas");
     if (replicas_.enabled())  // its values are checked by the plan kernel
@@ -301,11 +307,15 @@ DispatchResult CudaBackend::finish_dispatch(const Call& call, DispatchResult out
     return Tensor(words.storage(), TensorView::of(words.data<int64_t>() + (p - dh->recv.info), DType::i64, {n},
                                                   DeviceKind::cuda, device_));
   };
-  if (layout == Layout::expert_major) out.expert_offsets = view(dh->recv.expert_offsets, local_experts_ + 1);
-  out.tokens_per_expert = view(dh->recv.tokens_per_expert, local_experts_);
+  const int64_t shared = config().shared_expert ? 1 : 0;  // the shared segment's entries come first
+  if (layout == Layout::expert_major)
+    out.expert_offsets = view(dh->recv.expert_offsets - shared, shared + local_experts_ + 1);
+  out.tokens_per_expert = view(dh->recv.tokens_per_expert - shared, shared + local_experts_);
   out.rank_offsets = view(dh->recv.rank_offsets, ranks_ + 1);
   out.recv_info = view(dh->recv.info, 4);
   h->device = dh;
+  h->recv.shared_expert = shared != 0;
+  h->recv.shared_tokens = h->tokens;
   if (config().mode == CapacityMode::capacity) {
     out.num_rows = -1;
     h->recv.num_rows = -1;
@@ -355,7 +365,8 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   }
   const std::shared_ptr<DeviceHandle> dh = make_device_handle(tokens);
   const bool capacity_mode = c.mode == CapacityMode::capacity;
-  const kernels::LayoutJob layout{dh->recv, opt.layout, c.expert_alignment, capacity_mode ? c.capacity_rows : 0, load_};
+  const kernels::LayoutJob layout{dh->recv, opt.layout, c.expert_alignment, capacity_mode ? c.capacity_rows : 0, load_,
+                                  c.shared_expert ? tokens : -1};
   DispatchResult out;
   if (replicas_.enabled()) {  // EPLB: the replicas chosen, which the plan kernel writes
     OutputBlock chosen(*this, stream_);
@@ -380,11 +391,13 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     capacity = plan_report_->info[2];
     host_steps_.mark("sizes read");
   }
-  const kernels::RecvOutputs outputs = allocate_outputs(out, *dh, opt.layout, capacity);
+  kernels::RecvOutputs outputs = allocate_outputs(out, *dh, opt.layout, capacity);
+  if (c.shared_expert)
+    outputs.shared = {tokens, rq.shared_gate.first, rq.shared_gate.second, dh->shared_weight};
   transfer(rq, *dh, outputs, opt.layout, phase, out.recv_info);
-  return finish_dispatch(call, std::move(out), dh,
-                         new_handle_state(this, call.index, opt.layout, rank_, ranks_, tokens, c, rq.has_weights),
-                         opt.layout, capacity, sizes_read, host_call);
+  auto state = new_handle_state(this, call.index, opt.layout, rank_, ranks_, tokens, c, rq.has_weights);
+  state->has_shared_gate = rq.shared_gate.first != nullptr;
+  return finish_dispatch(call, std::move(out), dh, std::move(state), opt.layout, capacity, sizes_read, host_call);
 }
 
 // EPX_PROFILE: the call's device steps (its events' marks) and host steps, added to the means

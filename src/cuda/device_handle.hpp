@@ -13,6 +13,7 @@ struct DeviceHandle final : BackendPayload {
   std::shared_ptr<void> memory;
   int32_t* slot_expert;   // [T*K]
   float* slot_weight;     // [T*K]
+  float* shared_weight;   // [T] BufferConfig::shared_expert: each shared row's weight (its gate, or 1), else null
   int64_t* counts;        // [E] before dropping (the drop rule's plan)
   int64_t* expert_prefix;  // [E]
   int64_t* drop_capacity;  // [1]

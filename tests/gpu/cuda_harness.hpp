@@ -61,7 +61,8 @@ inline int64_t rows_bound(const verify::Problem& p) {
   if (p.cfg.mode == CapacityMode::capacity) return p.cfg.capacity_rows;
   const int64_t l_count =  // the physical experts of a rank (EPLB: P / R)
       (p.cfg.num_physical_experts > 0 ? p.cfg.num_physical_experts : p.cfg.num_experts) / p.ranks;
-  return p.ranks * p.cfg.max_tokens_per_rank * std::min(p.cfg.topk, l_count) + l_count * p.cfg.expert_alignment;
+  const int64_t shared = p.cfg.shared_expert ? p.cfg.max_tokens_per_rank + p.cfg.expert_alignment : 0;
+  return p.ranks * p.cfg.max_tokens_per_rank * std::min(p.cfg.topk, l_count) + l_count * p.cfg.expert_alignment + shared;
 }
 
 // The CUDA twin of run_problem: same inputs, same calls, results on the host. group(r): rank r's
@@ -90,7 +91,7 @@ inline std::vector<RankRun> run_problem_cuda(const std::function<Group(int)>& gr
     run.grad_out = verify::random_bf16(tokens * h, 400 + r);
     run.grad_recv_weights.resize(bound * k_count);
     for (size_t i = 0; i < run.grad_recv_weights.size(); ++i) run.grad_recv_weights[i] = 0.25f * static_cast<float>(i % 13) - 1.0f;
-    DeviceArray x(in.x), x8(in.x_fp8), xs(in.x_scales), idx(in.idx), w(in.weights);
+    DeviceArray x(in.x), x8(in.x_fp8), xs(in.x_scales), idx(in.idx), w(in.weights), gate(in.shared_gate);
     DeviceArray y(run.y), shared(run.shared), gx(run.grad_recv_x), gwr(run.grad_recv_weights), go(run.grad_out);
     const verify::RankInput& again = fresh.inputs[r];
     DeviceArray cx(again.x), cx8(again.x_fp8), cxs(again.x_scales), table(p.replicas);
@@ -104,6 +105,7 @@ inline std::vector<RankRun> run_problem_cuda(const std::function<Group(int)>& gr
     }
     din.topk_idx = device_view(idx, DType::i32, {tokens, k_count}, dev);
     if (in.has_weights) din.topk_weights = device_view(w, DType::f32, {tokens, k_count}, dev);
+    if (!in.shared_gate.empty()) din.shared_gate = device_view(gate, DType::f32, {tokens}, dev);
     if (!p.replicas.empty())
       din.expert_replicas = device_view(table, DType::i32,
                                         {p.cfg.num_experts, static_cast<int64_t>(p.replicas.size()) / p.cfg.num_experts}, dev);
@@ -142,11 +144,13 @@ inline std::vector<RankRun> run_problem_cuda(const std::function<Group(int)>& gr
     buffer.synchronize();
     run.dispatch_grad.grad_x = epx::to_host(db.grad_x);
     run.dispatch_grad.grad_topk_weights = epx::to_host(db.grad_topk_weights);
+    run.dispatch_grad.grad_shared_gate = epx::to_host(db.grad_shared_gate);
     CombineBackwardResult cb = buffer.combine_backward(
         {device_view(go, DType::bf16, {tokens, h}, dev), device_view(y, DType::bf16, {rows, h}, dev)}, d.handle, {weighted});
     buffer.synchronize();
     run.combine_grad.grad_y = epx::to_host(cb.grad_y);
     run.combine_grad.grad_topk_weights = epx::to_host(cb.grad_topk_weights);
+    run.combine_grad.grad_shared_gate = epx::to_host(cb.grad_shared_gate);
   });
   for (int r = 0; r < p.ranks; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
   return runs;

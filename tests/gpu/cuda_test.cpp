@@ -313,33 +313,6 @@ TEST(CudaAllRanks, CapacityModeCallsFromOneThreadMatchTheReference) {
   for (const auto& e : closed) EXPECT_EQ(e, "");
 }
 
-// The high-throughput fused shared expert is the CPU backend's only, for now: a valid config the
-// CUDA backend cannot serve, refused at creation with unsupported on every rank (an agreed check);
-// the group goes on, and its low-latency buffer has the shared expert (CudaLowLatencySharedExpert).
-TEST(CudaErrors, SharedExpertIsRefusedAsUnsupportedOnEveryRank) {
-  auto cfg = small_config(256, 32, 16, 4);
-  cfg.timeout_ms = 20000;
-  cfg.shared_expert = true;
-  const auto p = two_ranks(cfg);
-  std::vector<std::string> errors(2), ll_errors(2);
-  std::vector<ErrorCode> codes(2, ErrorCode::internal);
-  on_shared_gpu(p, [&](int r, const Group& g, const DeviceArray&, const DeviceArray&) {
-    codes[r] = code_of([&] { Buffer b(g, cfg); }, &errors[r]);
-    LowLatencyConfig l{cfg.hidden, cfg.max_tokens_per_rank, cfg.num_experts, cfg.topk, WireFormat::bf16, 20000};
-    l.shared_expert = true;
-    try {
-      LowLatencyBuffer b(g, l);
-    } catch (const Error& e) {
-      ll_errors[r] = e.what();
-    }
-  });
-  for (int r = 0; r < 2; ++r) {
-    EXPECT_EQ(codes[r], ErrorCode::unsupported) << errors[r];
-    EXPECT_THAT(errors[r], testing::HasSubstr("the CUDA backend does not have the fused shared expert yet"));
-    EXPECT_EQ(ll_errors[r], "") << "rank " << r;
-  }
-}
-
 // The high-throughput buffer's load counters (Buffer::expert_load): each local expert's (token,
 // slot) pairs of every dispatch, added on the device (graph-safe), in both layouts; a cached
 // dispatch and a call a rank refused add nothing; reset_expert_load zeroes them, stream-ordered.

@@ -127,35 +127,48 @@ __device__ void return_row(const PeerWindows& w, const WindowMap& m, const Shape
               at_window<float>(w, source, m.rev_slots + at * s.topk * 4), lane);
 }
 
-// Source side, one warp: token t from every rank's returned row (rank order), then shared.
-// staged: the rows come through the warp's stage (staged_sum.cuh).
+// Source side, one warp: token t from every rank's returned row (rank order), then the shared
+// expert's row (times its weight), then shared_out. staged: the rows come through the warp's
+// stage (staged_sum.cuh).
 template <bool kFp8>
 __device__ void reduce_token(const PeerWindows& w, const WindowMap& m, const Shape& s, const int32_t* send_pos,
                              const int32_t* slot_expert, const CombineArgs& a, bool wide, bool staged, int64_t t,
                              int lane) {
   const uint16_t* rev = at_window<const uint16_t>(w, w.rank, m.rev_rows);
+  const uint16_t* shared_row = a.shared.rows ? a.shared.rows + t * a.shared.stride : nullptr;
+  const float shared_weight = a.shared.weight ? a.shared.weight[t] : 1.0f;
+  const uint16_t* shared_out = a.shared_out ? a.shared_out + t * a.shared_out_stride : nullptr;
   if (kFp8 && a.out) {  // rank d's fp8 partial in its 2H-byte row
     auto slot = [&](int d) -> const char* {
       const int32_t pos = send_pos[t * w.ranks + d];
       return pos >= 0 ? reinterpret_cast<const char*>(rev + (d * s.max_tokens + pos) * s.hidden) : nullptr;
     };
-    const uint16_t* shared = a.shared ? a.shared + t * a.shared_stride : nullptr;
-    if (staged) sum_fp8_partials_staged(slot, w.ranks, s.hidden, shared, 1.0f, a.out + t * s.hidden, lane);
-    else sum_fp8_partials(slot, w.ranks, s.hidden, 0, s.hidden, shared, 1.0f, a.out + t * s.hidden, lane);
-  } else if (a.out) {
+    const ExtraRows extra = shared_row ? ExtraRows{{shared_row, shared_out}, shared_weight} : ExtraRows{{shared_out, nullptr}};
+    if (staged) sum_fp8_partials_staged(slot, w.ranks, s.hidden, extra, a.out + t * s.hidden, lane);
+    else sum_fp8_partials(slot, w.ranks, s.hidden, 0, s.hidden, extra, a.out + t * s.hidden, lane);
+  } else if (!kFp8 && a.out) {
+    // Weighted when the shared row has a weight: the other terms' weight 1 (fma(1, v, acc) is acc + v).
     auto term = [&](int d, const uint16_t*& row, float& weight) {
       weight = 1.0f;
-      if (d == w.ranks) {
-        row = a.shared + t * a.shared_stride;
-        return a.shared != nullptr;
+      if (d == w.ranks && shared_row) {
+        row = shared_row;
+        weight = shared_weight;
+        return true;
+      }
+      if (d >= w.ranks) {
+        row = shared_out;
+        return shared_out != nullptr;
       }
       const int32_t pos = send_pos[t * w.ranks + d];
       row = a.by_copy && d == w.rank ? a.own_rows + pos * a.y_stride : rev + (d * s.max_tokens + pos) * s.hidden;
       return pos >= 0;
     };
-    if (staged) sum_rows_staged(w.ranks + 1, term, false, a.out + t * s.hidden, s.hidden, lane);
-    else sum_rows<2>(w.ranks + 1, term, false, a.out + t * s.hidden, s.hidden, wide, lane);
+    const int terms = w.ranks + (shared_row ? 2 : 1);
+    const bool weighted = a.shared.weight != nullptr;
+    if (staged) sum_rows_staged(terms, term, weighted, a.out + t * s.hidden, s.hidden, lane);
+    else sum_rows<2>(terms, term, weighted, a.out + t * s.hidden, s.hidden, wide, lane);
   }
+  if (a.shared_gate_out && lane == 0) a.shared_gate_out[t] = a.gate_grads[t * a.gate_grads_stride];
   if (a.slot_out) {
     const float* rev_slots = at_window<const float>(w, w.rank, m.rev_slots);
     for (int64_t k = lane; k < s.topk; k += 32) {
@@ -203,7 +216,7 @@ __device__ void reduce_tokens(const PeerWindows& w, const WindowMap& m, const Sh
                               const int32_t* send_pos, const int32_t* slot_expert, const CombineArgs& a, bool wide,
                               uint32_t epoch, uint64_t timeout_ns, DeviceStatus* st, int block, int blocks) {
   const int lane = threadIdx.x % 32;
-  const bool staged = wide && w.ranks + 1 <= 32;
+  const bool staged = wide && w.ranks + (a.shared.rows ? 2 : 1) <= 32;  // a term per lane
   const int64_t reducer = block * static_cast<int64_t>(kThreads / 32) + threadIdx.x / 32;
   const int64_t reducers = static_cast<int64_t>(blocks) * (kThreads / 32);
   for (int64_t t = reducer; t < tokens; t += reducers) {
@@ -233,7 +246,8 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PeerWindows w, Window
     return aligned16(p) && stride_elems % 8 == 0;
   };
   const bool wide = s.hidden % 8 == 0 && (!a.y || rows_aligned(a.y, a.y_stride)) &&
-                    (!a.shared || rows_aligned(a.shared, a.shared_stride)) && (!a.out || aligned16(a.out));
+                    (!a.shared_out || rows_aligned(a.shared_out, a.shared_out_stride)) &&
+                    (!a.shared.rows || rows_aligned(a.shared.rows, a.shared.stride)) && (!a.out || aligned16(a.out));
   const int block = static_cast<int>(blockIdx.x);
   if (!block_sees_failure(st)) {
     if (block < send_blocks)

@@ -240,10 +240,30 @@ __device__ void expand_row(const Shape& s, const RecvArrays& r, const Expansion&
   }
 }
 
-// Expanding block `block` of `blocks`: the empty output rows zeroed, then a received chunk at a
-// time (chunk c of a source, in chunk order): once its source's sender flagged it (this rank's
-// own rows: read from `own`, no flag), each warp expands a row of it; weighted, the chunk's
-// weight gradients are then flagged back to the source. False: a wait failed.
+// The fused shared expert's rows of e.out (Expansion::shared), from this rank's own input rows:
+// row t of `own` into row t, or weighted bf16(weight[t] * g) and, with e.shared_gate_out, its dot
+// with y row t there (the routed slots' forms: the same rounding and order).
+__device__ void expand_shared_rows(const Shape& s, const SendRows& own, const Expansion& e, int64_t warp, int64_t warps,
+                                   int lane) {
+  for (int64_t t = warp; t < e.shared.tokens; t += warps) {
+    const char* g = own.x + t * own.x_stride_bytes;
+    uint16_t* out = e.out + t * s.hidden;
+    if (!e.weighted) {
+      char* dst = reinterpret_cast<char*>(out);
+      copy_row(g, &dst, 1, 2 * s.hidden, lane);
+      continue;
+    }
+    const float dot = scale_and_dot(reinterpret_cast<const uint16_t*>(g), e.y + t * e.y_stride, out, e.shared.weight[t],
+                                    s.hidden, lane);
+    if (e.shared_gate_out && lane == 0) e.shared_gate_out[t] = dot;
+  }
+}
+
+// Expanding block `block` of `blocks`: the empty output rows zeroed and the shared expert's rows
+// written, then a received chunk at a time (chunk c of a source, in chunk order): once its
+// source's sender flagged it (this rank's own rows: read from `own`, no flag), each warp expands a
+// row of it; weighted, the chunk's weight gradients are then flagged back to the source. False: a
+// wait failed.
 __device__ bool expand_chunks(const PeerWindows& w, const WindowMap& m, const Shape& s, const SendRows& own,
                               const RecvArrays& r, const Expansion& e, uint32_t epoch, uint64_t timeout_ns,
                               DeviceStatus* st, int block, int blocks) {
@@ -254,6 +274,7 @@ __device__ bool expand_chunks(const PeerWindows& w, const WindowMap& m, const Sh
                        char* dst = reinterpret_cast<char*>(e.out + row * s.hidden);
                        zero_row(&dst, 1, 2 * s.hidden, lane);
                      });
+  expand_shared_rows(s, own, e, block * static_cast<int64_t>(kWarps) + warp, static_cast<int64_t>(blocks) * kWarps, lane);
   int64_t chunks = 0;
   for (int p = 0; p < w.ranks; ++p) chunks = max(chunks, static_cast<int64_t>(r.chunks_from[p]));
   // One warp waits for a chunk's flag and the barrier gives its verdict to the block; verdicts

@@ -147,6 +147,7 @@ struct ReplicaTable {
 struct Shape {
   int32_t rank, ranks;
   int64_t hidden, topk, experts, local_experts, max_tokens;
+  bool shared_expert;  // BufferConfig::shared_expert: expert-major layouts start with the shared segment
 };
 
 }  // namespace epx::detail

@@ -303,6 +303,34 @@ __device__ bool receive_streamed(const PeerWindows& w, const WindowMap& m, const
   return true;
 }
 
+// The fused shared expert (SharedRows), one warp: token t's row t of the outputs, from its wire
+// row `payload` (codes, scales and 1/g back to back) or (own != null) the input row and its
+// given scales, with recv_src = (rank, t) and its weight, which the handle keeps too (combine's
+// shared term). No bulk copy: the warp's stage may hold the payload. Its padding rows are empty
+// rows (fill_empty_rows).
+__device__ void place_shared_row(const Shape& s, const RecvOutputs& out, const SendRows* own, const char* payload,
+                                 int64_t t, int lane) {
+  RecvOutputs direct = out;
+  direct.bulk = false;
+  place_row(own, payload, static_cast<int32_t>(t), direct, &t, 1, lane);
+  if (lane != 0) return;
+  const SharedRows& shared = out.shared;
+  const float weight = shared.gate ? shared.gate[t * shared.gate_stride] : 1.0f;
+  out.src[2 * t] = s.rank;
+  out.src[2 * t + 1] = static_cast<int32_t>(t);
+  out.weights[t] = weight;
+  shared.weight[t] = weight;
+}
+
+// Every shared row whose wire row is the input's (own_rows_from_input), or (encoded != null)
+// in this rank's encoded rows, `stride` bytes apart; the receiving warps' share.
+__device__ void place_shared_rows(const Shape& s, const RecvOutputs& out, const SendRows& own, const char* encoded,
+                                  int64_t stride, int64_t warp, int64_t warps) {
+  const int lane = threadIdx.x % 32;
+  for (int64_t t = warp; t < out.shared.tokens; t += warps)
+    place_shared_row(s, out, encoded ? nullptr : &own, encoded ? encoded + t * stride : nullptr, t, lane);
+}
+
 // SM engine, one warp: token j of this rank's own chunk c, straight from x and the plan (no
 // sender moves it): copied (kEncode false: its wire row is x's, own_rows_from_input), or encoded
 // by the warp into its bulk-copy stage first (the sender's encoder: the same bits) and copied
@@ -322,10 +350,11 @@ __device__ void receive_own(const WindowMap& m, const Shape& s, const RecvArrays
   if (t >= tokens) return;
   int32_t* const send_pos = p.send_pos + t * s.ranks + s.rank;
   const int32_t in_chunk = *send_pos;
-  if (in_chunk < 0) return;
+  const bool shared = kEncode && out.shared.on();  // encoded here: its shared row too, from the same encoding
+  if (in_chunk < 0 && !shared) return;
   const int64_t pos = first + in_chunk;
   __syncwarp();  // every lane read send_pos before lane 0 overwrites it
-  if (lane == 0) *send_pos = static_cast<int32_t>(pos);
+  if (lane == 0 && in_chunk >= 0) *send_pos = static_cast<int32_t>(pos);
   const RowSlots slots{plan.slot_expert, plan.slot_weight, p.slot_pos, t * s.topk, s.rank, base};
   if constexpr (!kEncode) {
     receive_row(s, r, out, layout, &own, nullptr, static_cast<int32_t>(t), slots, s.rank, pos, lane);
@@ -333,17 +362,19 @@ __device__ void receive_own(const WindowMap& m, const Shape& s, const RecvArrays
     char* stage = warp_bulk_stage().buf;
     encode_wire_row(own, t, s.hidden, &stage, 1, lane);
     __syncwarp();  // every lane's part of the row, for every lane's copy
+    if (shared) place_shared_row(s, out, nullptr, stage, t, lane);
     RecvOutputs from_stage = out;
     from_stage.bulk = false;  // a bulk copy reads global memory, not the stage
-    receive_row(s, r, from_stage, layout, nullptr, stage, static_cast<int32_t>(t), slots, s.rank, pos, lane);
+    if (in_chunk >= 0)
+      receive_row(s, r, from_stage, layout, nullptr, stage, static_cast<int32_t>(t), slots, s.rank, pos, lane);
     __syncwarp();  // the copies read the stage before the next row's encoding writes it
   }
 }
 
 // A receiving block's warps, before any bulk copy uses their stages: every one of this rank's
-// own tokens when its wire row is encoded here (receive_own<true>), then a proxy fence, so the
-// stages' later bulk writes follow these generic accesses. In a loop of its own, apart from the
-// receive loop's, so the encoder's registers do not add to that loop's.
+// own tokens when its wire row is encoded here (receive_own<true>; its shared row too), then a
+// proxy fence, so the stages' later bulk writes follow these generic accesses. In a loop of its
+// own, apart from the receive loop's, so the encoder's registers do not add to that loop's.
 __device__ void encode_own_rows(const WindowMap& m, const Shape& s, const RecvArrays& r, const RecvOutputs& out,
                                 Layout layout, const SendRows& own, const SendPlan& plan, int64_t tokens, int block,
                                 int blocks) {
@@ -475,6 +506,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_transfer_kernel(PeerWind
     if (!block_sees_failure(st)) send_chunks(w, m, s, rows, own, tokens, plan, epoch, role, senders);
   } else {
     const int block = role - senders, blocks = static_cast<int>(gridDim.x) - senders;
+    if (out.shared.on() && own == OwnRows::copied)  // encoded: by encode_own_rows
+      place_shared_rows(s, out, rows, nullptr, 0, block * int64_t{kWarps} + threadIdx.x / 32, int64_t{blocks} * kWarps);
     if (own == OwnRows::encoded) encode_own_rows(m, s, r, out, layout, rows, plan, tokens, block, blocks);
     receive_rows(w, s, r, out, layout, false, block, blocks, [&](int source, int64_t c, int64_t j) {
       if (source == w.rank && own != OwnRows::sent) {  // placed already when encoded here
@@ -497,6 +530,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_receive_kernel(PeerWindo
   const int slot = plan_slot(cs, phase);
   const int lane = threadIdx.x % 32;
   SourceSeen seen;
+  if (out.shared.on()) {  // quantized rows: from this rank's encoded broadcast rows (encode_rows wrote them)
+    const char* encoded = at_window<const char>(w, w.rank, m.bcast_rows + w.rank * s.max_tokens * m.bcast_stride);
+    place_shared_rows(s, out, own, own_rows_from_input(own) ? nullptr : encoded, m.bcast_stride,
+                      blockIdx.x * int64_t{kWarps} + threadIdx.x / 32, int64_t{gridDim.x} * kWarps);
+  }
   receive_rows(w, s, r, out, layout, true, blockIdx.x, gridDim.x, [&](int source, int64_t c, int64_t j) {
     return receive_broadcast(w, m, s, r, out, layout, own, mine, source, slot, c, j, epoch, timeout_ns, st, seen, lane);
   });

@@ -9,8 +9,8 @@ namespace epx::detail::kernels {
 template <typename Fn>
 __device__ void for_each_empty_row(const Shape& s, const RecvArrays& r, Layout layout, int64_t warp, int64_t warps, Fn fn) {
   const int64_t capacity = r.info[2];
-  if (layout == Layout::expert_major)
-    for (int64_t l = 0; l < s.local_experts; ++l) {
+  if (layout == Layout::expert_major)  // segment -1: the shared expert's (RecvArrays)
+    for (int64_t l = s.shared_expert ? -1 : 0; l < s.local_experts; ++l) {
       const int64_t end = min(r.expert_offsets[l + 1], capacity);
       for (int64_t row = r.expert_offsets[l] + r.tokens_per_expert[l] + warp; row < end; row += warps) fn(row);
     }

@@ -51,15 +51,23 @@ __device__ inline void add_fp8x8(float (&acc)[8], uint2 q, float scale) {
   }
 }
 
+// The bf16 rows a token's sum adds after the ranks' partials, in order (null: none), the first
+// times `weight`, the second plain (one fma: with 1, a plain add): the shared expert's row and
+// shared_out, or shared_out alone.
+struct ExtraRows {
+  const uint16_t* row[2] = {nullptr, nullptr};
+  float weight = 1.0f;
+};
+
 // One warp, channels [h0, h0 + len) of a token's `out`: each rank's partial (slot(r): its slot,
-// or null where the token has none) as code * scale, added in rank order from 0, then `extra`
-// (a bf16 row, or null) times extra_weight (one fma: with 1, a plain add), rounded to bf16. Each
+// or null where the token has none) as code * scale, added in rank order from 0, then the extra
+// rows (each at the same channels as out), rounded to bf16. Each
 // lane keeps kFp8SumUnroll 8-byte loads of a partial in flight (more made the combine kernels
 // spill); sum_fp8_partials_staged keeps more.
 constexpr int kFp8SumUnroll = 2;
 template <class Slot>
 __device__ void sum_fp8_partials(Slot slot, int ranks, int64_t hidden, int64_t h0, int64_t len,
-                                 const uint16_t* extra, float extra_weight, uint16_t* out, int lane) {
+                                 const ExtraRows& extra, uint16_t* out, int lane) {
   constexpr int kU = kFp8SumUnroll;
   for (int64_t base = h0 + 8 * lane; base < h0 + len; base += 8 * 32 * kU) {
     float acc[kU][8] = {};
@@ -83,8 +91,10 @@ __device__ void sum_fp8_partials(Slot slot, int ranks, int64_t hidden, int64_t h
     for (int u = 0; u < kU; ++u) {
       const int64_t h = base + 8 * 32 * u;
       if (h >= h0 + len) continue;
-      if (extra)
-        for (int i = 0; i < 8; ++i) acc[u][i] = __fmaf_rn(extra_weight, bf16_to_float(extra[h + i]), acc[u][i]);
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        if (extra.row[e])
+          for (int i = 0; i < 8; ++i) acc[u][i] = __fmaf_rn(e == 0 ? extra.weight : 1.0f, bf16_to_float(extra.row[e][h + i]), acc[u][i]);
       if (aligned16(out + h)) {
         *reinterpret_cast<int4*>(out + h) = pack_bf16x8(acc[u]);
       } else {
@@ -94,7 +104,7 @@ __device__ void sum_fp8_partials(Slot slot, int ranks, int64_t hidden, int64_t h
   }
 }
 
-// sum_fp8_partials over a whole row (out and extra 16-byte aligned, at most 32 ranks; slot(r) is
+// sum_fp8_partials over a whole row (out and the extra rows 16-byte aligned, at most 32 ranks; slot(r) is
 // called by lane r only), the partials' bytes through the warp's stage as sum_rows_staged's rows
 // (a CpAsyncRing of kStageSlots entries): one item is a 1024-channel slice of one rank's partial,
 // its codes at entry[0, 1024) (lane l's 16 codes of half u at 512u + 16l) and, at 1024 + 32l,
@@ -103,8 +113,8 @@ __device__ void sum_fp8_partials(Slot slot, int ranks, int64_t hidden, int64_t h
 constexpr int kFp8Slice = 1024;
 static_assert(2 * kFp8Slice <= kSlotBytes, "a stage entry holds a slice's codes and its lanes' scale groups");
 template <class Slot>
-__device__ void sum_fp8_partials_staged(Slot slot, int ranks, int64_t hidden, const uint16_t* extra,
-                                        float extra_weight, uint16_t* out, int lane) {
+__device__ void sum_fp8_partials_staged(Slot slot, int ranks, int64_t hidden, const ExtraRows& extra, uint16_t* out,
+                                        int lane) {
   const char* mine = lane < ranks ? slot(lane) : nullptr;
   const unsigned held = __ballot_sync(0xffffffffu, mine != nullptr);  // in rank order, lowest first
   const int count = __popc(held);
@@ -133,7 +143,9 @@ __device__ void sum_fp8_partials_staged(Slot slot, int ranks, int64_t hidden, co
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         float(&a)[8] = acc[2 * u + half];
-        if (extra) fma_bf16x8(a, *reinterpret_cast<const int4*>(extra + c + 8 * half), extra_weight);
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          if (extra.row[e]) fma_bf16x8(a, *reinterpret_cast<const int4*>(extra.row[e] + c + 8 * half), e == 0 ? extra.weight : 1.0f);
         *reinterpret_cast<int4*>(out + c + 8 * half) = pack_bf16x8(a);
 #pragma unroll
         for (int i = 0; i < 8; ++i) a[i] = 0.0f;

@@ -185,6 +185,8 @@ void preload_cached_dispatch_kernels();
 struct RecvArrays {
   int64_t* info;            // [0] rows received M, [1] num_rows, [2] capacity, [3] overflow
   int64_t* rank_offsets;    // [R+1]
+  // The routed experts' segments: [L] and [L+1]. With the fused shared expert the shared
+  // segment's count and offset sit just before them, at [-1] (the outputs start there).
   int64_t* tokens_per_expert;  // [L]
   int64_t* expert_offsets;  // [L+1]
   int64_t* expert_base;     // [R, L]: rows of expert l from lower ranks
@@ -205,6 +207,27 @@ struct LayoutJob {
   int64_t alignment;
   int64_t capacity_rows;
   int64_t* load = nullptr;  // [L] the buffer's load counters: += each local expert's (token, slot) pairs
+  // BufferConfig::shared_expert: this rank's tokens, the shared segment's rows before the routed
+  // ones (expert-major); -1 without it.
+  int64_t shared_tokens = -1;
+};
+
+// The fused shared expert (BufferConfig::shared_expert, expert-major): segment 0 of this rank's
+// own receive layout holds its `tokens` tokens, token t at row t; rows [tokens, padded) are zero.
+// A dispatch's receivers write them (wire row, recv_src = (rank, t), recv_weights = weight[t]).
+struct SharedRows {
+  int64_t tokens = -1;           // -1: no shared expert
+  const float* gate = nullptr;   // dispatch's shared_gate [T] (gate_stride apart), or null: weight 1
+  int64_t gate_stride = 0;
+  float* weight = nullptr;       // the handle's [T]: each shared row's weight, for combine and the backward passes
+  __host__ __device__ bool on() const { return tokens >= 0; }
+};
+// The shared expert's term of a token's combine sum: row t of `rows` (y, or grad_recv_x) times
+// weight[t] (null: 1), after the ranks' partials and before shared_out.
+struct SharedTerm {
+  const uint16_t* rows = nullptr;  // null: no shared expert
+  int64_t stride = 0;
+  const float* weight = nullptr;
 };
 
 // A plan exchange of this call's `phase` (exchange.cuh): this rank's header (+ count_len int64
@@ -280,6 +303,7 @@ struct RecvOutputs {
   int32_t* topk_idx;  // rank-major [capacity, K]
   float* topk_weights;
   bool bulk = false;  // set by the launchers: rows' codes go by bulk copy (bulk_copy.cuh)
+  SharedRows shared{};  // the fused shared expert's rows, which the receivers write
 };
 // What the last block of a dispatch's transfer does for the call's end: the handle's layout
 // words (RecvArrays::info onward, word_count of them) copied to words_out, and the status
@@ -316,10 +340,16 @@ struct CombineArgs {
   bool weighted;
   const float* slot_values;
   int64_t slot_values_stride;
-  const uint16_t* shared;
-  int64_t shared_stride;
+  const uint16_t* shared_out;  // combine's shared_out [T, H] (added last), or null
+  int64_t shared_out_stride;
   uint16_t* out;
   float* slot_out;
+  SharedTerm shared{};  // the fused shared expert's rows (from the expert side's y: never by copy)
+  // dispatch_backward with the fused shared expert: grad_shared_gate [T] = grad_recv_weights' row
+  // t (the shared row's weight's gradient), gate_grads_stride apart.
+  const float* gate_grads = nullptr;
+  int64_t gate_grads_stride = 0;
+  float* shared_gate_out = nullptr;
   // Copy-engine return: the expert ranks' copy engines return their rows and slot values (the
   // partials, expert-major), flagged per piece (rev_piece_flag), and this rank's own tokens' are
   // read where they start in y and slot_values, or in the partials (own_*: row
@@ -378,6 +408,10 @@ struct Expansion {
   uint16_t* out;      // [capacity, H]: grad_y, or a cached dispatch's rows
   float* slot_out;    // weighted: [T, K]
   DeviceStatus* host_status;  // host-mapped, or null: the last block publishes the call's status there
+  // The fused shared expert: out rows [0, T) from this rank's own input rows (times weight[t]
+  // when weighted; with shared_gate_out, its dot with y row t goes there), zeros to the padding.
+  SharedRows shared{};
+  float* shared_gate_out = nullptr;
 };
 void expand_transfer(const Ctx& ctx, int senders, const SendRows& rows, int64_t tokens, const int32_t* send_pos,
                      const int32_t* slot_expert, const RecvArrays& r, const Expansion& e);

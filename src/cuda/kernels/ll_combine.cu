@@ -159,7 +159,8 @@ __device__ void combine_recv(const Ctx& c, int set, const Set& d, const Sums& su
     if (c.combine_wire != WireFormat::bf16) {
       const char* slot0 = reinterpret_cast<const char*>(ret + t * ranks * c.hidden);  // rank r's slot 2H bytes on
       sum_fp8_partials([&](int r) { return held >> r & 1u ? slot0 + r * 2 * c.hidden : nullptr; }, ranks, c.hidden, h0,
-                       min(kSumSpan, c.hidden - h0), shared_row, shared_weight, sums.out + t * c.hidden, lane);
+                       min(kSumSpan, c.hidden - h0), ExtraRows{{shared_row, nullptr}, shared_weight},
+                       sums.out + t * c.hidden, lane);
       continue;
     }
     // Weighted: the partials' weight 1 (fma(1, v, acc) is acc + v), the shared row's its own.

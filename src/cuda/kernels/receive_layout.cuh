@@ -24,8 +24,11 @@ __device__ inline void receive_layout_block(const PeerWindows& w, const WindowMa
   const RecvArrays& r = job.r;
   const bool ok = !failed(st);
   const int slot = plan_slot(cs, phase);
+  // The shared segment (this rank's own tokens, padded like every segment) before the routed ones.
+  const int64_t shared_rows =
+      job.shared_tokens < 0 ? 0 : (job.shared_tokens + job.alignment - 1) / job.alignment * job.alignment;
   // Each local expert's rows from each source (expert-major bases), then its aligned rows' offset.
-  const int64_t aligned_rows = block_exclusive_sum<int64_t, kThreads>(
+  const int64_t aligned_rows = shared_rows + block_exclusive_sum<int64_t, kThreads>(
       s.local_experts,
       [&](int64_t l) {
         int64_t n = 0;
@@ -37,7 +40,7 @@ __device__ inline void receive_layout_block(const PeerWindows& w, const WindowMa
         if (job.load) job.load[l] += n;  // Buffer::expert_load (a failed call's n is 0: it counts nothing)
         return (n + job.alignment - 1) / job.alignment * job.alignment;
       },
-      [&](int64_t l, int64_t before, int64_t) { r.expert_offsets[l] = before; });
+      [&](int64_t l, int64_t before, int64_t) { r.expert_offsets[l] = shared_rows + before; });
   // Each source's rows here (rank-major offsets): lane p holds source p's (ranks <= 32).
   __shared__ int64_t received;
   if (threadIdx.x < 32) {
@@ -58,6 +61,10 @@ __device__ inline void receive_layout_block(const PeerWindows& w, const WindowMa
   __syncthreads();
   if (threadIdx.x != 0) return;
   r.expert_offsets[s.local_experts] = aligned_rows;
+  if (job.shared_tokens >= 0) {
+    r.tokens_per_expert[-1] = job.shared_tokens;
+    r.expert_offsets[-1] = 0;
+  }
   const int64_t rows = job.layout == Layout::expert_major ? aligned_rows : received;
   r.info[0] = received;
   r.info[1] = rows;
