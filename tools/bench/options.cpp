@@ -32,8 +32,7 @@ const char* kUsage = R"(epx-bench: dispatch and combine of one MoE layer over N 
   --send-blocks N         CUDA: BufferConfig::send_blocks, the budget's sending blocks (default 0: the
                           measured split)
   --shared-expert         BufferConfig / LowLatencyConfig::shared_expert: the fused shared expert
-                          (high-throughput ops: expert-major, host backend only for now; CUDA
-                          times ll_dispatch and ll_combine; records say "shared_expert": true)
+                          (high-throughput ops: expert-major only; records say "shared_expert": true)
   --replicas N            redundant experts (EPLB): N physical replicas of each logical expert,
                           P = N * experts, replica j of expert e = physical expert j * E + e
                           (BufferConfig::num_physical_experts; records say "replicas": N; verified
@@ -196,22 +195,10 @@ Options parse_options(int argc, char** argv) {
     if (o.shared_expert && l == Layout::rank_major) usage_error("--shared-expert needs --layout expert_major");
   if (o.replicas < 0) usage_error("--replicas must be >= 1 (0: none)");
 
-  const bool ops_given = !o.ops.empty();
   if (o.ops.empty()) {
     o.ops = {"dispatch", "combine", "dispatch_backward", "combine_backward"};
     if (!v3) o.ops.insert(o.ops.end(), {"ll_dispatch", "ll_combine"});
     if (o.shared_gpu) o.ops = {"ll_dispatch", "ll_combine"};
-  }
-  // The CUDA high-throughput buffer has no shared expert yet: with it, CUDA times the low-latency
-  // ops only (refusing the others when asked for).
-  auto low_latency = [](const std::string& op) { return op == "ll_dispatch" || op == "ll_combine"; };
-  if (o.shared_expert && o.backend == "cuda") {
-    if (ops_given)
-      for (const std::string& op : o.ops)
-        if (!low_latency(op))
-          usage_error("--shared-expert with --backend cuda times ll_dispatch and ll_combine only (the CUDA "
-                      "high-throughput buffer has no shared expert yet), not " + op);
-    o.ops = {"ll_dispatch", "ll_combine"};
   }
   if (o.shared_gpu) {
     if (o.backend != "cuda") usage_error("--shared-gpu needs --backend cuda");
