@@ -80,7 +80,8 @@ class CudaBackend final : public Backend {
     kernels::FiniteCheck finite;  // check_finite: scanned beside the routing check
     ReplicaTable replicas;  // EPLB: the call's table (checked and hashed by the plan kernel)
     bool has_weights = false;
-    std::pair<const float*, int64_t> shared_gate{nullptr, 0};  // the shared expert's gate and its stride, if given
+    bool has_shared_gate = false;  // given (defined: a [0] gate of an empty rank too)
+    std::pair<const float*, int64_t> shared_gate{nullptr, 0};  // the shared expert's gate and its stride
   };
   DispatchRequest read_dispatch(const DispatchInput& in, const DispatchOptions& opt) const;
   // Copy-engine dispatch: the rows the broadcast sends (x itself, or bf16 rows encoded into this

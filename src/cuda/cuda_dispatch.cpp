@@ -99,7 +99,8 @@ CudaBackend::DispatchRequest CudaBackend::read_dispatch(const DispatchInput& in,
     validate_routing_tensors(in, c, rq.tokens, DeviceKind::cuda);
     validate_shared_expert(in, c, opt, rq.tokens, DeviceKind::cuda);
     check_device_tensor(in.shared_gate, "dispatch: shared_gate");
-    if (in.shared_gate.defined()) rq.shared_gate = {in.shared_gate.ptr<const float>(), in.shared_gate.strides[0]};
+    rq.has_shared_gate = in.shared_gate.defined();
+    if (rq.has_shared_gate) rq.shared_gate = {in.shared_gate.ptr<const float>(), in.shared_gate.strides[0]};
     validate_replica_tensor(in.expert_replicas, replicas_, "dispatch", DeviceKind::cuda);
     check_device_tensor(in.expert_replicas, "dispatch: expert_replicas");
     if (replicas_.enabled())  // its values are checked by the plan kernel
@@ -396,7 +397,7 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     outputs.shared = {tokens, rq.shared_gate.first, rq.shared_gate.second, dh->shared_weight};
   transfer(rq, *dh, outputs, opt.layout, phase, out.recv_info);
   auto state = new_handle_state(this, call.index, opt.layout, rank_, ranks_, tokens, c, rq.has_weights);
-  state->has_shared_gate = rq.shared_gate.first != nullptr;
+  state->has_shared_gate = rq.has_shared_gate;
   return finish_dispatch(call, std::move(out), dh, std::move(state), opt.layout, capacity, sizes_read, host_call);
 }
 

@@ -210,6 +210,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     dispatch_pending_ = true;
     pending_route_ = route;
     pending_rows_ = rows;
+    pending_gate_ = in.shared_gate.defined();
   }
 
   LowLatencyDispatchResult dispatch_recv() override {
@@ -248,7 +249,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     h->num_tokens = -1;  // on the device
     h->set = set;
     h->weights_at_dispatch = pending_route_.weights != nullptr;
-    h->has_shared_gate = pending_rows_.shared_gate != nullptr;
+    h->has_shared_gate = pending_gate_;  // given (a [0] gate of a rank without tokens has no data)
     out.handle = LowLatencyHandle(std::move(h));
     return out;
   }
@@ -567,6 +568,7 @@ class CudaLowLatency final : public LowLatencyBackend {
   bool fusing_ = false;
   ll::Route pending_route_{};
   ll::Rows pending_rows_{};
+  bool pending_gate_ = false;  // the pending dispatch was given a shared_gate
   PendingCombine pending_combine_;
   PhaseTimer timer_;
   bool broken_ = false;

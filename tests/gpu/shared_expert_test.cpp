@@ -106,5 +106,31 @@ TEST(CudaSharedExpertErrors, AWireRowLongerThanAStageIsRefusedOnEveryRank) {
   }
 }
 
+// A rank without tokens may pass a [0] gate with no data (torch's empty CUDA tensors have none):
+// it is a gate given, so weighted combine_backward returns grad_shared_gate [0], as the CPU
+// backend does.
+TEST(CudaSharedExpertGate, AnEmptyGateWithoutDataIsAGate) {
+  BufferConfig cfg = small_config(256, 8, 4, 2, WireFormat::bf16, 1);
+  cfg.shared_expert = true;
+  cfg.num_sms = 4;
+  const CudaWorld world = world_of(Transport::nccl, 1);
+  Buffer b(world.group(0), cfg);
+  auto empty = [](DType t, std::initializer_list<int64_t> shape) {
+    return TensorView::of(nullptr, t, shape, DeviceKind::cuda, 0);
+  };
+  DispatchInput in;
+  in.x = empty(DType::bf16, {0, 256});
+  in.topk_idx = empty(DType::i32, {0, 2});
+  in.topk_weights = empty(DType::f32, {0, 2});
+  in.shared_gate = empty(DType::f32, {0});
+  const DispatchResult d = b.dispatch(in, DispatchOptions{});
+  ASSERT_EQ(d.num_rows, 0);
+  const CombineBackwardResult g = b.combine_backward({empty(DType::bf16, {0, 256}), empty(DType::bf16, {0, 256})},
+                                                     d.handle, {true});
+  b.synchronize();
+  ASSERT_TRUE(g.grad_shared_gate.defined());
+  EXPECT_EQ(g.grad_shared_gate.numel(), 0);
+}
+
 }  // namespace
 }  // namespace epx::test

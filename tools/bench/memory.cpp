@@ -43,10 +43,12 @@ Rows received_rows(const Options& o, const Shape& s, Layout layout) {
   // Expert-major: a row per (token, expert) pair, each expert's segment padded to the alignment
   // (layout.cpp): at most a - 1 rows more per expert. Where uniform routing gives every expert
   // fewer rows than one aligned block (mean + 3 sigma), each segment is that one block.
-  const double real = s.S * s.K, a = static_cast<double>(o.alignment), mean = real / s.E;
-  double all = real + s.E * (a - 1);
+  const double routed = s.S * s.K, a = static_cast<double>(o.alignment), mean = routed / s.E;
+  double all = routed + s.E * (a - 1);
   if (o.routing == verify::Routing::uniform && mean + 3 * std::sqrt(mean) <= a) all = std::min(all, s.E * a);
-  return {real, all};
+  // The fused shared expert: each rank's own tokens first, padded like every segment.
+  const double shared = o.shared_expert ? s.S : 0, shared_padding = o.shared_expert ? s.R * (a - 1) : 0;
+  return {routed + shared, all + shared + shared_padding};
 }
 
 // What every phase holds besides its own parts: the problem's inputs (verify::make_problem), the
