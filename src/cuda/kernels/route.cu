@@ -6,6 +6,7 @@
 // them; the last block to finish scans the blocks' totals and runs the exchange. No block waits
 // for another (the last one carries on alone), so the grid needs no co-residency: on a GPU shared
 // by ranks, a peer's kernels may hold the other SMs.
+#include "cuda/cuda_check.hpp"
 #include "cuda/kernels/device_common.cuh"
 #include "cuda/kernels/exchange.cuh"
 #include "cuda/kernels/finite_scan.cuh"
@@ -82,11 +83,10 @@ __device__ void read_token(const Shape& s, const RoutingInput& in, int64_t t, in
   for (; k < s.topk; ++k) e[k] = -1, w[k] = 0.0f;
 }
 
-// Token t's routing into slot_expert and slot_weight: read and checked, then (EPLB) each slot's
-// logical expert mapped to its replica, also written to `chosen`, and (counts not null) counted
-// per (physical) expert.
-__device__ void canonicalize_token(const Shape& s, const RouteJob& job, int64_t t, DeviceStatus* st) {
-  int32_t* e = job.slot_expert + t * s.topk;
+// Token t's routing into e[K] (the warp's chunk ids in shared memory) and slot_weight: read and
+// checked, then (EPLB) each slot's logical expert mapped to its replica, also written to `chosen`,
+// and (counts not null) counted per (physical) expert.
+__device__ void canonicalize_token(const Shape& s, const RouteJob& job, int64_t t, int32_t* e, DeviceStatus* st) {
   float* w = job.slot_weight + t * s.topk;
   read_token(s, job.in, t, e, w, st);
   if (!job.replicas.table && !job.counts) return;
@@ -102,46 +102,61 @@ __device__ void canonicalize_token(const Shape& s, const RouteJob& job, int64_t 
   }
 }
 
-// One warp, chunk c: its counts (its row of chunk_count, zeroed first) and each token's and
-// pair's place in it. Lanes 0..15 own its tokens for the destination ranks (ballots); the chunk's
-// (token, slot) pairs go 32 at a time (a group) for the experts: a pair's place among the chunk's
-// pairs of its expert counts its expert in the lower lanes of its group (a match: in token order,
-// since a token holds an expert once) and in earlier groups (their ids, one shuffle per pair),
-// so no pair reads the ids of every earlier pair; the lowest lane of each match adds the group's
-// pairs of its expert to the chunk's count.
-__device__ void count_chunk(const Shape& s, int64_t tokens, const int32_t* slot_expert, const ChunkPositions& p,
-                            int64_t c, int lane) {
+// A warp's share of the plan kernel's dynamic shared memory: its chunk's slot ids (kChunkTokens x
+// K), then its chunk's count row (E + R).
+struct WarpShared {
+  int32_t* ids;
+  int32_t* row;
+};
+
+__host__ __device__ constexpr int64_t warp_shared_ints(int64_t topk, int64_t width) { return kChunkTokens * topk + width; }
+
+__device__ WarpShared warp_shared(const Shape& s) {
+  extern __shared__ int32_t plan_shared[];
+  int32_t* mine = plan_shared + threadIdx.x / 32 * warp_shared_ints(s.topk, s.experts + s.ranks);
+  return {mine, mine + kChunkTokens * s.topk};
+}
+
+// One warp, chunk c (its tokens' slot ids in ws.ids): its counts, counted in ws.row and then
+// copied to its row of chunk_count, and each token's and pair's place in the chunk. Lanes 0..15
+// own its tokens for the destination ranks (ballots). The pairs go token by token, in token
+// order, a token's slots at once: its experts differ, so no two of its lanes add to one count,
+// and a pair's place is its expert's count so far. (A match of each 32 pairs and shuffles of the
+// earlier ones took 2.6-3.1 us of a one-warp chain: docs/lab/2026-12-03-plan-chain.md.)
+__device__ void count_chunk(const Shape& s, int64_t tokens, const WarpShared& ws, const ChunkPositions& p, int64_t c,
+                            int lane) {
   const unsigned lower = (1u << lane) - 1u;
-  const int64_t width = s.experts + s.ranks;
-  int32_t* count = p.chunk_count + c * width;
-  for (int64_t i = lane; i < width; i += 32) count[i] = 0;
-  __syncwarp();
-  const int64_t first = c * kChunkTokens, t = first + lane;
-  const bool mine = lane < kChunkTokens && t < tokens;
+  const int64_t width = s.experts + s.ranks, first = c * kChunkTokens, t = first + lane;
+  const int n = static_cast<int>(min(int64_t{kChunkTokens}, tokens - first));
+  const bool mine = lane < n;
+  const int32_t local = static_cast<int32_t>(s.local_experts);
+  for (int64_t i = lane; i < width; i += 32) ws.row[i] = 0;
   uint32_t dests = 0;
   if (mine)
     for (int64_t k = 0; k < s.topk; ++k) {
-      const int32_t e = slot_expert[t * s.topk + k];
-      if (e >= 0) dests |= 1u << (e / s.local_experts);
+      const int32_t e = ws.ids[lane * s.topk + k];
+      if (e >= 0) dests |= 1u << (e / local);
     }
+  __syncwarp();  // the row is zeroed
   for (int d = 0; d < s.ranks; ++d) {
     const uint32_t to_d = __ballot_sync(0xffffffffu, (dests >> d) & 1u);
     if (mine) p.send_pos[t * s.ranks + d] = (dests >> d) & 1u ? __popc(to_d & lower) : -1;
-    if (lane == 0) count[s.experts + d] = __popc(to_d);
+    if (lane == 0) ws.row[s.experts + d] = __popc(to_d);
   }
-  const int64_t pairs = (min(first + kChunkTokens, tokens) - first) * s.topk;
-  const int32_t* ids = slot_expert + first * s.topk;
-  for (int64_t g = 0; g < pairs; g += 32) {
-    const int32_t e = g + lane < pairs ? ids[g + lane] : -1;
-    const unsigned same = __match_any_sync(0xffffffffu, e);
-    int32_t before = __popc(same & lower);
-    for (int64_t h = 0; h < g; h += 32) {
-      const int32_t other = ids[h + lane];  // h + 32 <= g < pairs: a whole earlier group
-      for (int j = 0; j < 32; ++j) before += __shfl_sync(0xffffffffu, other, j) == e;
+  for (int i = 0; i < n; ++i) {
+    for (int64_t k = lane; k < s.topk; k += 32) {
+      const int32_t e = ws.ids[i * s.topk + k];
+      int32_t place = 0;
+      if (e >= 0) {
+        place = ws.row[e];
+        ws.row[e] = place + 1;
+      }
+      p.slot_pos[(first + i) * s.topk + k] = place;
     }
-    if (g + lane < pairs) p.slot_pos[first * s.topk + g + lane] = e < 0 ? 0 : before;
-    if (e >= 0 && (same & lower) == 0) atomicAdd(&count[e], __popc(same));
+    __syncwarp();  // this token's counts before the next token's
   }
+  int32_t* count = p.chunk_count + c * width;
+  for (int64_t i = lane; i < width; i += 32) count[i] = ws.row[i];
 }
 
 // Thread per column: the exclusive scan of `values` over rows [first, end) (rows `width` apart)
@@ -203,6 +218,22 @@ __device__ void first_block_first(const Shape& s, const RouteJob& job, CallState
   __syncthreads();
 }
 
+// Chunk c's slot ids into `ids` and slot_expert: read and checked (canonicalize), or (a drop rule's
+// second run) read back from slot_expert.
+__device__ void chunk_ids(const Shape& s, const RouteJob& job, int64_t tokens, int64_t c, int32_t* ids, DeviceStatus* st,
+                          int lane) {
+  const int64_t first = c * kChunkTokens, pairs = (min(first + kChunkTokens, tokens) - first) * s.topk;
+  int32_t* global = job.slot_expert + first * s.topk;
+  if (job.canonicalize) {
+    if (lane < kChunkTokens && first + lane < tokens) canonicalize_token(s, job, first + lane, ids + lane * s.topk, st);
+    __syncwarp();
+    for (int64_t i = lane; i < pairs; i += 32) global[i] = ids[i];
+  } else {
+    for (int64_t i = lane; i < pairs; i += 32) ids[i] = global[i];
+  }
+  __syncwarp();
+}
+
 // One block per SM at most (ptxas would otherwise keep registers for two and spill).
 __global__ void __launch_bounds__(kThreads, 1) plan_dispatch_kernel(PeerWindows w, WindowMap m, Shape s,
                                                                     int64_t tokens, RouteJob job, ExchangeJob x,
@@ -214,12 +245,13 @@ __global__ void __launch_bounds__(kThreads, 1) plan_dispatch_kernel(PeerWindows 
   const int64_t first = blockIdx.x * p.chunks_per_block, end = min(chunks, first + p.chunks_per_block);
   if (needs_first_block(job)) first_block_first(s, job, cs, st);
   zero_part(job.zeroed, blockIdx.x, gridDim.x);  // fenced by last_block before the layout's writes
-  for (int64_t c = first + threadIdx.x / 32; c < end; c += kWarps) {
-    const int64_t t = c * kChunkTokens + lane;
-    if (job.canonicalize && lane < kChunkTokens && t < tokens)
-      canonicalize_token(s, job, t, st);
-    __syncwarp();  // the chunk's slots, written by its lanes, before they are counted
-    if (job.positions) count_chunk(s, tokens, job.slot_expert, p, c, lane);
+  // The first job.chunk_warps warps take the chunks (as many as the shared memory holds).
+  const WarpShared ws = warp_shared(s);
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  for (int64_t c = first + warp; warp < job.chunk_warps && c < end; c += job.chunk_warps) {
+    chunk_ids(s, job, tokens, c, ws.ids, st, lane);
+    if (job.positions) count_chunk(s, tokens, ws, p, c, lane);
+    __syncwarp();  // every lane is done with the chunk's ids and row before the next chunk's
   }
   if (job.canonicalize) scan_finite_all(job.finite, tokens, blockIdx.x, gridDim.x, s.rank, st);
   __syncthreads();
@@ -235,6 +267,24 @@ __global__ void __launch_bounds__(kThreads, 1) plan_dispatch_kernel(PeerWindows 
   __syncthreads();  // the totals for the whole block
   // EPLB: the table's hash (the first block's) goes with the plan, so tables that differ fail every rank.
   exchange_plan_block<kThreads>(w, m, s, x, timeout_ns, cs, st, job.replicas.table ? &cs->replica_hash : nullptr);
+}
+
+// The dynamic shared memory a block of the plan kernel may take on this device (its opt-in limit
+// less the kernel's static shared memory), found once.
+int64_t plan_shared_limit() {
+  static const int64_t limit = [] {
+    int device = 0, optin = 0;
+    EPX_CUDA(cudaGetDevice(&device));
+    EPX_CUDA(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    cudaFuncAttributes attributes{};
+    EPX_CUDA(cudaFuncGetAttributes(&attributes, plan_dispatch_kernel));
+    return static_cast<int64_t>(optin) - static_cast<int64_t>(attributes.sharedSizeBytes);
+  }();
+  return limit;
+}
+
+int64_t warp_shared_bytes(int64_t topk, int64_t width) {
+  return warp_shared_ints(topk, width) * static_cast<int64_t>(sizeof(int32_t));
 }
 
 // Blocks of per_block consecutive chunks that cover `tokens` tokens (one at least: the exchange).
@@ -254,10 +304,22 @@ PlanSplit plan_split(int blocks, int64_t tokens) {
 void plan_dispatch(const Ctx& ctx, int64_t tokens, const RouteJob& route, const ExchangeJob& x) {
   // The grid the handle's positions were carved for (route.pos.chunks_per_block: plan_split's).
   const int grid = plan_grid(tokens, route.pos.chunks_per_block);
-  plan_dispatch_kernel<<<grid, kThreads, 0, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, tokens, route, x,
-                                                                    ctx.timeout_ns, ctx.state, ctx.status);
+  RouteJob job = route;
+  const int64_t width = ctx.shape.experts + ctx.shape.ranks;
+  job.chunk_warps = plan_chunk_warps(ctx.shape.topk, width);
+  const size_t shared = static_cast<size_t>(job.chunk_warps * warp_shared_bytes(ctx.shape.topk, width));
+  plan_dispatch_kernel<<<grid, kThreads, shared, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, tokens, job, x,
+                                                               ctx.timeout_ns, ctx.state, ctx.status);
 }
 
-void preload_route_kernels() { preload(plan_dispatch_kernel); }
+int plan_chunk_warps(int64_t topk, int64_t width) {
+  return static_cast<int>(std::min<int64_t>(kWarps, plan_shared_limit() / warp_shared_bytes(topk, width)));
+}
+
+void preload_route_kernels() {
+  preload(plan_dispatch_kernel);
+  EPX_CUDA(cudaFuncSetAttribute(plan_dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                static_cast<int>(plan_shared_limit())));
+}
 
 }  // namespace epx::detail::kernels
