@@ -137,7 +137,8 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
             "buffer: the CUDA backend supports max_tokens_per_rank < 2^27, got ", config.max_tokens_per_rank);
     device_ = state->device(rank_);
     EPX_CUDA(cudaSetDevice(device_));
-    require(kernels::plan_chunk_warps(config.topk, replicas_.physical + ranks_) >= 1, "buffer: the CUDA backend's ",
+    plan_warps_ = kernels::plan_chunk_warps(config.topk, replicas_.physical + ranks_);
+    require(plan_warps_ >= 1, "buffer: the CUDA backend's ",
             "plan counts each chunk of 16 tokens in shared memory: 16 x topk + num_physical_experts + ranks = ",
             16 * config.topk + replicas_.physical + ranks_, " counts do not fit on cuda:", device_);
     int sms = 0;

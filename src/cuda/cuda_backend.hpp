@@ -204,6 +204,7 @@ class CudaBackend final : public Backend {
 
   int rank_, ranks_, device_;
   int blocks_ = 0;       // the SM budget: blocks of the data-moving kernels
+  int plan_warps_ = 0;   // warps of a plan block that count chunks (kernels::plan_chunk_warps)
   // Of the blocks, those that send (the rest receive or reduce) in a dispatch or a combine.
   int send_blocks(bool dispatch, Layout layout) const;
   // Of the blocks of combine_backward's and cached_dispatch's transfer, those that send (none at

@@ -202,6 +202,7 @@ int CudaBackend::plan(const Call& call, int64_t signature, const DispatchRequest
   job.slot_expert = dh.slot_expert;
   job.slot_weight = dh.slot_weight;
   job.pos = dh.pos;
+  job.chunk_warps = plan_warps_;
   int phase = 0;
   const bool drop = c.capacity_factor > 0.0;
   if (drop) {  // a first exchange fixes what is kept

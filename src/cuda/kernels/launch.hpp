@@ -282,12 +282,12 @@ struct RouteJob {
   // goes into slot_expert and into `chosen` ([T, K], DispatchResult::topk_physical).
   ReplicaTable replicas;
   int32_t* chosen = nullptr;
-  int chunk_warps = 0;  // set by plan_dispatch: the warps whose chunk ids and counts fit in shared memory
+  int chunk_warps = 0;  // plan_chunk_warps of the buffer's shape (found at its creation)
 };
 void plan_dispatch(const Ctx& ctx, int64_t tokens, const RouteJob& route, const ExchangeJob& x);
 // How many of the plan kernel's warps count chunks on the current device with K = topk and
-// width = E + R (0: 16 K + width counts do not fit in a block's shared memory; the buffer refuses
-// such a shape at creation).
+// width = E + R: as many as their shares (16 K + width counts each) fit in a block's shared
+// memory, at most 16 (0: not one; the buffer refuses such a shape at creation).
 int plan_chunk_warps(int64_t topk, int64_t width);
 
 // The dispatch's transfer (dispatch.cu): this rank's routing and positions (the plan kernel's)

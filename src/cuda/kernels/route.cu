@@ -65,6 +65,7 @@ __device__ void read_token(const Shape& s, const RoutingInput& in, int64_t t, in
 #pragma unroll
         for (int j = 0; j < i; ++j)
           if (!repeat && id[j] == id[i]) repeat = true, report(st, kStatusRepeatedExpert, s.rank, t, k0 + j, id[i]);
+        if (repeat) e[k0 + i] = -1, w[k0 + i] = 0.0f, id[i] = -1;  // the first slot keeps it (the call fails)
       }
     }
     return;
@@ -83,9 +84,9 @@ __device__ void read_token(const Shape& s, const RoutingInput& in, int64_t t, in
   for (; k < s.topk; ++k) e[k] = -1, w[k] = 0.0f;
 }
 
-// Token t's routing into e[K] (the warp's chunk ids in shared memory) and slot_weight: read and
-// checked, then (EPLB) each slot's logical expert mapped to its replica, also written to `chosen`,
-// and (counts not null) counted per (physical) expert.
+// Token t's routing into e[K] (the warp's chunk ids in shared memory, which chunk_ids copies to
+// slot_expert) and slot_weight: read and checked, then (EPLB) each slot's logical expert mapped to
+// its replica, also written to `chosen`, and (counts not null) counted per (physical) expert.
 __device__ void canonicalize_token(const Shape& s, const RouteJob& job, int64_t t, int32_t* e, DeviceStatus* st) {
   float* w = job.slot_weight + t * s.topk;
   read_token(s, job.in, t, e, w, st);
@@ -269,18 +270,15 @@ __global__ void __launch_bounds__(kThreads, 1) plan_dispatch_kernel(PeerWindows 
   exchange_plan_block<kThreads>(w, m, s, x, timeout_ns, cs, st, job.replicas.table ? &cs->replica_hash : nullptr);
 }
 
-// The dynamic shared memory a block of the plan kernel may take on this device (its opt-in limit
-// less the kernel's static shared memory), found once.
+// The dynamic shared memory a block of the plan kernel may take on the current device (its opt-in
+// limit less the kernel's static shared memory).
 int64_t plan_shared_limit() {
-  static const int64_t limit = [] {
-    int device = 0, optin = 0;
-    EPX_CUDA(cudaGetDevice(&device));
-    EPX_CUDA(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    cudaFuncAttributes attributes{};
-    EPX_CUDA(cudaFuncGetAttributes(&attributes, plan_dispatch_kernel));
-    return static_cast<int64_t>(optin) - static_cast<int64_t>(attributes.sharedSizeBytes);
-  }();
-  return limit;
+  int device = 0, optin = 0;
+  EPX_CUDA(cudaGetDevice(&device));
+  EPX_CUDA(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  cudaFuncAttributes attributes{};
+  EPX_CUDA(cudaFuncGetAttributes(&attributes, plan_dispatch_kernel));
+  return static_cast<int64_t>(optin) - static_cast<int64_t>(attributes.sharedSizeBytes);
 }
 
 int64_t warp_shared_bytes(int64_t topk, int64_t width) {
@@ -304,11 +302,9 @@ PlanSplit plan_split(int blocks, int64_t tokens) {
 void plan_dispatch(const Ctx& ctx, int64_t tokens, const RouteJob& route, const ExchangeJob& x) {
   // The grid the handle's positions were carved for (route.pos.chunks_per_block: plan_split's).
   const int grid = plan_grid(tokens, route.pos.chunks_per_block);
-  RouteJob job = route;
   const int64_t width = ctx.shape.experts + ctx.shape.ranks;
-  job.chunk_warps = plan_chunk_warps(ctx.shape.topk, width);
-  const size_t shared = static_cast<size_t>(job.chunk_warps * warp_shared_bytes(ctx.shape.topk, width));
-  plan_dispatch_kernel<<<grid, kThreads, shared, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, tokens, job, x,
+  const size_t shared = static_cast<size_t>(route.chunk_warps * warp_shared_bytes(ctx.shape.topk, width));
+  plan_dispatch_kernel<<<grid, kThreads, shared, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, tokens, route, x,
                                                                ctx.timeout_ns, ctx.state, ctx.status);
 }
 
