@@ -146,6 +146,9 @@ class CudaBackend final : public Backend {
                                        const std::function<void(const HandleState&)>& validate);
   bool start_copy_return(const HandleState& h, const TensorView& rows, const TensorView& slot_values,
                          kernels::CombineArgs& a, std::vector<Tensor>& staging);
+  // After the kernels of a copy-engine return: the call's stream waits for its copies (their rows
+  // are read until then), if it made any.
+  void join_copy_return();
   // This rank's signal counters as read now, for a timeout's message.
   std::string signals_now() const;
   // Publishes the device status, then sync_and_raise.
@@ -233,6 +236,7 @@ class CudaBackend final : public Backend {
   cudaEvent_t plan_done_ = nullptr;  // blocking mode: the call's last plan exchange (and its report) is done
   cudaEvent_t broadcast_begun_ = nullptr;  // copy-engine dispatch: the peers' regions are free
   bool broadcast_ = false;  // dispatch moves its rows by copy engine (kernels/broadcast.cu)
+  bool copies_in_flight_ = false;  // start_copy_return queued copies that join_copy_return waits for
   bool copy_combine_ = false;  // blocking combine and dispatch_backward return their rows by copy engine
   std::shared_ptr<CUmemPoolHandle_st> pool_;  // outputs and handles; kept alive by every tensor from it
   // Dispatch output blocks whose tensors are gone, for the next dispatch: a pool allocation

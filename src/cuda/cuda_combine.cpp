@@ -47,10 +47,8 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
   kernels::combine(ctx(), by_copy ? 0 : send_blocks(false, h->layout), dh.recv, h->layout, h->tokens, dh.pos.send_pos,
                    dh.slot_expert, a);
   timer_.mark(3, stream_);
-  if (by_copy) {
-    EPX_CUDA(cudaStreamWaitEvent(stream_, copies_done_, 0));  // y is read until then
-    timer_.add("combine: copies", 4, 5);
-  }
+  if (by_copy && copies_in_flight_) timer_.add("combine: copies", 4, 5);
+  join_copy_return();  // y is read until then
   out.overflow = h->recv.num_rows > h->recv.capacity;
   if (by_copy && h->layout == Layout::expert_major) {
     timer_.add("combine: partials, other ranks'", 8, 9);
@@ -95,17 +93,22 @@ bool CudaBackend::start_copy_return(const HandleState& h, const TensorView& rows
   a.by_copy = true;
   a.own_rows = from.ptr<const uint16_t>() + own * from.strides[0];
   if (from_slots.defined()) a.own_slot_values = from_slots.ptr<const float>() + own * from_slots.strides[0];
-  EPX_CUDA(cudaEventRecord(fork_, stream_));
-  EPX_CUDA(cudaStreamWaitEvent(copy_stream_, fork_, 0));
-  timer_.mark(4, copy_stream_);
   const kernels::ReturnRows r{static_cast<const char*>(from.data), from.strides[0] * 2,
                               from_slots.defined() ? static_cast<const char*>(from_slots.data) : nullptr,
                               from_slots.defined() ? from_slots.strides[0] * 4 : 0};
   const auto pieces = kernels::return_pieces(ctx(), r, h.recv.rank_offsets,
                                              reinterpret_cast<const char*>(call_state_) + offsetof(CallState, call));
-  kernels::copy_pieces(pieces, copy_stream_);
-  timer_.mark(5, copy_stream_);
-  EPX_CUDA(cudaEventRecord(copies_done_, copy_stream_));
+  // No other rank holds rows of this one (one rank): no copies, so no fork and join of the copy
+  // stream either (four host calls, on the path of a short call's latency).
+  copies_in_flight_ = !pieces.empty();
+  if (copies_in_flight_) {
+    EPX_CUDA(cudaEventRecord(fork_, stream_));
+    EPX_CUDA(cudaStreamWaitEvent(copy_stream_, fork_, 0));
+    timer_.mark(4, copy_stream_);
+    kernels::copy_pieces(pieces, copy_stream_);
+    timer_.mark(5, copy_stream_);
+    EPX_CUDA(cudaEventRecord(copies_done_, copy_stream_));
+  }
   if (h.layout == Layout::expert_major) {  // this rank's own partials, while the copies run
     kernels::reduce_partials(ctx(), device_of(h).recv, a, {partials.rows, partials.slots, own, own_rows, own_rows, 0});
     timer_.mark(10, stream_);
@@ -114,6 +117,11 @@ bool CudaBackend::start_copy_return(const HandleState& h, const TensorView& rows
     a.slot_values_stride = from_slots.defined() ? from_slots.strides[0] : 0;
   }
   return true;
+}
+
+void CudaBackend::join_copy_return() {
+  if (copies_in_flight_) EPX_CUDA(cudaStreamWaitEvent(stream_, copies_done_, 0));
+  copies_in_flight_ = false;
 }
 
 DispatchBackwardResult CudaBackend::dispatch_backward(const DispatchBackwardInput& in, const Handle& handle) {
@@ -148,7 +156,7 @@ DispatchBackwardResult CudaBackend::dispatch_backward(const DispatchBackwardInpu
   a.host_status = host_status_;  // the kernel's last block ends the call
   kernels::combine(ctx(), by_copy ? 0 : send_blocks(false, h->layout), dh.recv, h->layout, h->tokens, dh.pos.send_pos,
                    dh.slot_expert, a);
-  if (by_copy) EPX_CUDA(cudaStreamWaitEvent(stream_, copies_done_, 0));  // the inputs are read until then
+  join_copy_return();  // the inputs are read until then
   end_call(call, plan_failed || (c.mode == CapacityMode::blocking && !copies_wait_for_plan() && !plan_ok()), true);
   return out;
 }
