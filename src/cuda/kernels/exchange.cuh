@@ -85,7 +85,8 @@ __device__ inline void check_plans_block(const PeerWindows& w, const WindowMap& 
 }
 
 // Thread 0, last in the exchange: the status so far and (with a layout) the sizes, for the host's
-// one read; the host waits for the kernel (an event), so the fence only orders the writes.
+// one read. No fence: the host reads them only after an event behind the kernel, and a kernel's
+// writes to mapped host memory are visible once it has completed.
 __device__ inline void write_report(const ReportJob& job, int ranks, const RecvArrays* r, const DeviceStatus* st) {
   PlanReport* to = job.to;
   const volatile DeviceStatus* now = st;
@@ -100,7 +101,6 @@ __device__ inline void write_report(const ReportJob& job, int ranks, const RecvA
     for (int p = 0; p <= ranks; ++p) to->rank_offsets[p] = r->rank_offsets[p];
   }
   to->dropped = job.dropped ? *job.dropped : 0;
-  __threadfence_system();
 }
 
 // The whole exchange of job.phase (every thread of a kThreads block calls it). replica_hash: a
