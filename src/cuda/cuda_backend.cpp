@@ -59,7 +59,7 @@ WindowMap make_window_map(const BufferConfig& c, int64_t experts, int ranks, con
     return here;
   };
   m.signals = take(8 * kSignalKinds * ranks);
-  m.plan_stride = round16(static_cast<int64_t>(sizeof(PlanHeader)) + 8 * (experts + ranks));
+  m.plan_stride = round16(kPlanCountsAt + 8 * (experts + ranks));
   m.plans = take(2 * 2 * ranks * m.plan_stride);
   m.max_chunks = (c.max_tokens_per_rank + kChunkTokens - 1) / kChunkTokens;
   m.fwd_chunk_flag = take(8 * ranks * m.max_chunks);

@@ -115,8 +115,8 @@ void CudaBackend::raise(const DeviceStatus& st, const Call& call) {
       if (st.a == kStatusHostRejected) {
         // A host rejection is posted in the call's first plan exchange (phase 0).
         const char* msg = window_->local() + map_.plans + (call.plan_slot(0) * ranks_ + st.rank) * map_.plan_stride +
-                          offsetof(PlanHeader, message);
-        char text[sizeof(PlanHeader::message)] = {};
+                          kPlanMessageAt;
+        char text[sizeof(PlanMessage::text)] = {};
         EPX_CUDA(cudaMemcpy(text, msg, sizeof text - 1, cudaMemcpyDeviceToHost));
         reason = text;
       } else if (st.a == kStatusTimeout || st.a == kStatusPeerRejected || st.a == kStatusCallMismatch ||
@@ -215,16 +215,17 @@ PlanHeader CudaBackend::plan_header(const Call& call, const std::string& error, 
   h.call_index = call.index;
   h.tokens = tokens;
   h.signature = signature;
-  // The peers quote it: a reason longer than the slot ends in "..." (this rank throws it whole).
-  std::strncpy(h.message, error.c_str(), sizeof h.message - 1);
-  if (error.size() > sizeof h.message - 1) std::memcpy(h.message + sizeof h.message - 4, "...", 3);
   return h;
 }
 
 void CudaBackend::reject(const Call& call, int phases, const std::string& error, int64_t tokens, int64_t signature) {
   const PlanHeader h = plan_header(call, error, tokens, signature);
+  // The peers quote it: a reason longer than the slot ends in "..." (this rank throws it whole).
+  PlanMessage message{};
+  std::strncpy(message.text, error.c_str(), sizeof message.text - 1);
+  if (error.size() > sizeof message.text - 1) std::memcpy(message.text + sizeof message.text - 4, "...", 3);
   for (int phase = 0; phase < phases; ++phase) {  // peers wait for every exchange of the call
-    kernels::post_plan(ctx(), h, nullptr, 0, phase, phase == 0 && !call.begun_on_device);
+    kernels::post_plan(ctx(), h, message, phase, phase == 0 && !call.begun_on_device);
     kernels::wait_signals(ctx(), kSignalPlan, 1, /*wait=*/false);  // keeps this rank's targets in step
   }
   // In capacity mode the peers find the rejection on the device and raise it at their next call

@@ -47,7 +47,8 @@ struct PlanReport {
   int64_t rank_offsets[kMaxRanks + 1];
 };
 
-// The message every rank posts at the start of every call; followed by counts[E] int64.
+// The message every rank posts at the start of every call. A plan slot holds it, then a host
+// rejection's words (PlanMessage), then the counts (int64 [E + R]).
 struct PlanHeader {
   int32_t call_kind;  // 0 dispatch, 1 combine, 2 dispatch_backward, 3 combine_backward
   int32_t error;      // StatusCode of this rank's own input check
@@ -56,8 +57,15 @@ struct PlanHeader {
   int64_t signature;  // hash of the options that must agree
   int64_t detail[3];  // error details
   int64_t replica_hash;  // a dispatch with EPLB: a hash of this rank's replica table (0 otherwise)
-  char message[256];  // a host-side rejection, in words
 };
+// A host-side rejection, in words. Only a rejecting rank posts it (post_plan), and peers read it
+// only for that error (kStatusHostRejected), so a good call's exchange neither carries it in its
+// kernel's parameters nor writes it.
+struct PlanMessage {
+  char text[256];
+};
+constexpr int64_t kPlanMessageAt = sizeof(PlanHeader);                      // in a plan slot
+constexpr int64_t kPlanCountsAt = sizeof(PlanHeader) + sizeof(PlanMessage);  // in a plan slot
 
 // Dispatch moves tokens in chunks of this many consecutive source tokens: the unit of the
 // positions scan, of the per-chunk ready flags, and of the receivers' and reducers' work.

@@ -10,10 +10,11 @@
 
 namespace epx::detail::kernels {
 
-// One block: write header (+ counts) into every rank's plan slot for this rank, then signal.
+// One block: write header (+ counts, + a rejection's message) into every rank's plan slot for
+// this rank, then signal.
 __device__ inline void post_plan_block(const PeerWindows& w, const WindowMap& m, PlanHeader header,
                                        const int64_t* counts, int64_t count_len, int phase, const CallState* cs,
-                                       DeviceStatus* st) {
+                                       DeviceStatus* st, const PlanMessage* message = nullptr) {
   const int slot = plan_slot(cs, phase);
   if (threadIdx.x == 0) {
     header.call_index = static_cast<int64_t>(cs->call) - 1;
@@ -28,8 +29,9 @@ __device__ inline void post_plan_block(const PeerWindows& w, const WindowMap& m,
   for (int p = 0; p < w.ranks; ++p) {
     char* plan = at_window<char>(w, p, m.plans + (slot * w.ranks + w.rank) * m.plan_stride);
     if (threadIdx.x == 0) *reinterpret_cast<PlanHeader*>(plan) = header;
+    if (message && threadIdx.x == 0) *reinterpret_cast<PlanMessage*>(plan + kPlanMessageAt) = *message;
     for (int64_t i = threadIdx.x; i < count_len; i += blockDim.x)
-      reinterpret_cast<int64_t*>(plan + sizeof(PlanHeader))[i] = counts[i];
+      reinterpret_cast<int64_t*>(plan + kPlanCountsAt)[i] = counts[i];
   }
   block_done_signal(w, m, kSignalPlan);
 }
@@ -79,7 +81,7 @@ __device__ inline void check_plans_block(const PeerWindows& w, const WindowMap& 
   if (!with_counts) return;
   for (int64_t e = threadIdx.x; e < s.experts; e += blockDim.x) {
     int64_t prefix = 0;
-    for (int p = 0; p < w.rank; ++p) prefix += reinterpret_cast<const int64_t*>(plan(p) + sizeof(PlanHeader))[e];
+    for (int p = 0; p < w.rank; ++p) prefix += reinterpret_cast<const int64_t*>(plan(p) + kPlanCountsAt)[e];
     expert_prefix[e] = prefix;
   }
 }

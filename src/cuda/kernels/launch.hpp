@@ -63,10 +63,10 @@ void preload_broadcast_kernels();
 // Starts a call on the device: the call number advances, the status is cleared. A call may also
 // begin in its first plan exchange (ExchangeJob::begins_call) or its rejection's post.
 void begin_call(const Ctx& ctx);
-// Posts this rank's plan (header + `count_len` int64 counts, or none) into every rank's plan slot
-// of this call's `phase` and signals it. The call number and the error fields of the header come
-// from the device (ctx.state, ctx.status). begins_call: the call begins here first.
-void post_plan(const Ctx& ctx, const PlanHeader& header, const int64_t* counts, int64_t count_len, int phase,
+// Posts this rank's rejection (its plan header and message, no counts) into every rank's plan
+// slot of this call's `phase` and signals it. The call number and the error fields of the header
+// come from the device (ctx.state, ctx.status). begins_call: the call begins here first.
+void post_plan(const Ctx& ctx, const PlanHeader& header, const PlanMessage& message, int phase,
                bool begins_call = false);
 // Advances the target of signal `kind` by `increment` and (when `wait`) waits for every rank's
 // counter to reach it.

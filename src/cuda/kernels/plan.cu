@@ -12,10 +12,10 @@ namespace {
 
 __global__ void begin_call_kernel(CallState* cs, DeviceStatus* st) { begin_call_block(cs, st); }
 
-__global__ void post_plan_kernel(PeerWindows w, WindowMap m, PlanHeader header, const int64_t* counts,
-                                 int64_t count_len, int phase, bool begins_call, CallState* cs, DeviceStatus* st) {
+__global__ void post_plan_kernel(PeerWindows w, WindowMap m, PlanHeader header, PlanMessage message, int phase,
+                                 bool begins_call, CallState* cs, DeviceStatus* st) {
   if (begins_call) begin_call_block(cs, st);
-  post_plan_block(w, m, header, counts, count_len, phase, cs, st);
+  post_plan_block(w, m, header, nullptr, 0, phase, cs, st, &message);
 }
 
 __global__ void wait_kernel(PeerWindows w, WindowMap m, int kind, uint64_t increment, bool wait, uint64_t timeout_ns,
@@ -57,10 +57,9 @@ __global__ void publish_status_kernel(const DeviceStatus* st, DeviceStatus* host
 
 void begin_call(const Ctx& ctx) { begin_call_kernel<<<1, 1, 0, ctx.stream>>>(ctx.state, ctx.status); }
 
-void post_plan(const Ctx& ctx, const PlanHeader& header, const int64_t* counts, int64_t count_len, int phase,
-               bool begins_call) {
-  post_plan_kernel<<<1, 256, 0, ctx.stream>>>(ctx.peers, ctx.map, header, counts, counts ? count_len : 0, phase,
-                                              begins_call, ctx.state, ctx.status);
+void post_plan(const Ctx& ctx, const PlanHeader& header, const PlanMessage& message, int phase, bool begins_call) {
+  post_plan_kernel<<<1, 256, 0, ctx.stream>>>(ctx.peers, ctx.map, header, message, phase, begins_call, ctx.state,
+                                              ctx.status);
 }
 
 void wait_signals(const Ctx& ctx, int kind, uint64_t increment, bool wait) {

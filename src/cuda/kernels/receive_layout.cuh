@@ -12,7 +12,7 @@ namespace epx::detail::kernels {
 
 // A plan's counts: pairs per expert [E], then tokens per destination rank [R].
 __device__ inline const int64_t* plan_totals(const PeerWindows& w, const WindowMap& m, int slot, int p) {
-  return at_window<const int64_t>(w, w.rank, m.plans + (slot * w.ranks + p) * m.plan_stride + sizeof(PlanHeader));
+  return at_window<const int64_t>(w, w.rank, m.plans + (slot * w.ranks + p) * m.plan_stride + kPlanCountsAt);
 }
 
 // Every thread of the block calls it (blockDim.x == kThreads); a failed call receives nothing.
