@@ -61,7 +61,7 @@ struct PlanHeader {
 // A host-side rejection, in words. Only a rejecting rank posts it (post_plan), and peers read it
 // only for that error (kStatusHostRejected), so a good call's exchange neither carries it in its
 // kernel's parameters nor writes it.
-struct PlanMessage {
+struct alignas(16) PlanMessage {  // aligned: its copy into a peer's slot is 16 vector stores
   char text[256];
 };
 constexpr int64_t kPlanMessageAt = sizeof(PlanHeader);                      // in a plan slot
@@ -87,7 +87,7 @@ constexpr int kMaxPieces = 16;
 // Byte offsets inside every rank's window (the same on all ranks).
 struct WindowMap {
   int64_t signals;       // uint64 [kSignalKinds][R]
-  int64_t plans;         // [2 parities][2 phases][R] plan_stride bytes: header + int64 [E + R]
+  int64_t plans;         // [2 parities][2 phases][R] plan_stride bytes: header, message, int64 [E + R]
   int64_t plan_stride;
   int64_t max_chunks;    // chunks of max_tokens
   int64_t fwd_chunk_flag;   // uint64 [R][max_chunks]: chunk c from source s is here: epoch << 32 | its range
