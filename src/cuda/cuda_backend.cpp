@@ -15,6 +15,7 @@
 #include "core/validate.hpp"
 #include "cuda/copy_cuts.hpp"
 #include "cuda/cuda_check.hpp"
+#include "cuda/stream_pool.hpp"
 #include "cuda/device_handle.hpp"
 #include "cuda/stream_switch.hpp"
 
@@ -170,11 +171,10 @@ CudaBackend::CudaBackend(const Group& group, const BufferConfig& config)
   std::memset(host_status_, 0, sizeof(DeviceStatus));
   EPX_CUDA(cudaHostAlloc(&plan_report_, sizeof(PlanReport), cudaHostAllocMapped));
   std::memset(plan_report_, 0, sizeof(PlanReport));
-  cudaStream_t own = nullptr;
-  EPX_CUDA(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking));
-  owned_stream_ = std::shared_ptr<CUstream_st>(own, [](cudaStream_t st) { cudaStreamDestroy(st); });
+  cudaStream_t own = take_stream(device_);  // stream_pool.hpp: why pooled
+  owned_stream_ = std::shared_ptr<CUstream_st>(own, [dev = device_](cudaStream_t st) { give_back_stream(dev, st); });
   stream_ = own;
-  if (broadcast_ || copy_combine_) EPX_CUDA(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
+  if (broadcast_ || copy_combine_) copy_stream_ = take_stream(device_);
   if (broadcast_) EPX_CUDA(cudaEventCreateWithFlags(&broadcast_begun_, cudaEventDisableTiming));
   EPX_CUDA(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
   EPX_CUDA(cudaEventCreateWithFlags(&copies_done_, cudaEventDisableTiming));
@@ -236,7 +236,7 @@ CudaBackend::~CudaBackend() {
   cudaEventDestroy(fork_);
   cudaEventDestroy(plan_done_);
   cudaEventDestroy(copies_done_);
-  if (copy_stream_) cudaStreamDestroy(copy_stream_);
+  give_back_stream(device_, copy_stream_);
   if (broadcast_begun_) cudaEventDestroy(broadcast_begun_);
 }
 

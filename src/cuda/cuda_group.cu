@@ -13,6 +13,7 @@
 
 #include "core/check.hpp"
 #include "cuda/cuda_check.hpp"
+#include "cuda/stream_pool.hpp"
 #include "cuda/cuda_group.hpp"
 #include "epx/cuda.hpp"
 #include "host/peer_barrier.hpp"
@@ -106,8 +107,7 @@ std::vector<std::string> nccl_all_gather(ncclComm_t comm, int device, const std:
   std::memcpy(mine.data(), &length, sizeof length);
   std::memcpy(mine.data() + sizeof length, record.data(), length);
   char* memory = nullptr;  // this rank's record, then every rank's
-  cudaStream_t stream = nullptr;
-  EPX_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaStream_t stream = take_stream(device);  // stream_pool.hpp: why pooled
   EPX_CUDA(cudaMallocAsync(&memory, kRecordBytes * (ranks + 1), stream));
   EPX_CUDA(cudaMemcpyAsync(memory, mine.data(), kRecordBytes, cudaMemcpyHostToDevice, stream));
   EPX_NCCL(ncclAllGather(memory, memory + kRecordBytes, kRecordBytes, ncclChar, comm, stream));
@@ -126,7 +126,7 @@ std::vector<std::string> nccl_all_gather(ncclComm_t comm, int device, const std:
   EPX_CUDA(cudaMemcpyAsync(all.data(), memory + kRecordBytes, all.size(), cudaMemcpyDeviceToHost, stream));
   EPX_CUDA(cudaFreeAsync(memory, stream));
   EPX_CUDA(cudaStreamSynchronize(stream));
-  EPX_CUDA(cudaStreamDestroy(stream));
+  give_back_stream(device, stream);
   std::vector<std::string> records(ranks);
   for (int r = 0; r < ranks; ++r) {
     const char* slot = all.data() + r * kRecordBytes;

@@ -19,6 +19,7 @@
 #include "core/validate.hpp"
 #include "core/wire.hpp"
 #include "cuda/cuda_check.hpp"
+#include "cuda/stream_pool.hpp"
 #include "cuda/cuda_group.hpp"
 #include "cuda/kernels/launch.hpp"
 #include "cuda/kernels/ll_launch.hpp"
@@ -111,7 +112,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     std::memset(host_status_, 0, sizeof(DeviceStatus));
     EPX_CUDA(cudaHostAlloc(&host_started_, 4 * sizeof(uint64_t), cudaHostAllocMapped));
     std::memset(host_started_, 0, 4 * sizeof(uint64_t));
-    EPX_CUDA(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
+    own_stream_ = take_stream(device_);  // stream_pool.hpp: why pooled
     EPX_CUDA(cudaEventCreateWithFlags(&stream_switch_, cudaEventDisableTiming));
     stream_ = own_stream_;
     EPX_CUDA(cudaDeviceSynchronize());
@@ -133,7 +134,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     cudaFree(replica_seen_);
     cudaFreeHost(host_status_);
     cudaFreeHost(host_started_);
-    cudaStreamDestroy(own_stream_);
+    give_back_stream(device_, own_stream_);
     cudaEventDestroy(stream_switch_);
   }
 
