@@ -51,3 +51,15 @@ set_tests_properties(bench_shared_expert PROPERTIES TIMEOUT 60 PASS_REGULAR_EXPR
 # The performance targets' report (tools/bench/check_targets.py) on made-up records.
 add_test(NAME bench_check_targets COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/check_targets_test.py)
 set_tests_properties(bench_check_targets PROPERTIES TIMEOUT 60 PASS_REGULAR_EXPRESSION "OK: check_targets.py")
+
+# --mode capacity: the high-throughput buffers in capacity mode, every op and both layouts verified
+# against the reference, at the exact row bound and with rows that overflow (the rows past
+# capacity_rows dropped, as the reference says).
+add_test(NAME bench_capacity_mode
+         COMMAND epx-bench --backend host --ranks 3 --tokens 48 --hidden 256 --experts 12 --topk 4 --mode capacity
+                 --wire bf16,fp8 --iters 1 --warmup 0)
+add_test(NAME bench_capacity_mode_overflow
+         COMMAND epx-bench --backend host --ranks 3 --tokens 48 --hidden 256 --experts 12 --topk 4 --mode capacity
+                 --capacity-rows 50 --wire bf16 --iters 1 --warmup 0)
+set_tests_properties(bench_capacity_mode bench_capacity_mode_overflow PROPERTIES TIMEOUT 60
+                     PASS_REGULAR_EXPRESSION "all results verified" FAIL_REGULAR_EXPRESSION "VERIFICATION FAILED")

@@ -60,6 +60,19 @@ RankOutputs run_rank(const Options& o, const Group& g, int device, const verify:
   return out;
 }
 
+void use_capacity_mode(const Options& o, verify::Problem& p, Layout layout) {
+  int64_t rows = o.capacity_rows;
+  if (rows == 0) {
+    const verify::Problem q = p.replicas.empty() ? p : verify::physical_problem(p);
+    const auto kept = verify::kept_routing(q);
+    for (int r = 0; r < q.ranks; ++r)
+      rows = std::max(rows, static_cast<int64_t>(verify::expected_dispatch(q, kept, r, layout).rows.size()));
+    rows = std::max<int64_t>(rows, 1);
+  }
+  p.cfg.mode = CapacityMode::capacity;
+  p.cfg.capacity_rows = rows;
+}
+
 void make_rank_inputs(const Options& o, const verify::Problem& p, int r, int64_t rows, bool weighted, RankOutputs& out) {
   const int64_t h = p.cfg.hidden, k_count = p.cfg.topk;
   out.y = verify::random_bf16(rows * h, o.seed * 7 + r);
@@ -189,6 +202,7 @@ Record base_record(const Options& o, const Ranks& ranks, const verify::Problem& 
   if (o.shared_gpu) rec.transport = "shared-gpu";
   rec.shared_expert = o.shared_expert;
   rec.replicas = o.replicas;
+  if (p.cfg.mode == CapacityMode::capacity && op.rfind("ll_", 0) != 0) rec.capacity_rows = p.cfg.capacity_rows;
   if (o.backend == "cuda" && op.rfind("ll_", 0) == 0) rec.timing = o.ll_eager ? "eager" : "graph";
   if (op.rfind("ll_", 0) == 0 && o.ll_weights_at_dispatch) rec.weights_at = "dispatch";
   if (o.backend == "cuda" && op.rfind("ll_", 0) != 0) {  // the engines asked for (docs/cuda.md)

@@ -52,6 +52,10 @@ struct Ranks {
   int sm_count = 0;  // of GPU 0 (the low-latency kernels take them all)
 };
 
+// --mode capacity: p's buffers in CapacityMode::capacity with o.capacity_rows rows, or (0) the most
+// rows any rank's `layout` of p needs (no overflow: the results are the blocking ones).
+void use_capacity_mode(const Options& o, verify::Problem& p, Layout layout);
+
 // Rank r's calls of one configuration on group g (its GPU `device`, -1 on the host), timed.
 RankOutputs run_rank(const Options& o, const Group& g, int device, const verify::Problem& p, Layout layout,
                      bool with_combine, const std::function<void()>& arrive);

@@ -59,6 +59,7 @@ bool write_json(const std::string& path, const std::vector<Record>& records) {
     if (!r.ranks_as.empty()) f << ", \"ranks_as\": " << quoted(r.ranks_as);
     if (r.shared_expert) f << ", \"shared_expert\": true";
     if (r.replicas > 0) f << ", \"replicas\": " << r.replicas;
+    if (r.capacity_rows > 0) f << ", \"mode\": \"capacity\", \"capacity_rows\": " << r.capacity_rows;
     if (!r.engines.empty()) f << ", \"engines\": " << quoted(r.engines);
     f << ", \"backend\": " << quoted(r.backend) << ", \"gpu\": " << (r.gpu.empty() ? "null" : quoted(r.gpu))
       << ", \"git_commit\": " << quoted(r.git_commit) << "}" << (i + 1 < records.size() ? "," : "") << "\n";

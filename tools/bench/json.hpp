@@ -42,6 +42,7 @@ struct Record {
   std::string ranks_as;    // "processes" with --processes (one process per rank); else empty (threads)
   bool shared_expert = false;  // --shared-expert (written only when true)
   int64_t replicas = 0;        // --replicas (written only when > 0)
+  int64_t capacity_rows = 0;   // --mode capacity: the buffers' capacity_rows (written with "mode" when > 0)
   std::string engines;    // CUDA high-throughput ops: the engines asked for ("dispatch=auto"); else empty
   std::string gpu;  // empty on the host backend
   std::string git_commit;

@@ -303,6 +303,7 @@ int run(const Options& o) {
                    std::string(wire_name(wire)).c_str());
       verify::Problem p = base;
       p.cfg.wire = wire;
+      if (o.capacity_mode) use_capacity_mode(o, p, layout);
       // combine and the backward passes take bf16 whatever the dispatch wire; run them once.
       const bool with_combine = wire == o.wires.front();
       const auto outs = run_config(o, ranks, p, layout, with_combine);

@@ -39,6 +39,11 @@ const char* kUsage = R"(epx-bench: dispatch and combine of one MoE layer over N 
                           against the plain problem of P experts)
   --shared-gpu            CUDA: all ranks on GPU 0 over the tests' shared-GPU transport (records say
                           "transport": "shared-gpu"; a test transport's times, real host steps)
+  --mode blocking|capacity  the high-throughput buffers' BufferConfig::mode (default blocking;
+                          capacity: no host read in a call, outputs of --capacity-rows rows; records
+                          say "mode": "capacity" and "capacity_rows")
+  --capacity-rows N       BufferConfig::capacity_rows with --mode capacity (default 0: the most rows
+                          any rank's layout of the run needs, so nothing overflows)
   --ll-eager              time low-latency calls one by one with events (host launch included)
                           instead of as CUDA-graph replays of 10 calls
   --processes             CUDA, high-throughput ops: one process per rank (one per GPU), as jobs
@@ -127,6 +132,10 @@ Options parse_options(int argc, char** argv) {
       if (v != "combine" && v != "dispatch") usage_error("--ll-weights-at takes combine or dispatch, got '" + v + "'");
       o.ll_weights_at_dispatch = v == "dispatch";
     }
+    else if (flag == "--mode") {
+      if (v != "blocking" && v != "capacity") usage_error("--mode is blocking or capacity, got '" + v + "'");
+      o.capacity_mode = v == "capacity";
+    } else if (flag == "--capacity-rows") o.capacity_rows = to_int(flag, v);
     else if (flag == "--ranks") o.ranks = static_cast<int>(to_int(flag, v));
     else if (flag == "--tokens") o.tokens = to_int(flag, v);
     else if (flag == "--hidden") o.hidden = to_int(flag, v);
@@ -210,8 +219,10 @@ Options parse_options(int argc, char** argv) {
       usage_error("--shared-gpu with high-throughput ops needs ranks x SM budget <= 128 (every rank's blocks on GPU 0 "
                   "at once); lower --ranks or --sms");
   }
+  if (o.capacity_rows > 0 && !o.capacity_mode) usage_error("--capacity-rows needs --mode capacity");
   if (o.processes) {
     if (o.backend != "cuda" || o.shared_gpu) usage_error("--processes needs --backend cuda, one GPU per rank");
+    if (o.capacity_mode) usage_error("--processes runs blocking mode only (its ranks' checks size inputs by the layout)");
     for (const std::string& op : o.ops)
       if (op == "ll_dispatch" || op == "ll_combine") usage_error("--processes runs the high-throughput ops only, not " + op);
   }

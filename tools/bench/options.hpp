@@ -37,6 +37,8 @@ struct Options {
   bool ll_eager = false;       // low-latency ops timed call by call (host launch included), not as graph replays
   bool ll_weights_at_dispatch = false;  // the combine's weights given to ll_dispatch instead of ll_combine
   bool processes = false;  // CUDA, high-throughput ops: one process per rank (bench/processes.hpp)
+  bool capacity_mode = false;  // high-throughput buffers in CapacityMode::capacity (recorded)
+  int64_t capacity_rows = 0;   // their capacity_rows (0: the most rows any rank's layout needs)
 };
 
 // Parses argv; prints usage and exits on --help or a bad flag.
