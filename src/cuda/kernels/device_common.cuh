@@ -3,16 +3,18 @@
 #include <cuda/atomic>
 
 #include "cuda/kernels/device_types.hpp"
+#include "cuda/kernels/kernel_frames.hpp"
 #include "epx/codec.hpp"
 
 namespace epx::detail {
 
 // Loads kernels now: CUDA loads a kernel lazily at its first launch, and loading may wait for
-// every kernel running on the device (docs/cuda.md).
+// every kernel running on the device (docs/cuda.md). Notes each one's stack frame (kernel_frames.hpp).
 template <typename... Kernel>
 void preload(Kernel... kernels) {
   cudaFuncAttributes attributes;
-  (cudaFuncGetAttributes(&attributes, kernels), ...);
+  ((cudaFuncGetAttributes(&attributes, kernels) == cudaSuccess ? note_kernel_frame(attributes.localSizeBytes) : void()),
+   ...);
 }
 
 __device__ inline uint64_t globaltimer_ns() {
