@@ -18,6 +18,8 @@ export CUDA_DEVICE_MAX_CONNECTIONS=32
 steps=${*:-all}
 summary=()
 note() { summary+=("$1"); echo "== $1"; }
+# The names of the tests a gtest log lists as failed, once each, on one line.
+failed_tests() { grep -E '^\[  FAILED  \] .*\(' "$1" | sed -E 's/^\[  FAILED  \] ([^ ,]*).*/\1/' | sort -u | tr '\n' ' '; }
 
 NCCL_DIR=$(python3 -c "import nvidia.nccl, os; print(nvidia.nccl.__path__[0])")
 nvidia-smi --query-gpu=index,name,memory.total,clocks.sm --format=csv > "$OUT/gpus.txt" 2>&1
@@ -48,7 +50,7 @@ if want tests; then
     --gtest_repeat="${GTEST_REPEAT:-1}" --gtest_output=json:"$OUT/gpu_tests.json" > "$OUT/gpu_tests.log" 2>&1
   rc=$?
   grep -E "^\[  (PASSED|FAILED)|^\[  FAILED  \]|Failure|Which is|Actual|Expected" "$OUT/gpu_tests.log" | head -60
-  failed=$(grep -E '^\[  FAILED  \] .*\(' "$OUT/gpu_tests.log" | sed -E 's/^\[  FAILED  \] ([^ ,]*).*/\1/' | sort -u | tr '\n' ' ')
+  failed=$(failed_tests "$OUT/gpu_tests.log")
   note "gpu tests rc=$rc: $(grep -E '^\[  PASSED' "$OUT/gpu_tests.log") failed: ${failed:-none}"
   # Dispatch and combine have two engines each (SM stores; copy engines, the defaults at two
   # ranks): the high-throughput tests once more with each forced, at every rank count.
@@ -56,7 +58,7 @@ if want tests; then
     EPX_DISPATCH_ENGINE=$engine EPX_COMBINE_ENGINE=$engine EPX_TIMEOUT_MS=${EPX_TIMEOUT_MS:-10000} timeout 300 \
       ./build-gpu/tests/epx_gpu_tests --gtest_filter="${ENGINE_FILTER:-*Cuda*:-*LowLatency*}" > "$OUT/gpu_tests_$engine.log" 2>&1
     rc=$?
-    failed=$(grep -E '^\[  FAILED  \] .*\(' "$OUT/gpu_tests_$engine.log" | sed -E 's/^\[  FAILED  \] ([^ ,]*).*/\1/' | sort -u | tr '\n' ' ')
+    failed=$(failed_tests "$OUT/gpu_tests_$engine.log")
     note "gpu tests, $engine engines, rc=$rc: $(grep -E '^\[  PASSED' "$OUT/gpu_tests_$engine.log") failed: ${failed:-none}"
   done
 fi
@@ -246,7 +248,7 @@ if want holdback; then
   EPX_TIMEOUT_MS=${EPX_TIMEOUT_MS:-10000} timeout $((30 * passes + 60)) ./build-gpu/tests/epx_gpu_tests \
     --gtest_filter='*shared*' --gtest_repeat="$passes" > "$OUT/holdback.log" 2>&1
   rc=$?
-  failed=$(grep -E '^\[  FAILED  \] .*\(' "$OUT/holdback.log" | sed -E 's/^\[  FAILED  \] ([^ ,]*).*/\1/' | sort -u | tr '\n' ' ')
+  failed=$(failed_tests "$OUT/holdback.log")
   note "holdback: rc=$rc, $(grep -c '^\[  PASSED' "$OUT/holdback.log") of $passes passes of the shared-GPU tests, failed: ${failed:-none}"
 fi
 
