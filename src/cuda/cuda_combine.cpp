@@ -21,6 +21,9 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
   const bool waits = copy_return && copies_wait_for_plan();
   const int64_t options = (opt.weighted ? 1 : 0) + (copy_return ? 2 : 0);
   CombineResult out;
+  // The output before the plan exchange, so that nothing is enqueued between the exchange kernel
+  // and the combine kernel, which may then start as the exchange ends (launch_after_prior).
+  out.out = device_tensor(DType::bf16, {handle.valid() ? handle.state().tokens : 0, c.hidden});
   std::vector<Tensor> staging;
   const HandleState* h = &start_handle_call(call, handle, options, [&](const HandleState& state) {
     validate_combine(in, state, c, opt, DeviceKind::cuda);
@@ -32,8 +35,7 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
   });
   timer_.mark(1, stream_);
   const DeviceHandle& dh = device_of(*h);
-  // The output, the reducers' arguments and the copy-engine return.
-  out.out = device_tensor(DType::bf16, {h->tokens, c.hidden});
+  // The reducers' arguments and the copy-engine return.
   kernels::CombineArgs a{in.y.ptr<const uint16_t>(), in.y.strides[0], opt.weighted, nullptr, 0,
                          in.shared_out.defined() ? in.shared_out.ptr<const uint16_t>() : nullptr,
                          in.shared_out.defined() ? in.shared_out.strides[0] : 0, out.out.data<uint16_t>(), nullptr};

@@ -241,6 +241,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PeerWindows w, Window
                                                            Layout layout, int64_t tokens, const int32_t* send_pos,
                                                            const int32_t* slot_expert, CombineArgs a, int send_blocks,
                                                            CallState* cs, uint64_t timeout_ns, DeviceStatus* st) {
+  wait_for_prior_kernel();  // the plan exchange's checks
   const uint32_t epoch = call_epoch(cs);
   auto rows_aligned = [&](const void* p, int64_t stride_elems) {
     return aligned16(p) && stride_elems % 8 == 0;
@@ -288,8 +289,8 @@ void combine(const Ctx& ctx, int send_blocks, const RecvArrays& r, Layout layout
   const size_t smem = static_cast<size_t>(bulk_stage_smem(kThreads / 32));
   // The fp8 wire's own kernel: the bf16 one keeps its registers (together they spilled).
   auto* kernel = a.wire == WireFormat::bf16 ? combine_kernel<false> : combine_kernel<true>;
-  kernel<<<ctx.blocks, kThreads, smem, ctx.stream>>>(ctx.peers, ctx.map, ctx.shape, r, layout, tokens, send_pos, slot_expert,
-                                                     a, send_blocks, ctx.state, ctx.timeout_ns, ctx.status);
+  EPX_CUDA(launch_after_prior(kernel, ctx.blocks, kThreads, smem, ctx.stream, ctx.peers, ctx.map, ctx.shape, r, layout,
+                              tokens, send_pos, slot_expert, a, send_blocks, ctx.state, ctx.timeout_ns, ctx.status));
 }
 
 void reduce_partials(const Ctx& ctx, const RecvArrays& r, const CombineArgs& a, const PartialRows& p) {

@@ -17,6 +17,31 @@ void preload(Kernel... kernels) {
    ...);
 }
 
+// Programmatic dependent launch (sm_90): a kernel launched by launch_after_prior may have its
+// blocks made resident while the kernel ahead of it on the stream still runs, once every block of
+// that one has called let_next_kernel_start() or ended; it must call wait_for_prior_kernel()
+// before it reads anything the earlier kernel wrote (the wait returns once that kernel has
+// completed and its writes are visible). It saves the gap between the two kernels (~1 us,
+// lab/pdl_probe.cu). Either call is a no-op where the launch had no such attribute.
+template <typename... Params, typename... Args>
+cudaError_t launch_after_prior(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                               Args... args) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
+}
+__device__ inline void wait_for_prior_kernel() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+// Every thread of the block calls it (or the block ends).
+__device__ inline void let_next_kernel_start() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
 __device__ inline uint64_t globaltimer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

@@ -498,6 +498,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_transfer_kernel(PeerWind
                                                                        RecvArrays r, RecvOutputs out, Layout layout,
                                                                        int senders, CallEnd end, CallState* cs,
                                                                        uint64_t timeout_ns, DeviceStatus* st) {
+  wait_for_prior_kernel();  // the plan kernel's positions and layout
   const int role = arrival_order(&cs->transfer_arrivals);
   const uint32_t epoch = call_epoch(cs);
   const int lane = threadIdx.x % 32;
@@ -557,9 +558,9 @@ void dispatch_transfer(const Ctx& ctx, int senders, const SendRows& rows, int64_
                        const RecvArrays& r, const RecvOutputs& out, Layout layout, const CallEnd& end) {
   RecvOutputs o = out;
   o.bulk = true;
-  dispatch_transfer_kernel<<<ctx.blocks, kThreads, kBulkSmem, ctx.stream>>>(
-      ctx.peers, ctx.map, ctx.shape, rows, tokens, plan, r, o, layout, senders, end, ctx.state, ctx.timeout_ns,
-      ctx.status);
+  EPX_CUDA(launch_after_prior(dispatch_transfer_kernel, ctx.blocks, kThreads, kBulkSmem, ctx.stream, ctx.peers, ctx.map,
+                              ctx.shape, rows, tokens, plan, r, o, layout, senders, end, ctx.state, ctx.timeout_ns,
+                              ctx.status));
 }
 
 void dispatch_receive(const Ctx& ctx, const RecvArrays& r, const RecvOutputs& out, Layout layout, const SendRows& own,

@@ -116,6 +116,9 @@ __device__ inline void exchange_plan_block(const PeerWindows& w, const WindowMap
   post_plan_block(w, m, header, job.counts, job.count_len, job.phase, cs, st);
   advance_and_wait(w, m, kSignalPlan, 1, true, timeout_ns, cs, st);
   __syncthreads();  // thread 0 saw every rank's signal (acquire): the block reads their plans
+  // Every rank's exchange has started, so no peer still waits for SMs to start its own: the
+  // call's next kernel (launch_after_prior) may take them now and wait there for this one's end.
+  let_next_kernel_start();
   check_plans_block(w, m, s, header, job.phase, job.with_counts, job.capacity_factor, job.expert_prefix,
                     job.drop_capacity, cs, st);
   if (job.with_layout) {
