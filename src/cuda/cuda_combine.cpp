@@ -22,8 +22,10 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
   const int64_t options = (opt.weighted ? 1 : 0) + (copy_return ? 2 : 0);
   CombineResult out;
   // The output before the plan exchange, so that nothing is enqueued between the exchange kernel
-  // and the combine kernel, which may then start as the exchange ends (launch_after_prior).
-  out.out = device_tensor(DType::bf16, {handle.valid() ? handle.state().tokens : 0, c.hidden});
+  // and the combine kernel, which may then start as the exchange ends (launch_after_prior). Sized
+  // by this buffer's handles only: another's is refused by the exchange's check, so it gets none.
+  const bool ours = handle.valid() && handle.state().owner == this;
+  out.out = device_tensor(DType::bf16, {ours ? handle.state().tokens : 0, c.hidden});
   std::vector<Tensor> staging;
   const HandleState* h = &start_handle_call(call, handle, options, [&](const HandleState& state) {
     validate_combine(in, state, c, opt, DeviceKind::cuda);
