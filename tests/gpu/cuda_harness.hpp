@@ -48,10 +48,7 @@ inline DispatchResult to_host(const DispatchResult& d) {
                     &h.recv_topk_weights, &h.expert_offsets, &h.tokens_per_expert, &h.rank_offsets, &h.recv_info,
                     &h.topk_physical})
     *t = epx::to_host(*t);
-  if (h.num_rows < 0) {  // capacity mode: the sizes stay on the device; read them as a user would
-    h.num_rows = h.recv_info.data<int64_t>()[1];
-    h.overflow = h.recv_info.data<int64_t>()[3] != 0;
-  }
+  verify::read_device_sizes(h);
   return h;
 }
 

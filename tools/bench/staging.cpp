@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include "verify/reference.hpp"
+
 #ifdef EPX_HAS_CUDA
 #include <cuda_runtime.h>
 
@@ -80,6 +82,7 @@ DispatchResult Staging::fetch(const DispatchResult& d) const {
                     &h.recv_topk_weights, &h.expert_offsets, &h.tokens_per_expert, &h.rank_offsets, &h.recv_info,
                     &h.topk_physical})
     *t = fetch(*t);
+  verify::read_device_sizes(h);
   return h;
 }
 

@@ -283,6 +283,13 @@ Expected expected_dispatch(const Problem& p, const std::vector<std::vector<int32
   return x;
 }
 
+void read_device_sizes(DispatchResult& host_copy) {
+  if (host_copy.num_rows >= 0) return;
+  const int64_t* info = host_copy.recv_info.data<int64_t>();  // rows received, num_rows, allocated, overflow
+  host_copy.num_rows = info[1];
+  host_copy.overflow = info[3] != 0;
+}
+
 std::string check_dispatch(const Problem& p, const std::vector<std::vector<int32_t>>& kept, int rank, Layout layout,
                            float nvfp4_global_scale, const DispatchResult& got) {
   const Expected x = expected_dispatch(p, kept, rank, layout);

@@ -34,6 +34,10 @@ struct Expected {
 
 Expected expected_dispatch(const Problem& p, const std::vector<std::vector<int32_t>>& kept, int rank, Layout layout);
 
+// A capacity-mode dispatch leaves num_rows -1 (its sizes stay on the device): on a host copy of
+// the result, fill num_rows and overflow from recv_info, as a user reads them.
+void read_device_sizes(DispatchResult& host_copy);
+
 // Empty when `got` is exactly what rank `rank` must receive; otherwise the first difference.
 std::string check_dispatch(const Problem& p, const std::vector<std::vector<int32_t>>& kept, int rank, Layout layout,
                            float nvfp4_global_scale, const DispatchResult& got);
