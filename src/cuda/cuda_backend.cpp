@@ -251,6 +251,12 @@ int CudaBackend::send_blocks(bool dispatch, Layout layout) const {
   return std::clamp(send, 1, blocks_ - 1);
 }
 
+int CudaBackend::return_blocks(bool by_copy, bool own_in_place, Layout layout) const {
+  // Nothing to return: the copy engines return the rows, or at one rank every row is read in place.
+  if (by_copy || (own_in_place && ranks_ == 1)) return 0;
+  return send_blocks(false, layout);
+}
+
 int CudaBackend::expand_senders(Layout layout) const { return ranks_ == 1 ? 0 : send_blocks(true, layout); }
 
 kernels::Ctx CudaBackend::ctx(cudaStream_t stream) const {

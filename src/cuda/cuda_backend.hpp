@@ -210,6 +210,9 @@ class CudaBackend final : public Backend {
   int plan_warps_ = 0;   // warps of a plan block that count chunks (kernels::plan_chunk_warps)
   // Of the blocks, those that send (the rest receive or reduce) in a dispatch or a combine.
   int send_blocks(bool dispatch, Layout layout) const;
+  // Of the blocks of a combine or dispatch_backward, those that return rows (none when the copy
+  // engines return them, or at one rank with this rank's own rows read in place).
+  int return_blocks(bool by_copy, bool own_in_place, Layout layout) const;
   // Of the blocks of combine_backward's and cached_dispatch's transfer, those that send (none at
   // one rank: the expanders read this rank's rows from the input).
   int expand_senders(Layout layout) const;

@@ -48,8 +48,9 @@ CombineResult CudaBackend::combine(const CombineInput& in, const Handle& handle,
   timer_.mark(2, stream_);
   a.host_status = host_status_;  // the kernel's last block ends the call
   a.wire = c.combine_wire;
-  kernels::combine(ctx(), by_copy ? 0 : send_blocks(false, h->layout), dh.recv, h->layout, h->tokens, dh.pos.send_pos,
-                   dh.slot_expert, a);
+  a.own_in_place = !by_copy && c.combine_wire == WireFormat::bf16 && h->layout == Layout::rank_major;
+  kernels::combine(ctx(), return_blocks(by_copy, a.own_in_place, h->layout), dh.recv, h->layout, h->tokens,
+                   dh.pos.send_pos, dh.slot_expert, a);
   timer_.mark(3, stream_);
   if (by_copy && copies_in_flight_) timer_.add("combine: copies", 4, 5);
   join_copy_return();  // y is read until then
@@ -158,8 +159,9 @@ DispatchBackwardResult CudaBackend::dispatch_backward(const DispatchBackwardInpu
   const bool plan_failed = copies_wait_for_plan() && !plan_ok();  // as combine's
   const bool by_copy = !plan_failed && start_copy_return(*h, in.grad_recv_x, gw, a, staging);
   a.host_status = host_status_;  // the kernel's last block ends the call
-  kernels::combine(ctx(), by_copy ? 0 : send_blocks(false, h->layout), dh.recv, h->layout, h->tokens, dh.pos.send_pos,
-                   dh.slot_expert, a);
+  a.own_in_place = !by_copy && h->layout == Layout::rank_major;
+  kernels::combine(ctx(), return_blocks(by_copy, a.own_in_place, h->layout), dh.recv, h->layout, h->tokens,
+                   dh.pos.send_pos, dh.slot_expert, a);
   join_copy_return();  // the inputs are read until then
   end_call(call, plan_failed || (c.mode == CapacityMode::blocking && !copies_wait_for_plan() && !plan_ok()), true);
   return out;

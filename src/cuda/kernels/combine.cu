@@ -130,10 +130,27 @@ __device__ void return_row(const PeerWindows& w, const WindowMap& m, const Shape
 // Source side, one warp: token t from every rank's returned row (rank order), then the shared
 // expert's row (times its weight), then shared_out. staged: the rows come through the warp's
 // stage (staged_sum.cuh).
+// Where a reducer finds this rank's own term of a token at stream position pos, when not in the
+// window: rows [pos] (and slot values [pos], slot_stride apart) for pos < end; rows null: in the
+// window like every other rank's.
+struct OwnTerms {
+  const uint16_t* rows = nullptr;
+  const float* slot_values = nullptr;
+  int64_t end = 0;
+};
+
+__device__ OwnTerms own_terms(const PeerWindows& w, const RecvArrays& r, const CombineArgs& a) {
+  if (a.by_copy) return {a.own_rows, a.own_slot_values, INT64_MAX};
+  if (!a.own_in_place) return {};
+  const int64_t first = r.rank_offsets[w.rank];
+  return {a.y + first * a.y_stride, a.slot_values ? a.slot_values + first * a.slot_values_stride : nullptr,
+          r.info[2] - first};  // rows past the capacity were dropped: no term
+}
+
 template <bool kFp8>
 __device__ void reduce_token(const PeerWindows& w, const WindowMap& m, const Shape& s, const int32_t* send_pos,
-                             const int32_t* slot_expert, const CombineArgs& a, bool wide, bool staged, int64_t t,
-                             int lane) {
+                             const int32_t* slot_expert, const CombineArgs& a, const OwnTerms& own, bool wide,
+                             bool staged, int64_t t, int lane) {
   const uint16_t* rev = at_window<const uint16_t>(w, w.rank, m.rev_rows);
   const uint16_t* shared_row = a.shared.rows ? a.shared.rows + t * a.shared.stride : nullptr;
   const float shared_weight = a.shared.weight ? a.shared.weight[t] : 1.0f;
@@ -160,7 +177,11 @@ __device__ void reduce_token(const PeerWindows& w, const WindowMap& m, const Sha
         return shared_out != nullptr;
       }
       const int32_t pos = send_pos[t * w.ranks + d];
-      row = a.by_copy && d == w.rank ? a.own_rows + pos * a.y_stride : rev + (d * s.max_tokens + pos) * s.hidden;
+      if (own.rows && d == w.rank) {
+        row = own.rows + pos * a.y_stride;
+        return pos >= 0 && pos < own.end;
+      }
+      row = rev + (d * s.max_tokens + pos) * s.hidden;
       return pos >= 0;
     };
     const int terms = w.ranks + (shared_row ? 2 : 1);
@@ -177,8 +198,8 @@ __device__ void reduce_token(const PeerWindows& w, const WindowMap& m, const Sha
       if (e >= 0) {
         const int d = static_cast<int>(e / s.local_experts);
         const int32_t pos = send_pos[t * w.ranks + d];
-        v = a.by_copy && d == w.rank ? a.own_slot_values[pos * a.slot_values_stride + k]
-                                     : rev_slots[(d * s.max_tokens + pos) * s.topk + k];
+        if (own.rows && d == w.rank) v = pos < own.end ? own.slot_values[pos * a.slot_values_stride + k] : 0.0f;
+        else v = rev_slots[(d * s.max_tokens + pos) * s.topk + k];
       }
       a.slot_out[t * s.topk + k] = v;
     }
@@ -195,7 +216,7 @@ __device__ void return_chunks(const PeerWindows& w, const WindowMap& m, const Sh
   for (int64_t item = block; item < chunks * w.ranks; item += blocks) {
     const int64_t c = item / w.ranks;
     const int source = static_cast<int>(item % w.ranks);
-    if (c >= r.chunks_from[source]) continue;
+    if (c >= r.chunks_from[source] || (a.own_in_place && source == w.rank)) continue;  // own: read in place
     const ChunkRange range = r.chunk_range[source * m.max_chunks + c];
     if (warp < kSendWarps)
       for (int64_t j = warp; j < range.count; j += kSendWarps)
@@ -212,10 +233,11 @@ __device__ void return_chunks(const PeerWindows& w, const WindowMap& m, const Sh
 // come through the warp's shared memory (14 KiB in flight per warp instead of two rows' 4 KiB;
 // docs/lab/2026-12-01-performance-diary.md), a term per lane.
 template <bool kFp8>
-__device__ void reduce_tokens(const PeerWindows& w, const WindowMap& m, const Shape& s, int64_t tokens,
-                              const int32_t* send_pos, const int32_t* slot_expert, const CombineArgs& a, bool wide,
-                              uint32_t epoch, uint64_t timeout_ns, DeviceStatus* st, int block, int blocks) {
+__device__ void reduce_tokens(const PeerWindows& w, const WindowMap& m, const Shape& s, const RecvArrays& r,
+                              int64_t tokens, const int32_t* send_pos, const int32_t* slot_expert, const CombineArgs& a,
+                              bool wide, uint32_t epoch, uint64_t timeout_ns, DeviceStatus* st, int block, int blocks) {
   const int lane = threadIdx.x % 32;
+  const OwnTerms own = own_terms(w, r, a);
   const bool staged = wide && w.ranks + (a.shared.rows ? 2 : 1) <= 32;  // a term per lane
   const int64_t reducer = block * static_cast<int64_t>(kThreads / 32) + threadIdx.x / 32;
   const int64_t reducers = static_cast<int64_t>(blocks) * (kThreads / 32);
@@ -226,11 +248,13 @@ __device__ void reduce_tokens(const PeerWindows& w, const WindowMap& m, const Sh
       while (q + 1 < kMaxPieces && pos >= m.return_start[q + 1]) ++q;
       uint32_t* piece = pos < 0 ? nullptr : at_window<uint32_t>(w, w.rank, m.rev_piece_flag) + lane * kMaxPieces + q;
       if (!warp_wait_lane_flags(piece, lane, epoch, timeout_ns, st, kSignalReverse)) return;
-    } else if (!warp_wait_flags(at_window<uint32_t>(w, w.rank, m.rev_chunk_flag) + t / kChunkTokens, m.max_chunks,
-                                w.ranks, 0, epoch, timeout_ns, st, kSignalReverse, lane)) {
-      return;  // every rank returns every chunk, empty ones too; lane d waits for rank d
+    } else {  // every rank returns every chunk, empty ones too; lane d waits for rank d (not this rank's own in place)
+      uint32_t* flags = at_window<uint32_t>(w, w.rank, m.rev_chunk_flag) + t / kChunkTokens;
+      const bool waits = lane < w.ranks && !(own.rows && lane == w.rank);
+      if (!warp_wait_lane_flags(waits ? flags + lane * m.max_chunks : nullptr, lane, epoch, timeout_ns, st, kSignalReverse))
+        return;
     }
-    reduce_token<kFp8>(w, m, s, send_pos, slot_expert, a, wide, staged, t, lane);
+    reduce_token<kFp8>(w, m, s, send_pos, slot_expert, a, own, wide, staged, t, lane);
   }
 }
 
@@ -254,7 +278,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(PeerWindows w, Window
     if (block < send_blocks)
       return_chunks<kFp8>(w, m, s, r, layout, a, wide, epoch, block, send_blocks);
     else
-      reduce_tokens<kFp8>(w, m, s, tokens, send_pos, slot_expert, a, wide, epoch, timeout_ns, st, block - send_blocks,
+      reduce_tokens<kFp8>(w, m, s, r, tokens, send_pos, slot_expert, a, wide, epoch, timeout_ns, st, block - send_blocks,
                     static_cast<int>(gridDim.x) - send_blocks);
   }
   if (last_block(&cs->transfer_blocks_done) && threadIdx.x == 0) publish(st, a.host_status);

@@ -363,6 +363,11 @@ struct CombineArgs {
   bool by_copy = false;
   const uint16_t* own_rows = nullptr;
   const float* own_slot_values = nullptr;
+  // SM engine, rank-major, bf16 wire: this rank's own tokens' rows (and slot values) are read in
+  // place, where they start in y (row rank_offsets[rank], from the device's layout), none
+  // through the window: a row's one term is y's row, which the reducers add as the window's copy
+  // (bf16(0 + y)) would be added. No block returns this rank's own chunks.
+  bool own_in_place = false;
   // Host-mapped: the kernel's last block publishes the call's status there (the call's end).
   DeviceStatus* host_status = nullptr;
   // combine's BufferConfig::combine_wire: fp8 partials cross back (fp8_partials.cuh; y 16-byte
