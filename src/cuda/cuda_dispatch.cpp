@@ -222,7 +222,7 @@ int CudaBackend::plan(const Call& call, int64_t signature, const DispatchRequest
   const kernels::ExchangeJob last = exchange_job(call, phase, tokens, signature, dh.pos.totals, replicas_.physical + ranks_,
                                                  nullptr, nullptr, &layout, drop ? dh.dropped : nullptr);
   kernels::plan_dispatch(x, tokens, job, last);
-  if (layout.layout == Layout::expert_major) exchanged(last);  // rank-major reads its sizes after its sync
+  exchanged(last);  // blocking: the host reads the sizes after this event (expert-major before the transfer)
   if (broadcast_) kernels::finalize_positions(x, tokens, dh.slot_expert, dh.pos);
   timer_.mark(1, stream_);
   host_steps_.mark("plan launched");
@@ -326,8 +326,8 @@ DispatchResult CudaBackend::finish_dispatch(const Call& call, DispatchResult out
     return out;
   }
   // Blocking: the sizes, read already (with the plan's check; what the transfer finds is raised
-  // by the next call), or read now with the call's one sync (the plan's report is in by then).
-  // The transfer's last block published the status.
+  // by the next call), or, where the plan found an error, the call's sync and the error raised
+  // (the transfer's last block published the status).
   if (!sizes_read) {
     sync_and_raise(call);
     host_steps_.mark("synced");
@@ -382,10 +382,13 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
     host_steps_.mark("broadcast's other pieces enqueued");
   }
   // Output rows. Capacity mode: capacity_rows. Blocking, rank-major: at most every source's
-  // max_tokens, no larger than the window's staging, so the outputs are allocated at that bound
-  // and cut to num_rows after the call's one sync. Blocking, expert-major: the bound would be
-  // min(K, L) times larger, so the sizes are read first: the call's one host read, with what the
-  // device found up to the plan (a finding makes the call run on and raise at its end).
+  // max_tokens, no larger than the window's staging, so the outputs are allocated at that bound,
+  // the transfer is launched, and then the sizes are read (the call's one host read, once the
+  // plan kernel is done: the transfer runs on meanwhile) and the outputs cut to num_rows.
+  // Blocking, expert-major: the bound would be min(K, L) times larger, so the sizes are read
+  // before the outputs are allocated. Either read comes with what the device found up to the
+  // plan (a finding makes the call run on and raise at its end); what the transfer finds is
+  // raised by the next call.
   int64_t capacity = capacity_mode ? c.capacity_rows : ranks_ * c.max_tokens_per_rank;
   bool sizes_read = false;
   if (!capacity_mode && opt.layout == Layout::expert_major) {
@@ -397,6 +400,10 @@ DispatchResult CudaBackend::dispatch(const DispatchInput& in, const DispatchOpti
   if (c.shared_expert)
     outputs.shared = {tokens, rq.shared_gate.first, rq.shared_gate.second, dh->shared_weight};
   transfer(rq, *dh, outputs, opt.layout, phase, out.recv_info);
+  if (!capacity_mode && opt.layout == Layout::rank_major) {
+    sizes_read = plan_ok();
+    host_steps_.mark("sizes read");
+  }
   auto state = new_handle_state(this, call.index, opt.layout, rank_, ranks_, tokens, c, rq.has_weights);
   state->has_shared_gate = rq.has_shared_gate;
   return finish_dispatch(call, std::move(out), dh, std::move(state), opt.layout, capacity, sizes_read, host_call);
