@@ -276,6 +276,7 @@ if want profile; then
     [reducers]="--wire bf16 --layout rank_major --ops combine"
     [expand]="--wire bf16 --layout expert_major --ops combine_backward"
     [encode]="--wire fp8 --layout rank_major --ops dispatch"
+    [encode_nvfp4]="--wire nvfp4 --layout rank_major --ops dispatch"
     [plan]="--wire bf16 --layout rank_major --ops dispatch"
     [ll_dispatch]="--preset ll --wire fp8 --ops ll_dispatch"
     [ll_combine]="--preset ll --wire fp8 --ops ll_combine"
@@ -286,8 +287,8 @@ if want profile; then
       receiver | receiver_em) prof "$name" 'dispatch_receive_kernel' EPX_DISPATCH_ENGINE=copy ;;
       partials) prof partials 'reduce_partials_kernel' EPX_DISPATCH_ENGINE=copy EPX_COMBINE_ENGINE=copy ;;
       reducers) prof reducers '^combine_kernel$' EPX_DISPATCH_ENGINE=copy EPX_COMBINE_ENGINE=copy ;;
-      expand) prof expand 'expand_grad_kernel' ;;
-      encode) prof encode 'encode_rows_kernel' EPX_DISPATCH_ENGINE=copy ;;
+      expand) prof expand 'expand_transfer_kernel' ;;
+      encode | encode_nvfp4) prof "$name" 'encode_rows_kernel' EPX_DISPATCH_ENGINE=copy ;;
       plan) prof plan 'plan_dispatch_kernel' ;;
       ll_dispatch) prof ll_dispatch '^dispatch_kernel$' EPX_TIMEOUT_MS=60000 ;;
       ll_combine) prof ll_combine '^combine_kernel$' EPX_TIMEOUT_MS=60000 ;;
