@@ -363,6 +363,43 @@ TEST(CudaExpertLoad, CountsEachDispatchsPairsPerLocalExpert) {
   for (int r = 0; r < 2; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
 }
 
+// A rank whose experts got no rows may pass an empty y and grad_recv_x without data (torch's
+// empty CUDA tensors have none). Rank-major at three ranks (the SM engine, which reads a rank's
+// own rows in place in y): every token of every rank goes to ranks 0 and 1 and none to rank 2,
+// whose reducers must still sum its tokens' rows from the others, not wait for its own return.
+// With y = recv_x, each output row is x + x, exact in bf16.
+TEST(CudaCombine, ARankWithoutRowsMayPassAnEmptyYWithoutData) {
+  verify::ProblemSpec spec;
+  spec.cfg = small_config(256, 32, 12, 4);  // experts 0-3 on rank 0, 4-7 on rank 1, 8-11 on rank 2
+  spec.ranks = 3;
+  verify::Problem p = verify::make_problem(spec);
+  for (auto& in : p.inputs)
+    for (int64_t t = 0; t < in.tokens; ++t)
+      for (int64_t k = 0; k < 4; ++k) in.idx[t * 4 + k] = static_cast<int32_t>((t + 2 * k) % 8);
+  std::vector<std::string> errors(3);
+  on_shared_gpu(p, [&](int r, const Group& g, const DeviceArray& x, const DeviceArray& idx) {
+    Buffer b(g, p.cfg);
+    DispatchInput in;
+    in.x = device_view(x, DType::bf16, {32, 256}, 0);
+    in.topk_idx = device_view(idx, DType::i32, {32, 4}, 0);
+    const DispatchResult d = b.dispatch(in, {Layout::rank_major, 0.0f});
+    if ((d.num_rows == 0) != (r == 2)) errors[r] += "received " + std::to_string(d.num_rows) + " rows; ";
+    const TensorView rows = r == 2 ? TensorView::of(nullptr, DType::bf16, {0, 256}, DeviceKind::cuda, 0) : d.recv_x.view();
+    const CombineResult c = b.combine({rows, {}}, d.handle, {false});
+    const DispatchBackwardResult back = b.dispatch_backward({rows, {}}, d.handle);
+    b.synchronize();
+    for (const Tensor* got : {&c.out, &back.grad_x}) {
+      const Tensor h = to_host(*got);
+      for (int64_t i = 0; i < 32 * 256; ++i)
+        if (h.data<uint16_t>()[i] != float_to_bf16(2.0f * bf16_to_float(p.inputs[r].x[i]))) {
+          errors[r] += std::string(got == &c.out ? "combine" : "dispatch_backward") + " differs at " + std::to_string(i) + "; ";
+          break;
+        }
+    }
+  });
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
 // Ranks combining with handles of different dispatches fail with config_mismatch (the handle's
 // dispatch is part of what a call's ranks agree on) instead of reading each other's rows wrong.
 TEST(CudaErrors, HandlesOfDifferentDispatchesFailEveryRank) {

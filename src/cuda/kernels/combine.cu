@@ -130,20 +130,23 @@ __device__ void return_row(const PeerWindows& w, const WindowMap& m, const Shape
 // Source side, one warp: token t from every rank's returned row (rank order), then the shared
 // expert's row (times its weight), then shared_out. staged: the rows come through the warp's
 // stage (staged_sum.cuh).
-// Where a reducer finds this rank's own term of a token at stream position pos, when not in the
-// window: rows [pos] (and slot values [pos], slot_stride apart) for pos < end; rows null: in the
-// window like every other rank's.
+// Where a reducer finds this rank's own term of a token at stream position pos: outside the
+// window (outside), rows [pos] (and slot values [pos], slot_stride apart) for pos < end; else in
+// the window like every other rank's. `outside` is its own flag: rows may be null when this rank
+// received no rows (an empty y without data), and its own chunks are still never returned.
 struct OwnTerms {
+  bool outside = false;
   const uint16_t* rows = nullptr;
   const float* slot_values = nullptr;
   int64_t end = 0;
 };
 
 __device__ OwnTerms own_terms(const PeerWindows& w, const RecvArrays& r, const CombineArgs& a) {
-  if (a.by_copy) return {a.own_rows, a.own_slot_values, INT64_MAX};
+  if (a.by_copy) return {true, a.own_rows, a.own_slot_values, INT64_MAX};
   if (!a.own_in_place) return {};
+  if (!a.y) return {true, nullptr, nullptr, 0};  // no rows received: no own term
   const int64_t first = r.rank_offsets[w.rank];
-  return {a.y + first * a.y_stride, a.slot_values ? a.slot_values + first * a.slot_values_stride : nullptr,
+  return {true, a.y + first * a.y_stride, a.slot_values ? a.slot_values + first * a.slot_values_stride : nullptr,
           r.info[2] - first};  // rows past the capacity were dropped: no term
 }
 
@@ -177,7 +180,7 @@ __device__ void reduce_token(const PeerWindows& w, const WindowMap& m, const Sha
         return shared_out != nullptr;
       }
       const int32_t pos = send_pos[t * w.ranks + d];
-      if (own.rows && d == w.rank) {
+      if (own.outside && d == w.rank) {
         row = own.rows + pos * a.y_stride;
         return pos >= 0 && pos < own.end;
       }
@@ -198,7 +201,7 @@ __device__ void reduce_token(const PeerWindows& w, const WindowMap& m, const Sha
       if (e >= 0) {
         const int d = static_cast<int>(e / s.local_experts);
         const int32_t pos = send_pos[t * w.ranks + d];
-        if (own.rows && d == w.rank) v = pos < own.end ? own.slot_values[pos * a.slot_values_stride + k] : 0.0f;
+        if (own.outside && d == w.rank) v = pos < own.end ? own.slot_values[pos * a.slot_values_stride + k] : 0.0f;
         else v = rev_slots[(d * s.max_tokens + pos) * s.topk + k];
       }
       a.slot_out[t * s.topk + k] = v;
@@ -250,7 +253,7 @@ __device__ void reduce_tokens(const PeerWindows& w, const WindowMap& m, const Sh
       if (!warp_wait_lane_flags(piece, lane, epoch, timeout_ns, st, kSignalReverse)) return;
     } else {  // every rank returns every chunk, empty ones too; lane d waits for rank d (not this rank's own in place)
       uint32_t* flags = at_window<uint32_t>(w, w.rank, m.rev_chunk_flag) + t / kChunkTokens;
-      const bool waits = lane < w.ranks && !(own.rows && lane == w.rank);
+      const bool waits = lane < w.ranks && !(own.outside && lane == w.rank);
       if (!warp_wait_lane_flags(waits ? flags + lane * m.max_chunks : nullptr, lane, epoch, timeout_ns, st, kSignalReverse))
         return;
     }
