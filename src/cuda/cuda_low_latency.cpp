@@ -188,7 +188,8 @@ class CudaLowLatency final : public LowLatencyBackend {
       route = {in.topk_idx.data, in.topk_idx.dtype == DType::i64, in.topk_idx.strides[0],
                in.num_tokens.defined() ? in.num_tokens.ptr<const int32_t>() : nullptr, tokens,
                in.topk_weights.defined() ? in.topk_weights.ptr<const float>() : nullptr,
-               in.topk_weights.defined() ? in.topk_weights.strides[0] : 0, c.num_experts, {}};
+               in.topk_weights.defined() ? in.topk_weights.strides[0] : 0, c.num_experts, {},
+               in.topk_weights.defined()};
       if (replicas_.enabled())  // its values are checked by the send half's block 0
         route.replicas = {in.expert_replicas.ptr<const int32_t>(), replica_seen_, replicas_.logical, replicas_.width,
                           replicas_.physical, in.expert_replicas.strides[0]};
@@ -249,7 +250,7 @@ class CudaLowLatency final : public LowLatencyBackend {
     h->tokens = pending_route_.tokens;
     h->num_tokens = -1;  // on the device
     h->set = set;
-    h->weights_at_dispatch = pending_route_.weights != nullptr;
+    h->weights_at_dispatch = pending_route_.has_weights;
     h->has_shared_gate = pending_gate_;  // given (a [0] gate of a rank without tokens has no data)
     out.handle = LowLatencyHandle(std::move(h));
     return out;

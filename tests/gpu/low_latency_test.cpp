@@ -436,6 +436,55 @@ LowLatencyDispatchInput ll_input(const LlGpuCase& c, const DeviceArray& x, const
   return d;
 }
 
+// A rank without tokens may pass [0, K] weights without data to ll_dispatch (torch's empty CUDA
+// tensors have none): they are weights given, so its weighted ll_combine takes none, as on the
+// CPU backend, while its peer gives its own weights to ll_combine (the ranks of one call mix the
+// two; every rank's combine reads who sent weights at dispatch). Both ranks' outputs as the CPU
+// backend's, bit for bit.
+TEST(CudaLowLatencyWeights, EmptyWeightsWithoutDataAtDispatchAreWeightsGiven) {
+  const LlGpuCase c{true, 2, 256, 16, 8, 4, WireFormat::bf16};
+  const verify::Problem p = ll_problem(c, 43);
+  const int64_t slots = c.ranks * c.tokens, l_count = c.experts / c.ranks;
+  std::vector<std::vector<uint16_t>> ys;
+  for (int r = 0; r < c.ranks; ++r) ys.push_back(verify::random_bf16(l_count * slots * c.hidden, 50 + r));
+  // Rank r's calls: rank 0 without tokens (its empty weights at dispatch), rank 1 with all of its
+  // tokens (its weights at combine). x, idx, w, y: the inputs where `kind` reads them.
+  auto calls = [&](int r, LowLatencyBuffer& b, DeviceKind kind, void* x, void* idx, void* w, void* y) {
+    const int64_t t = r == 0 ? 0 : c.tokens;
+    LowLatencyDispatchInput d;
+    d.x = TensorView::of(t > 0 ? x : nullptr, DType::bf16, {t, c.hidden}, kind, 0);
+    d.topk_idx = TensorView::of(t > 0 ? idx : nullptr, DType::i32, {t, c.topk}, kind, 0);
+    if (r == 0) d.topk_weights = TensorView::of(nullptr, DType::f32, {0, c.topk}, kind, 0);
+    const LowLatencyDispatchResult res = b.dispatch(d);
+    b.synchronize();  // on one GPU no rank queues a kernel behind its own waiting one
+    LowLatencyCombineInput ci;
+    ci.y = TensorView::of(y, DType::bf16, {l_count, slots, c.hidden}, kind, 0);
+    if (r == 1) ci.topk_weights = TensorView::of(w, DType::f32, {t, c.topk}, kind, 0);
+    const Tensor out = b.combine(ci, res.handle);
+    b.synchronize();
+    return kind == DeviceKind::cuda ? epx::to_host(out) : out;
+  };
+  std::vector<Tensor> want(c.ranks), got(c.ranks);
+  const HostWorld host(c.ranks);
+  const std::vector<std::string> host_errors = verify::run_threads(c.ranks, [&](int r) {
+    verify::RankInput in = p.inputs[r];
+    std::vector<uint16_t> y = ys[r];
+    LowLatencyBuffer b(host.group(r), ll_config(c));
+    want[r] = calls(r, b, DeviceKind::host, in.x.data(), in.idx.data(), in.weights.data(), y.data());
+  });
+  const auto errors = on_ranks(c, p, 20000, [&](int r, LowLatencyBuffer& b, const DeviceArray& x, const DeviceArray& idx) {
+    DeviceArray w(p.inputs[r].weights), y(ys[r]);
+    got[r] = calls(r, b, DeviceKind::cuda, x.get(), idx.get(), w.get(), y.get());
+  });
+  for (int r = 0; r < c.ranks; ++r) {
+    ASSERT_EQ(host_errors[r], "") << "rank " << r;
+    ASSERT_EQ(errors[r], "") << "rank " << r;
+    ASSERT_EQ(got[r].numel(), want[r].numel()) << "rank " << r;
+    EXPECT_EQ(std::memcmp(got[r].data<uint16_t>(), want[r].data<uint16_t>(), 2 * static_cast<size_t>(want[r].numel())), 0)
+        << "rank " << r;
+  }
+}
+
 // The low-latency buffer's load counters (LowLatencyBuffer::expert_load): each ll_dispatch adds its
 // recv_count (checked against the reference by every round test) on the device; a call with a bad
 // id counts nothing on any rank; reset_expert_load zeroes them, stream-ordered.

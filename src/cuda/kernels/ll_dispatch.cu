@@ -140,7 +140,7 @@ __device__ void dispatch_send(const Ctx& c, int set, const Route& route, const R
   if (first_thread) *s.num_tokens = static_cast<int32_t>(n);  // for combine_recv
   if (blockIdx.x == 0 && threadIdx.x < ranks) {
     at_window<int32_t>(c.peers, threadIdx.x, c.map.ntok)[set * ranks + rank] = static_cast<int32_t>(n);
-    at_window<int32_t>(c.peers, threadIdx.x, c.map.weights_from)[set * ranks + rank] = route.weights != nullptr;
+    at_window<int32_t>(c.peers, threadIdx.x, c.map.weights_from)[set * ranks + rank] = route.has_weights;
   }
   for (int64_t u = first_warp(); u < route.tokens * ranks * spans; u += warps_in_grid()) {
     const int64_t t = u / (ranks * spans), h0 = u % spans * span, h1 = min(h0 + span, c.hidden);

@@ -99,6 +99,9 @@ struct Route {
   int64_t weight_stride;
   int64_t experts;            // E, the router's: ids in [0, E) (fewer than Ctx::experts with EPLB)
   ReplicaTable replicas;      // EPLB: each slot goes to the replica chosen (kernels/replicas.cuh)
+  // The weights were given (a [0, K] tensor of a rank without tokens may have no data: given all
+  // the same, as on the CPU backend). What every rank's combine reads in weights_from.
+  bool has_weights = false;
 };
 
 struct Rows {
