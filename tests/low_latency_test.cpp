@@ -1,5 +1,7 @@
 // Low-latency mode on the CPU backend against the independent reference: layouts, formats,
 // device-read token counts, split send/receive with work in between, alternating buffer sets.
+#include <cstring>
+
 #include "harness.hpp"
 
 namespace epx::test {
@@ -179,6 +181,43 @@ TEST(LowLatency, CombineSumsSlotsInSlotOrder) {
   c.y = TensorView::of(y.data(), DType::bf16, {3, 1, 8});
   c.topk_weights = TensorView::of(w.data(), DType::f32, {1, 3});
   EXPECT_EQ(b.combine(c, res.handle).data<uint16_t>()[0], float_to_bf16(0.0f));
+}
+
+// An empty input without data is given: a rank without tokens may pass [0, K] weights without
+// data to ll_dispatch (as torch's empty tensors may come), and its weighted ll_combine then takes
+// none, while its peer gives its weights to ll_combine. The peer's output is the same as when the
+// rank without tokens gives its empty weights to ll_combine instead. The CUDA test
+// CudaLowLatencyWeights.EmptyWeightsWithoutDataAtDispatchAreWeightsGiven runs these calls too.
+TEST(LowLatency, EmptyWeightsWithoutDataAtDispatchAreWeightsGiven) {
+  const auto p = ll_problem(2, 256, 16, 8, 4, WireFormat::bf16, 43);
+  const int64_t slots = 2 * 16, l_count = 4;
+  auto run = [&](bool empty_weights_at_dispatch) {
+    const HostWorld world(2);
+    std::vector<Tensor> out(2);
+    const std::vector<std::string> errors = verify::run_threads(2, [&](int r) {
+      verify::RankInput in = p.inputs[r];
+      std::vector<uint16_t> y = verify::random_bf16(l_count * slots * 256, 50 + r);
+      LowLatencyBuffer b(world.group(r), ll_config(p.cfg));
+      const int64_t t = r == 0 ? 0 : 16;
+      const TensorView weights = TensorView::of(t > 0 ? in.weights.data() : nullptr, DType::f32, {t, 4});
+      LowLatencyDispatchInput d;
+      d.x = TensorView::of(t > 0 ? in.x.data() : nullptr, DType::bf16, {t, 256});
+      d.topk_idx = TensorView::of(t > 0 ? in.idx.data() : nullptr, DType::i32, {t, 4});
+      if (r == 0 && empty_weights_at_dispatch) d.topk_weights = weights;
+      const LowLatencyDispatchResult res = b.dispatch(d);
+      LowLatencyCombineInput c;
+      c.y = TensorView::of(y.data(), DType::bf16, {l_count, slots, 256});
+      if (r == 1 || !empty_weights_at_dispatch) c.topk_weights = weights;
+      out[r] = b.combine(c, res.handle);
+    });
+    for (int r = 0; r < 2; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+    return out;
+  };
+  const std::vector<Tensor> at_dispatch = run(true), at_combine = run(false);
+  ASSERT_EQ(at_dispatch[0].numel(), 0);
+  ASSERT_EQ(at_dispatch[1].numel(), 16 * 256);
+  ASSERT_EQ(at_combine[1].numel(), 16 * 256);
+  EXPECT_EQ(std::memcmp(at_dispatch[1].data<uint16_t>(), at_combine[1].data<uint16_t>(), 2 * 16 * 256), 0);
 }
 
 TEST(LowLatency, ClearErrorsForMisuse) {

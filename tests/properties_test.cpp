@@ -243,6 +243,41 @@ TEST(Edges, NoTokensAnywhereAndAllSlotsUnused) {
   }
 }
 
+// An empty input without data (as torch's empty tensors may come) is given: a rank whose experts
+// get no rows passes y and grad_recv_x [0, H] without data, and its tokens still combine from the
+// other ranks' rows (every token goes to ranks 0 and 1 and none to rank 2; y = recv_x, so each
+// output row is x + x, exact in bf16). The CUDA test of the same name runs these calls too.
+TEST(Edges, ARankWithoutRowsMayPassAnEmptyYWithoutData) {
+  auto p = problem(3, small_config(256, 32, 12, 4), 3);
+  for (auto& in : p.inputs)
+    for (int64_t t = 0; t < in.tokens; ++t)
+      for (int64_t k = 0; k < 4; ++k) in.idx[t * 4 + k] = static_cast<int32_t>((t + 2 * k) % 8);
+  const HostWorld world(3);
+  std::vector<std::string> wrong(3);
+  const std::vector<std::string> errors = verify::run_threads(3, [&](int r) {
+    verify::RankInput in = p.inputs[r];
+    Buffer b(world.group(r), p.cfg);
+    DispatchInput d;
+    d.x = TensorView::of(in.x.data(), DType::bf16, {32, 256});
+    d.topk_idx = TensorView::of(in.idx.data(), DType::i32, {32, 4});
+    const DispatchResult res = b.dispatch(d, {Layout::rank_major, 0.0f});
+    if ((res.num_rows == 0) != (r == 2)) wrong[r] += "received " + std::to_string(res.num_rows) + " rows; ";
+    const TensorView rows = r == 2 ? TensorView::of(nullptr, DType::bf16, {0, 256}) : res.recv_x.view();
+    const CombineResult c = b.combine({rows, {}}, res.handle, {false});
+    const DispatchBackwardResult back = b.dispatch_backward({rows, {}}, res.handle);
+    for (const Tensor* got : {&c.out, &back.grad_x})
+      for (int64_t i = 0; i < 32 * 256; ++i)
+        if (got->data<uint16_t>()[i] != float_to_bf16(2.0f * bf16_to_float(in.x[i]))) {
+          wrong[r] += std::string(got == &c.out ? "combine" : "dispatch_backward") + " differs at " + std::to_string(i) + "; ";
+          break;
+        }
+  });
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(errors[r], "") << "rank " << r;
+    EXPECT_EQ(wrong[r], "") << "rank " << r;
+  }
+}
+
 TEST(Edges, AllTokensToOneExpert) {
   auto p = problem(4, small_config(64, 16, 8, 1, WireFormat::bf16, 8), 2);
   for (auto& in : p.inputs)
