@@ -127,9 +127,6 @@ __device__ void return_row(const PeerWindows& w, const WindowMap& m, const Shape
               at_window<float>(w, source, m.rev_slots + at * s.topk * 4), lane);
 }
 
-// Source side, one warp: token t from every rank's returned row (rank order), then the shared
-// expert's row (times its weight), then shared_out. staged: the rows come through the warp's
-// stage (staged_sum.cuh).
 // Where a reducer finds this rank's own term of a token at stream position pos: outside the
 // window (outside), rows [pos] (and slot values [pos], slot_stride apart) for pos < end; else in
 // the window like every other rank's. `outside` is its own flag: rows may be null when this rank
@@ -150,6 +147,9 @@ __device__ OwnTerms own_terms(const PeerWindows& w, const RecvArrays& r, const C
           r.info[2] - first};  // rows past the capacity were dropped: no term
 }
 
+// Source side, one warp: token t from every rank's returned row (rank order; this rank's own
+// where `own` says), then the shared expert's row (times its weight), then shared_out. staged:
+// the rows come through the warp's stage (staged_sum.cuh).
 template <bool kFp8>
 __device__ void reduce_token(const PeerWindows& w, const WindowMap& m, const Shape& s, const int32_t* send_pos,
                              const int32_t* slot_expert, const CombineArgs& a, const OwnTerms& own, bool wide,
