@@ -42,14 +42,7 @@ inline TensorView device_view(const DeviceArray& a, DType t, std::initializer_li
 }
 
 inline DispatchResult to_host(const DispatchResult& d) {
-  DispatchResult h = d;
-  h.handle = Handle();  // device state stays with the caller's copy
-  for (Tensor* t : {&h.recv_x, &h.recv_scales, &h.recv_global_scale, &h.recv_src, &h.recv_weights, &h.recv_topk_idx,
-                    &h.recv_topk_weights, &h.expert_offsets, &h.tokens_per_expert, &h.rank_offsets, &h.recv_info,
-                    &h.topk_physical})
-    *t = epx::to_host(*t);
-  verify::read_device_sizes(h);
-  return h;
+  return verify::host_copy(d, [](const Tensor& t) { return epx::to_host(t); });
 }
 
 // Receive rows can never exceed this: every token of every rank once per local expert, plus

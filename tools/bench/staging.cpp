@@ -76,14 +76,8 @@ Tensor Staging::fetch(const Tensor& t) const {
 }
 
 DispatchResult Staging::fetch(const DispatchResult& d) const {
-  DispatchResult h = d;
-  h.handle = Handle();  // device state stays with the caller's copy (freed on this stream)
-  for (Tensor* t : {&h.recv_x, &h.recv_scales, &h.recv_global_scale, &h.recv_src, &h.recv_weights, &h.recv_topk_idx,
-                    &h.recv_topk_weights, &h.expert_offsets, &h.tokens_per_expert, &h.rank_offsets, &h.recv_info,
-                    &h.topk_physical})
-    *t = fetch(*t);
-  verify::read_device_sizes(h);
-  return h;
+  // The device state stays with the caller's copy (freed on this stream).
+  return verify::host_copy(d, [this](const Tensor& t) { return fetch(t); });
 }
 
 LowLatencyDispatchResult Staging::fetch(const LowLatencyDispatchResult& d) const {

@@ -283,11 +283,19 @@ Expected expected_dispatch(const Problem& p, const std::vector<std::vector<int32
   return x;
 }
 
-void read_device_sizes(DispatchResult& host_copy) {
-  if (host_copy.num_rows >= 0) return;
-  const int64_t* info = host_copy.recv_info.data<int64_t>();  // rows received, num_rows, allocated, overflow
-  host_copy.num_rows = info[1];
-  host_copy.overflow = info[3] != 0;
+DispatchResult host_copy(const DispatchResult& d, const std::function<Tensor(const Tensor&)>& copy) {
+  DispatchResult h = d;
+  h.handle = Handle();
+  for (Tensor* t : {&h.recv_x, &h.recv_scales, &h.recv_global_scale, &h.recv_src, &h.recv_weights, &h.recv_topk_idx,
+                    &h.recv_topk_weights, &h.expert_offsets, &h.tokens_per_expert, &h.rank_offsets, &h.recv_info,
+                    &h.topk_physical})
+    *t = copy(*t);
+  if (h.num_rows < 0) {
+    const int64_t* info = h.recv_info.data<int64_t>();  // rows received, num_rows, allocated, overflow
+    h.num_rows = info[1];
+    h.overflow = info[3] != 0;
+  }
+  return h;
 }
 
 std::string check_dispatch(const Problem& p, const std::vector<std::vector<int32_t>>& kept, int rank, Layout layout,

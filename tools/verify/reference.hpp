@@ -34,9 +34,11 @@ struct Expected {
 
 Expected expected_dispatch(const Problem& p, const std::vector<std::vector<int32_t>>& kept, int rank, Layout layout);
 
-// A capacity-mode dispatch leaves num_rows -1 (its sizes stay on the device): on a host copy of
-// the result, fill num_rows and overflow from recv_info, as a user reads them.
-void read_device_sizes(DispatchResult& host_copy);
+// A dispatch result on the host, to be checked: every tensor through copy (a device tensor to a
+// host one), no handle (the device state stays with the caller's copy), and in capacity mode,
+// whose num_rows is -1 (the sizes stay on the device), num_rows and overflow read from
+// recv_info, as a user reads them.
+DispatchResult host_copy(const DispatchResult& d, const std::function<Tensor(const Tensor&)>& copy);
 
 // Empty when `got` is exactly what rank `rank` must receive; otherwise the first difference.
 std::string check_dispatch(const Problem& p, const std::vector<std::vector<int32_t>>& kept, int rank, Layout layout,
