@@ -50,7 +50,13 @@ __global__ void broadcast_begin_kernel(PeerWindows w, WindowMap m, CallState* cs
 __global__ void encode_rows_kernel(PeerWindows w, WindowMap m, Shape s, SendRows rows, int64_t tokens) {
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  const int64_t row_bytes = 2 * s.hidden;
+  const bool prefetch = !rows.x_scales && rows.x_stride_bytes % 16 == 0 && row_bytes % 16 == 0 &&
+                        (reinterpret_cast<uintptr_t>(rows.x) & 15u) == 0;
   for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32; t < tokens; t += warps) {
+    if (prefetch && lane == 0 && t + warps < tokens)  // the warp's next row into L2 while it encodes this one
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(rows.x + (t + warps) * rows.x_stride_bytes),
+                   "r"(static_cast<uint32_t>(row_bytes)) : "memory");
     char* dst = at_window<char>(w, w.rank, m.bcast_rows + (w.rank * s.max_tokens + t) * m.bcast_stride);
     encode_wire_row(rows, t, s.hidden, &dst, 1, lane);
   }

@@ -183,46 +183,106 @@ __device__ inline void quantize_fp8_row(const uint16_t* x, int64_t hidden, bool 
   }
 }
 
-// The largest finite |x| of a bf16 row, to every lane: with an aligned row kUnroll 16-byte loads
-// per lane are in flight before any is compared (the row-max pass is one chain of load rounds).
+// The magnitudes of a bf16 pair (a word's halves) as unsigned 16-bit numbers, each half's max
+// with m's: for non-negative floats the bits order as the values, and a NaN's bits lie above an
+// infinity's, which lie above every finite value's. One instruction a pair where the float max
+// of the values took an unpacking, an absolute value and a compare each (by its instruction
+// count the NVFP4 encode is bound by the SMs' integer and compare pipe:
+// docs/lab/2026-12-07-session25.md).
+__device__ inline uint32_t max_magnitudes(uint32_t m, uint32_t word) {
+  uint32_t r;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(r) : "r"(m), "r"(word & 0x7fff7fffu));
+  return r;
+}
+__device__ inline uint32_t max_magnitudes(uint32_t m, const int4& raw) {
+  m = max_magnitudes(m, static_cast<uint32_t>(raw.x));
+  m = max_magnitudes(m, static_cast<uint32_t>(raw.y));
+  m = max_magnitudes(m, static_cast<uint32_t>(raw.z));
+  return max_magnitudes(m, static_cast<uint32_t>(raw.w));
+}
+// The larger half of max_magnitudes' pair, as a bf16 bit pattern.
+__device__ inline uint32_t larger_half(uint32_t m) { return max(m & 0xffffu, m >> 16); }
+
+// The largest finite |x| of a bf16 row, to every lane: with an aligned row, kUnroll 16-byte
+// loads per lane are in flight before any is compared (the row-max pass is one chain of load
+// rounds), and the max is of the magnitudes' bits; only a row holding a NaN or an infinity (a
+// max past the largest finite bf16, 0x7f7f) is read again, comparing finite values alone.
 __device__ inline float row_max_finite(const uint16_t* x, int64_t hidden, int lane) {
-  float m = 0.0f;
-  if (!aligned16(x) || hidden % 8 != 0) {
+  const auto finite_pass = [&] {
+    float m = 0.0f;
     for (int64_t h = lane; h < hidden; h += 32) m = max_abs_finite(m, bf16_to_float(x[h]));
     return warp_max(m);
-  }
+  };
+  if (!aligned16(x) || hidden % 8 != 0) return finite_pass();
   const int4* from = reinterpret_cast<const int4*>(x);
   const int64_t vectors = hidden / 8;
+  uint32_t m = 0;
   for (int64_t base = 0; base < vectors; base += 32 * kUnroll) {
     int4 raw[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
       if (base + u * 32 + lane < vectors) raw[u] = __ldg(from + base + u * 32 + lane);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (base + u * 32 + lane >= vectors) continue;
-      float v[8];
-      unpack_bf16x8(raw[u], v);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) m = max_abs_finite(m, v[i]);
-    }
+    for (int u = 0; u < kUnroll; ++u)
+      if (base + u * 32 + lane < vectors) m = max_magnitudes(m, raw[u]);
   }
-  return warp_max(m);
+  const uint32_t bits = __reduce_max_sync(0xffffffffu, larger_half(m));
+  return bits > 0x7f7fu ? finite_pass() : __uint_as_float(bits << 16);
 }
 
-// One nvfp4 block's 16 values (with global scale g): its e4m3 scale code and its 8 bytes of
-// e2m1 code pairs (value 2i in byte i's low nibble), as float_to_e2m1 rounds each.
-__device__ inline uint8_t nvfp4_block(const float (&v)[kNvfp4Block], float g, uint2& codes) {
-  float bmax = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kNvfp4Block; ++i) bmax = max_abs_nonfinite(bmax, v[i]);
-  const uint8_t s = nvfp4_block_scale(bmax, g);
-  const float f = nvfp4_encode_factor(s, g);
+// e4m3 code of a non-negative float by the hardware's cvt.rn.satfinite (float_to_e4m3's rule),
+// and a code's value by the hardware's exact conversion through f16 (e4m3_to_float's).
+__device__ inline uint8_t e4m3_code(float v) {
+  uint16_t pair;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(0.0f), "f"(v));  // v in the low byte
+  return static_cast<uint8_t>(pair & 0xffu);
+}
+__device__ inline float e4m3_value(uint8_t code) {
+  uint32_t halves;
+  float value;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"(static_cast<uint16_t>(code)));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(value) : "h"(static_cast<uint16_t>(halves & 0xffffu)));
+  return value;
+}
+
+// float_to_e2m1 of a value that is not NaN, mostly on the FMA pipe (float_to_e2m1's seven
+// compares go to the integer and compare pipe, which bounds the encode by its count): adding 2^23 rounds a float
+// to an integer in the low mantissa bits, to nearest even. Below 2 the code is rint(2|f|) (0, 0.5,
+// 1, 1.5, 2: codes 0-4), from 2 to 4 it is 2 + rint(|f|) (2, 3, 4: codes 4-6), from 4 up it is
+// 4 + rint(min(|f|, 6) / 2) (4, 6: codes 6, 7, saturating); the sign only on a nonzero code.
+// Equal to float_to_e2m1 on all 2^32 floats but the NaNs (checked on the host).
+__device__ inline uint32_t e2m1_code(float f) {
+  const float a = fabsf(f);
+  const float below2 = __fmaf_rn(a, 2.0f, 0x1p23f), below4 = __fadd_rn(a, 0x1p23f + 2.0f),
+              above = __fmaf_rn(fminf(a, 6.0f), 0.5f, 0x1p23f + 4.0f);
+  const uint32_t c = __float_as_uint(a < 2.0f ? below2 : a < 4.0f ? below4 : above) & 7u;
+  return c | ((__float_as_uint(f) >> 28) & (c + 7u) & 8u);  // c + 7 has bit 3 for c > 0 alone
+}
+
+// One nvfp4 block's 16 bf16 values (two 16-byte vectors, with global scale g): its e4m3 scale
+// code and its 8 bytes of e2m1 code pairs (value 2i in byte i's low nibble), float_to_e2m1's
+// rounding of each value times the block's factor (e2m1_code's, where the product cannot be NaN:
+// a block holding a non-finite value has codes 0, and an infinite factor takes float_to_e2m1).
+// The block's max is of the magnitudes' bits (max_abs_nonfinite's: non-finite when the block
+// holds a NaN or an infinity).
+__device__ inline uint8_t nvfp4_block(const int4 (&raw)[2], float g, uint2& codes) {
+  const uint32_t bmax = larger_half(max_magnitudes(max_magnitudes(0u, raw[0]), raw[1]));
+  if (bmax >= 0x7f80u) {  // a NaN or an infinity in the block: scale 0x7f, factor 0, every code 0
+    codes = make_uint2(0u, 0u);
+    return 0x7f;
+  }
+  const uint8_t s = e4m3_code(__uint_as_float(bmax << 16) * g / kE2m1Max);
+  const float scale = e4m3_value(s);
+  const float f = scale > 0.0f ? g / scale : 0.0f;  // nvfp4_encode_factor
+  float v[kNvfp4Block];
+  unpack_bf16x8(raw[0], v);
+  unpack_bf16x8(raw[1], v + 8);
   uint32_t word[2] = {0u, 0u};
+  if (isinf(f)) {  // a given g past ~6.6e35 over a tiny scale: 0 * f is NaN, which e2m1_code does not take
+    for (int i = 0; i < kNvfp4Block; ++i) word[i / 8] |= static_cast<uint32_t>(float_to_e2m1(v[i] * f)) << (4 * (i % 8));
+  } else {
 #pragma unroll
-  for (int i = 0; i < kNvfp4Block; i += 2) {
-    const uint32_t pair = float_to_e2m1(v[i] * f) | static_cast<uint32_t>(float_to_e2m1(v[i + 1] * f)) << 4;
-    word[i / 8] |= pair << (4 * (i % 8));
+    for (int i = 0; i < kNvfp4Block; ++i) word[i / 8] |= e2m1_code(v[i] * f) << (4 * (i % 8));
   }
   codes = make_uint2(word[0], word[1]);
   return s;
@@ -257,15 +317,15 @@ __device__ inline void quantize_nvfp4_row(const uint16_t* x, int64_t hidden, flo
     for (int u = 0; u < kNvfp4Loads; ++u) {
       const int64_t b = base + u * 32 + lane;
       if (b >= blocks) continue;
-      float v[kNvfp4Block];
-      if (wide) {
-        unpack_bf16x8(raw[u][0], v);
-        unpack_bf16x8(raw[u][1], v + 8);
-      } else {
-        for (int i = 0; i < kNvfp4Block; ++i) v[i] = bf16_to_float(x[b * kNvfp4Block + i]);
+      if (!wide) {  // the block's bf16 values into the vectors a pair at a time
+        const uint16_t* at = x + b * kNvfp4Block;
+        uint32_t w[8];
+        for (int i = 0; i < 8; ++i) w[i] = at[2 * i] | static_cast<uint32_t>(at[2 * i + 1]) << 16;
+        raw[u][0] = make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]));
+        raw[u][1] = make_int4(static_cast<int>(w[4]), static_cast<int>(w[5]), static_cast<int>(w[6]), static_cast<int>(w[7]));
       }
       uint2 codes;
-      const uint8_t s = nvfp4_block(v, g, codes);
+      const uint8_t s = nvfp4_block(raw[u], g, codes);
       for (int d = 0; d < n; ++d) {
         char* at = dst[d] + b * (kNvfp4Block / 2);
         if (wide) *reinterpret_cast<uint2*>(at) = codes;
