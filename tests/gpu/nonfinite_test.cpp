@@ -15,11 +15,6 @@ namespace {
 
 using testing::HasSubstr;
 
-int gpus_here() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
-}
-
 CudaWorld world_of(bool shared, int ranks) {
   if (shared) return CudaWorld::shared_gpu(ranks, 0);
   std::vector<int> devices(ranks);
@@ -67,7 +62,7 @@ class CudaNonFinite : public testing::TestWithParam<NfGpuCase> {};
 
 TEST_P(CudaNonFinite, DispatchMatchesTheReferenceAndCombinePropagates) {
   const NfGpuCase& c = GetParam();
-  if (!c.shared && gpus_here() < c.ranks) GTEST_SKIP() << "needs " << c.ranks << " GPUs";
+  if (!c.shared && gpu_count() < c.ranks) GTEST_SKIP() << "needs " << c.ranks << " GPUs";
   const verify::Problem p = gpu_problem_with_bad_values(c.ranks, c.wire, c.prequantized, 17);
   const auto bad = verify::bad_values(p);
   const int64_t h = p.cfg.hidden, k = p.cfg.topk, tokens = p.cfg.max_tokens_per_rank;
@@ -178,7 +173,7 @@ class CudaNonFiniteLowLatency : public testing::TestWithParam<LlNfCase> {};
 
 TEST_P(CudaNonFiniteLowLatency, DispatchMatchesTheReferenceAndCombinePropagates) {
   const LlNfCase& c = GetParam();
-  if (!c.shared && gpus_here() < c.ranks) GTEST_SKIP() << "needs " << c.ranks << " GPUs";
+  if (!c.shared && gpu_count() < c.ranks) GTEST_SKIP() << "needs " << c.ranks << " GPUs";
   verify::ProblemSpec spec;
   spec.cfg = small_config(2560, 16, 16, 4, c.wire);
   spec.ranks = c.ranks;

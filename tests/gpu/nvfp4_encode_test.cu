@@ -53,17 +53,16 @@ __global__ void encode_kernel(const uint16_t* x, int64_t x_stride, int64_t hidde
   }
 }
 
-bool have_gpu() {
-  int gpus = 0;
-  return cudaGetDeviceCount(&gpus) == cudaSuccess && gpus > 0;
+// The GPUs this process sees (cuda_harness.hpp's gpu_count, which is C++20 and so not for a .cu).
+int gpu_count() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
 }
-
-uint16_t bf16_of(float f) { return epx::float_to_bf16(f); }
 
 }  // namespace
 
 TEST(CudaNvfp4Encode, ScalarRulesEqualTheCodecOnEveryFloat) {
-  if (!have_gpu()) GTEST_SKIP() << "needs a GPU";
+  if (gpu_count() == 0) GTEST_SKIP() << "needs a GPU";
   unsigned long long* wrong = nullptr;
   ASSERT_EQ(cudaMalloc(&wrong, sizeof(*wrong)), cudaSuccess);
   ASSERT_EQ(cudaMemset(wrong, 0, sizeof(*wrong)), cudaSuccess);
@@ -76,7 +75,7 @@ TEST(CudaNvfp4Encode, ScalarRulesEqualTheCodecOnEveryFloat) {
 }
 
 TEST(CudaNvfp4Encode, RowsEqualTheHostQuantizerBitForBit) {
-  if (!have_gpu()) GTEST_SKIP() << "needs a GPU";
+  if (gpu_count() == 0) GTEST_SKIP() << "needs a GPU";
   constexpr int64_t kHidden = 2560, kRows = 96;
   constexpr int64_t kWire = kHidden / 2 + kHidden / epx::kNvfp4Block + 4;
   std::mt19937 rng(25);
@@ -88,9 +87,9 @@ TEST(CudaNvfp4Encode, RowsEqualTheHostQuantizerBitForBit) {
       uint16_t& v = x[r * (kHidden + 8) + h];
       switch (r % 4) {
         case 0: v = static_cast<uint16_t>(rng()); break;  // every bit pattern: NaNs, infinities, subnormals
-        case 1: v = bf16_of(normal(rng)); break;
-        case 2: v = h / 16 % 3 == 0 ? 0 : bf16_of(normal(rng) * 1e-30f); break;  // blocks of zeros, tiny values
-        default: v = h / 16 % 2 == 0 ? (h % 16 == 0 ? 0x0001 : 0x8000) : bf16_of(normal(rng) * 1e4f); break;
+        case 1: v = epx::float_to_bf16(normal(rng)); break;
+        case 2: v = h / 16 % 3 == 0 ? 0 : epx::float_to_bf16(normal(rng) * 1e-30f); break;  // blocks of zeros, tiny values
+        default: v = h / 16 % 2 == 0 ? (h % 16 == 0 ? 0x0001 : 0x8000) : epx::float_to_bf16(normal(rng) * 1e4f); break;
       }
     }
   uint16_t* dx = nullptr;
