@@ -245,23 +245,50 @@ __device__ inline float e4m3_value(uint8_t code) {
   return value;
 }
 
-// float_to_e2m1 of a value that is not NaN, mostly on the FMA pipe (float_to_e2m1's seven
-// compares go to the integer and compare pipe, which bounds the encode by its count): adding 2^23 rounds a float
-// to an integer in the low mantissa bits, to nearest even. Below 2 the code is rint(2|f|) (0, 0.5,
-// 1, 1.5, 2: codes 0-4), from 2 to 4 it is 2 + rint(|f|) (2, 3, 4: codes 4-6), from 4 up it is
-// 4 + rint(min(|f|, 6) / 2) (4, 6: codes 6, 7, saturating); the sign only on a nonzero code.
-// Equal to float_to_e2m1 on all 2^32 floats but the NaNs (checked on the host).
+// The e2m1 magnitude code m (0..7) of |p| for a p that is not NaN, as the float 2^23 + m:
+// float_to_e2m1's rounding, on the FMA pipe but for three minima (its seven compares would go to
+// the integer and compare pipe, which bounds the encode by its count: docs/lab/2026-12-07-session25.md).
+// Adding 2^23 rounds a float to an integer in the low mantissa bits, to nearest even, so with a =
+// min(|p|, 6): rint(2a) is the code below 2 (0, 0.5, 1, 1.5, 2: codes 0-4), 2 + rint(a) from 2 to
+// 4 (2, 3, 4: codes 4-6), 4 + rint(a / 2) from 4 (4, 6: codes 6, 7), and each is at least the
+// right one outside its range, so the code is their minimum. Equal to float_to_e2m1 on all 2^32
+// floats but the NaNs (checked on the host, and on the device by CudaNvfp4Encode).
+__device__ inline float e2m1_magnitude(float p) {
+  const float a = fminf(fabsf(p), 6.0f);
+  return fminf(fminf(__fmaf_rn(a, 2.0f, 0x1p23f), __fadd_rn(a, 0x1p23f + 2.0f)), __fmaf_rn(a, 0.5f, 0x1p23f + 4.0f));
+}
+constexpr uint32_t kTwo23Bits = 0x4b000000u;  // 2^23's bits: e2m1_magnitude's value less its code
+
+// float_to_e2m1 of a value that is not NaN: its magnitude code, and the sign on a nonzero code.
 __device__ inline uint32_t e2m1_code(float f) {
-  const float a = fabsf(f);
-  const float below2 = __fmaf_rn(a, 2.0f, 0x1p23f), below4 = __fadd_rn(a, 0x1p23f + 2.0f),
-              above = __fmaf_rn(fminf(a, 6.0f), 0.5f, 0x1p23f + 4.0f);
-  const uint32_t c = __float_as_uint(a < 2.0f ? below2 : a < 4.0f ? below4 : above) & 7u;
+  const uint32_t c = __float_as_uint(e2m1_magnitude(f)) - kTwo23Bits;
   return c | ((__float_as_uint(f) >> 28) & (c + 7u) & 8u);  // c + 7 has bit 3 for c > 0 alone
+}
+
+// The e2m1 codes of 8 bf16 values (one 16-byte vector, words[j] holding values 2j and 2j + 1)
+// times f (>= 0, finite), value i in nibble i: float_to_e2m1 of each product. The magnitudes'
+// floats 2^23 + m go into their nibbles by shifts and adds (the exponent bits shifted past bit 31
+// vanish, values 0's and 1's are taken off at the end); the signs, from the bf16 words' high
+// bytes gathered by byte permutes, go on the nonzero codes of all 8 at once (a nibble of at most 7
+// plus 7 has bit 3 for a nonzero code alone).
+__device__ inline uint32_t e2m1x8(const uint32_t (&words)[4], float f) {
+  uint32_t codes = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float lo = __uint_as_float(words[j] << 16), hi = __uint_as_float(words[j] & 0xffff0000u);
+    codes += __float_as_uint(e2m1_magnitude(lo * f)) << (8 * j);
+    codes += __float_as_uint(e2m1_magnitude(hi * f)) << (8 * j + 4);
+  }
+  codes -= kTwo23Bits + (kTwo23Bits << 4);
+  const uint32_t low = __byte_perm(words[0], words[1], 0x7351), high = __byte_perm(words[2], words[3], 0x7351);
+  const uint32_t even = __byte_perm(low, high, 0x5410), odd = __byte_perm(low, high, 0x7632);  // byte j: value 2j's, 2j + 1's high byte
+  const uint32_t signs = ((even >> 4) & 0x08080808u) | (odd & 0x80808080u);
+  return codes | ((codes + 0x77777777u) & signs);
 }
 
 // One nvfp4 block's 16 bf16 values (two 16-byte vectors, with global scale g): its e4m3 scale
 // code and its 8 bytes of e2m1 code pairs (value 2i in byte i's low nibble), float_to_e2m1's
-// rounding of each value times the block's factor (e2m1_code's, where the product cannot be NaN:
+// rounding of each value times the block's factor (e2m1x8's, where the product cannot be NaN:
 // a block holding a non-finite value has codes 0, and an infinite factor takes float_to_e2m1).
 // The block's max is of the magnitudes' bits (max_abs_nonfinite's: non-finite when the block
 // holds a NaN or an infinity).
@@ -274,17 +301,20 @@ __device__ inline uint8_t nvfp4_block(const int4 (&raw)[2], float g, uint2& code
   const uint8_t s = e4m3_code(__uint_as_float(bmax << 16) * g / kE2m1Max);
   const float scale = e4m3_value(s);
   const float f = scale > 0.0f ? g / scale : 0.0f;  // nvfp4_encode_factor
-  float v[kNvfp4Block];
-  unpack_bf16x8(raw[0], v);
-  unpack_bf16x8(raw[1], v + 8);
-  uint32_t word[2] = {0u, 0u};
-  if (isinf(f)) {  // a given g past ~6.6e35 over a tiny scale: 0 * f is NaN, which e2m1_code does not take
+  const uint32_t words[2][4] = {{static_cast<uint32_t>(raw[0].x), static_cast<uint32_t>(raw[0].y),
+                                 static_cast<uint32_t>(raw[0].z), static_cast<uint32_t>(raw[0].w)},
+                                {static_cast<uint32_t>(raw[1].x), static_cast<uint32_t>(raw[1].y),
+                                 static_cast<uint32_t>(raw[1].z), static_cast<uint32_t>(raw[1].w)}};
+  if (isinf(f)) {  // a given g past ~6.6e35 over a tiny scale: 0 * f is NaN, which e2m1_magnitude does not take
+    float v[kNvfp4Block];
+    unpack_bf16x8(raw[0], v);
+    unpack_bf16x8(raw[1], v + 8);
+    uint32_t word[2] = {0u, 0u};
     for (int i = 0; i < kNvfp4Block; ++i) word[i / 8] |= static_cast<uint32_t>(float_to_e2m1(v[i] * f)) << (4 * (i % 8));
-  } else {
-#pragma unroll
-    for (int i = 0; i < kNvfp4Block; ++i) word[i / 8] |= e2m1_code(v[i] * f) << (4 * (i % 8));
+    codes = make_uint2(word[0], word[1]);
+    return s;
   }
-  codes = make_uint2(word[0], word[1]);
+  codes = make_uint2(e2m1x8(words[0], f), e2m1x8(words[1], f));
   return s;
 }
 
