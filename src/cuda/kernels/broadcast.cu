@@ -51,8 +51,7 @@ __global__ void encode_rows_kernel(PeerWindows w, WindowMap m, Shape s, SendRows
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
   const int64_t row_bytes = 2 * s.hidden;
-  const bool prefetch = !rows.x_scales && rows.x_stride_bytes % 16 == 0 && row_bytes % 16 == 0 &&
-                        (reinterpret_cast<uintptr_t>(rows.x) & 15u) == 0;
+  const bool prefetch = !rows.x_scales && rows.x_stride_bytes % 16 == 0 && row_bytes % 16 == 0 && aligned16(rows.x);
   for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32; t < tokens; t += warps) {
     if (prefetch && lane == 0 && t + warps < tokens)  // the warp's next row into L2 while it encodes this one
       asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(rows.x + (t + warps) * rows.x_stride_bytes),
