@@ -6,8 +6,8 @@
 #     at EP2 and EP4 against the reference (device-check.sh tests);
 #  3. the sanitizers on EP2 as processes (device-check.sh sanitize, its shared part);
 #  4. with the time left, lab/ll-div32.patch and lab/ll-sum4x2.patch against the tree in alternated
-#     rounds (scripts/source-ab.sh: the decode preset, then EPLB at decode and at V3; each binary's
-#     records verified).
+#     rounds (scripts/source-ab.sh: the decode preset at EP1 and on the shared GPU at EP2, then EPLB
+#     at decode and at V3; each binary's records verified).
 # CALL_S: the seconds the call may take (default 585); each step is capped to fit. Everything
 # lands in $OUT as one tgz.
 #   usage (repository root, on the device machine; carry .deps): [CALL_S=...] bash lab/next-device-call.sh
@@ -51,7 +51,7 @@ fi
 left=$(( budget - $(el) ))
 if [ $left -gt 90 ]; then
   ( AB_RUNS=2 SOURCE_VARIANTS=$'div32=patch -s -p1 < lab/ll-div32.patch\nsum4x2=patch -s -p1 < lab/ll-sum4x2.patch' \
-    AB_ARGS=$'--preset ll --ops ll_dispatch,ll_combine --wire fp8\n--preset ll --ops ll_dispatch --wire bf16,nvfp4\n--preset ll --ops ll_dispatch --wire fp8 --replicas 2\n--wire bf16 --layout rank_major --ops dispatch --replicas 2' \
+    AB_ARGS=$'--preset ll --ops ll_dispatch,ll_combine --wire fp8\n--preset ll --ops ll_dispatch --wire bf16,nvfp4\n--preset ll --ops ll_dispatch,ll_combine --wire fp8 --shared-gpu --ranks 2\n--preset ll --ops ll_dispatch --wire fp8 --replicas 2\n--wire bf16 --layout rank_major --ops dispatch --replicas 2' \
     timeout $left bash scripts/source-ab.sh ) > "$OUT/ab.txt" 2>&1
   echo "ab done at $(el) s"; cut -c1-220 "$OUT/ab.txt" | tail -40
 fi
